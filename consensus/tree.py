@@ -1,0 +1,221 @@
+"""Stacked trees: n parameter trees with a leading node axis on every leaf.
+
+Node-side code sees single trees; the coordinator sees stacked trees. This
+module builds and checks them, and computes the two things every vector-wise
+rule needs without ever flattening the stack into one copy:
+
+* Gram statistics ``G = sum over leaves of D D^T`` on deltas ``D = X - ref``
+  (leaf by leaf, streamed, float32 on device, summed over leaves in float64);
+* one weighted-sum pass ``sum_i w_i x_i`` that turns a weight vector into a tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels import gram as gram_kernels
+from kernels import rows as row_kernels
+
+PyTree = Any
+
+
+class TreeMismatchError(ValueError):
+    """Trees that should share one structure, shape and dtype do not."""
+
+
+class NonFiniteError(ValueError):
+    """A tree holds NaN or Inf where finite values are required."""
+
+
+def leaf_paths(tree: PyTree) -> list[str]:
+    """Readable paths of the leaves of ``tree``, in flattening order."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [jax.tree_util.keystr(path) or "<root>" for path, _ in flat]
+
+
+def _describe_structure_difference(ref: PyTree, other: PyTree) -> str:
+    a, b = set(leaf_paths(ref)), set(leaf_paths(other))
+    missing, extra = sorted(a - b), sorted(b - a)
+    parts = []
+    if missing:
+        parts.append(f"missing leaves {missing[:5]}")
+    if extra:
+        parts.append(f"unexpected leaves {extra[:5]}")
+    return "; ".join(parts) or "same leaf paths but a different container type"
+
+
+def check_same_structure(trees: Sequence[PyTree], reference: PyTree | None = None) -> None:
+    """Raise TreeMismatchError naming the node and leaf unless all trees match.
+
+    Every tree must have the structure, leaf shapes and leaf dtypes of
+    ``reference`` (default: the first tree).
+    """
+    if len(trees) == 0:
+        raise ValueError("need at least one tree")
+    ref = trees[0] if reference is None else reference
+    ref_leaves, ref_def = jax.tree_util.tree_flatten(ref)
+    paths = leaf_paths(ref)
+    for i, tree in enumerate(trees):
+        leaves, tdef = jax.tree_util.tree_flatten(tree)
+        if tdef != ref_def:
+            raise TreeMismatchError(
+                f"node {i}: tree structure differs from the reference: {_describe_structure_difference(ref, tree)}"
+            )
+        for path, a, b in zip(paths, ref_leaves, leaves, strict=True):
+            if np.shape(a) != np.shape(b):
+                raise TreeMismatchError(
+                    f"node {i}, leaf {path}: shape {np.shape(b)} differs from the reference {np.shape(a)}"
+                )
+            if jnp.result_type(a) != jnp.result_type(b):
+                raise TreeMismatchError(
+                    f"node {i}, leaf {path}: dtype {jnp.result_type(b)} differs from "
+                    f"the reference {jnp.result_type(a)}"
+                )
+
+
+def stack(trees: Sequence[PyTree], *, reference: PyTree | None = None) -> PyTree:
+    """Stack n trees into one tree whose leaves have a leading node axis of size n.
+
+    Raises TreeMismatchError (naming the node and leaf) when the trees differ in
+    structure, shape or dtype. Non-finite values are allowed here: the
+    aggregators exclude such nodes and report them; use :func:`check_finite` to
+    refuse them outright.
+    """
+    trees = list(trees)
+    check_same_structure(trees, reference)
+    return jax.tree.map(lambda *xs: jnp.stack([jnp.asarray(x) for x in xs]), *trees)
+
+
+def num_nodes(stacked: PyTree) -> int:
+    """The size n of the leading node axis (checked to agree across leaves)."""
+    leaves = jax.tree_util.tree_leaves(stacked)
+    if not leaves:
+        raise ValueError("stacked tree has no leaves")
+    sizes = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
+    if len(sizes) != 1 or None in sizes:
+        paths = leaf_paths(stacked)
+        detail = {p: (np.shape(x)[0] if np.ndim(x) else "scalar") for p, x in zip(paths, leaves, strict=True)}
+        raise TreeMismatchError(f"stacked tree: leaves disagree on the node axis size: {detail}")
+    return sizes.pop()
+
+
+def unstack(stacked: PyTree) -> list[PyTree]:
+    """Inverse of :func:`stack`: a list of n trees."""
+    n = num_nodes(stacked)
+    return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n)]
+
+
+def check_stacked_against(stacked: PyTree, params: PyTree) -> None:
+    """Raise TreeMismatchError unless ``stacked`` is ``params`` with a node axis added."""
+    p_leaves, p_def = jax.tree_util.tree_flatten(params)
+    s_leaves, s_def = jax.tree_util.tree_flatten(stacked)
+    if p_def != s_def:
+        raise TreeMismatchError(
+            "stacked tree and params differ in structure: " + _describe_structure_difference(params, stacked)
+        )
+    n = num_nodes(stacked)
+    for path, p, s in zip(leaf_paths(params), p_leaves, s_leaves, strict=True):
+        if tuple(np.shape(s)) != (n, *np.shape(p)):
+            raise TreeMismatchError(
+                f"leaf {path}: stacked shape {np.shape(s)} is not (n={n},) + params shape {np.shape(p)}"
+            )
+        if jnp.result_type(p) != jnp.result_type(s):
+            raise TreeMismatchError(f"leaf {path}: stacked dtype {jnp.result_type(s)} != params dtype {jnp.result_type(p)}")
+
+
+def finite_mask(stacked: PyTree) -> jax.Array:
+    """(n,) bool: True for nodes whose every leaf is finite."""
+    masks = [row_kernels.finite_rows(x) for x in jax.tree_util.tree_leaves(stacked)]
+    out = masks[0]
+    for m in masks[1:]:
+        out = out & m
+    return out
+
+
+def nonfinite_report(stacked: PyTree) -> list[tuple[int, str]]:
+    """(node, leaf path) pairs holding NaN or Inf. Eager (not for use under jit)."""
+    out = []
+    for path, x in zip(leaf_paths(stacked), jax.tree_util.tree_leaves(stacked), strict=True):
+        bad = np.flatnonzero(~np.asarray(row_kernels.finite_rows(x)))
+        out.extend((int(i), path) for i in bad)
+    return sorted(out)
+
+
+def check_finite(stacked: PyTree) -> None:
+    """Raise NonFiniteError naming every node and leaf that holds NaN or Inf."""
+    bad = nonfinite_report(stacked)
+    if bad:
+        listing = ", ".join(f"node {i} leaf {p}" for i, p in bad[:10])
+        raise NonFiniteError(f"non-finite values (NaN or Inf) in {len(bad)} node leaves: {listing}")
+
+
+def gram(stacked: PyTree, ref: PyTree | None = None) -> jax.Array:
+    """Gram matrix of the node deltas over the whole tree, (n, n) float32.
+
+    ``G[i, j] = sum over leaves of <x_i - ref, x_j - ref>``. Each leaf is
+    streamed once by :func:`kernels.gram.gram`; the stack is never flattened or
+    concatenated. Pass the current global params as ``ref``: distances computed
+    from G on raw parameters cancel catastrophically when nodes are close.
+    """
+    leaves = jax.tree_util.tree_leaves(stacked)
+    refs = [None] * len(leaves) if ref is None else jax.tree_util.tree_leaves(ref)
+    total = None
+    for x, r in zip(leaves, refs, strict=True):
+        g = gram_kernels.gram(x, r)
+        total = g if total is None else total + g
+    return total
+
+
+def gram_f64(stacked: PyTree, ref: PyTree | None = None) -> np.ndarray:
+    """Like :func:`gram` but summed over leaves in float64 on the host (eager only)."""
+    leaves = jax.tree_util.tree_leaves(stacked)
+    refs = [None] * len(leaves) if ref is None else jax.tree_util.tree_leaves(ref)
+    total = 0.0
+    for x, r in zip(leaves, refs, strict=True):
+        total = total + np.asarray(gram_kernels.gram(x, r), dtype=np.float64)
+    return total
+
+
+def sq_norms(stacked: PyTree, ref: PyTree | None = None) -> jax.Array:
+    """(n,) squared L2 norms of the node deltas ``x_i - ref`` over the whole tree."""
+    leaves = jax.tree_util.tree_leaves(stacked)
+    refs = [None] * len(leaves) if ref is None else jax.tree_util.tree_leaves(ref)
+    total = None
+    for x, r in zip(leaves, refs, strict=True):
+        s = row_kernels.row_sq_norms(x, r)
+        total = s if total is None else total + s
+    return total
+
+
+def weighted_sum(stacked: PyTree, weights: jax.Array) -> PyTree:
+    """``sum_i weights[i] * x_i`` leaf by leaf, one streaming pass, in the leaves' dtype.
+
+    Nodes with weight exactly 0 contribute nothing, even if they hold NaN/Inf.
+    """
+    return jax.tree.map(lambda x: row_kernels.weighted_sum(x, weights).astype(x.dtype), stacked)
+
+
+def combine(stacked: PyTree, weights: jax.Array, ref: PyTree | None = None) -> PyTree:
+    """``ref + sum_i w_i (x_i - ref)``: equals :func:`weighted_sum` when the weights sum to 1.
+
+    With ``ref=None`` this is the plain weighted sum.
+    """
+    if ref is None:
+        return weighted_sum(stacked, weights)
+    total = jnp.sum(weights)
+
+    def leaf(x, r):
+        s = row_kernels.weighted_sum(x, weights)
+        return (s + (1.0 - total) * r.astype(jnp.float32)).astype(x.dtype)
+
+    return jax.tree.map(leaf, stacked, ref)
+
+
+def broadcast(params: PyTree, n: int) -> PyTree:
+    """A stacked tree with n copies of ``params``."""
+    return jax.tree.map(lambda p: jnp.broadcast_to(p, (n, *jnp.shape(p))), params)
