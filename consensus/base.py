@@ -69,7 +69,13 @@ class InitFn(Protocol):
 
 class UpdateFn(Protocol):
     def __call__(
-        self, stacked: PyTree, state: Any, params: PyTree | None = None, *, mask: Array | None = None, **extra: Any
+        self,
+        stacked: PyTree,
+        state: Any,
+        params: PyTree | None = None,
+        *,
+        mask: Array | None = None,
+        **extra: Any,
     ) -> tuple[PyTree, Any]: ...
 
 

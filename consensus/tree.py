@@ -63,9 +63,8 @@ def check_same_structure(trees: Sequence[PyTree], reference: PyTree | None = Non
     for i, tree in enumerate(trees):
         leaves, tdef = jax.tree_util.tree_flatten(tree)
         if tdef != ref_def:
-            raise TreeMismatchError(
-                f"node {i}: tree structure differs from the reference: {_describe_structure_difference(ref, tree)}"
-            )
+            diff = _describe_structure_difference(ref, tree)
+            raise TreeMismatchError(f"node {i}: tree structure differs from the reference: {diff}")
         for path, a, b in zip(paths, ref_leaves, leaves, strict=True):
             if np.shape(a) != np.shape(b):
                 raise TreeMismatchError(
@@ -125,7 +124,9 @@ def check_stacked_against(stacked: PyTree, params: PyTree) -> None:
                 f"leaf {path}: stacked shape {np.shape(s)} is not (n={n},) + params shape {np.shape(p)}"
             )
         if jnp.result_type(p) != jnp.result_type(s):
-            raise TreeMismatchError(f"leaf {path}: stacked dtype {jnp.result_type(s)} != params dtype {jnp.result_type(p)}")
+            raise TreeMismatchError(
+                f"leaf {path}: stacked dtype {jnp.result_type(s)} != params dtype {jnp.result_type(p)}"
+            )
 
 
 def finite_mask(stacked: PyTree) -> jax.Array:

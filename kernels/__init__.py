@@ -1,0 +1,12 @@
+"""Pure jitted array kernels on (n, ...) stacks: no pytrees, no state.
+
+* :mod:`kernels.rows` - unrolled streaming sums, norms, finiteness, mixing;
+* :mod:`kernels.sorting` - sorting-network order statistics (median, trimmed mean, Bulyan);
+* :mod:`kernels.gram` - streamed Gram matrices and pairwise distances;
+* :mod:`kernels.krum` - Krum scores and selections from distances;
+* :mod:`kernels.weiszfeld` - geometric median, centered clipping, NNM in Gram space.
+"""
+
+from kernels import gram, krum, rows, sorting, weiszfeld
+
+__all__ = ["gram", "krum", "rows", "sorting", "weiszfeld"]

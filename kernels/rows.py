@@ -81,3 +81,54 @@ def masked_mean(x: jax.Array, mask: jax.Array, unroll: bool = True) -> jax.Array
     """Mean of the rows where ``mask`` is True (NaN rows elsewhere are ignored)."""
     m = jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
     return weighted_sum(x, mask.astype(jnp.float32) / m)
+
+
+MIX_CHUNK = 16384
+
+
+@jax.jit
+def mix(x: jax.Array, mixing: jax.Array) -> jax.Array:
+    """y_i = sum_j M[i, j] x_j for all i: an (n, n) mixing of the rows, float32.
+
+    Streams the columns in cache-sized chunks (XLA:CPU's plain dot on a long
+    (n, d) operand is ~10x slower than one pass). Columns j with an all-zero
+    column of M are zeroed first so non-finite excluded rows cannot leak in,
+    and output rows i with an all-zero row of M are NaN: "no value", which
+    every aggregator then excludes as non-finite.
+    """
+    n = x.shape[0]
+    shape = x.shape
+    x = x.reshape(n, -1)
+    used = jnp.any(mixing != 0, axis=0)
+    produced = jnp.any(mixing != 0, axis=1)
+    mixing = mixing.astype(jnp.float32)
+
+    def block(xs):
+        xs = jnp.where(used[:, None], xs.astype(jnp.float32), 0.0)
+        y = jnp.dot(mixing, xs, precision=jax.lax.Precision.HIGHEST)
+        return jnp.where(produced[:, None], y, jnp.nan)
+
+    d = x.shape[1]
+    k = d // MIX_CHUNK
+    if k < 2:
+        return block(x).reshape(shape)
+
+    def body(i, out):
+        xs = jax.lax.dynamic_slice_in_dim(x, i * MIX_CHUNK, MIX_CHUNK, axis=1)
+        return jax.lax.dynamic_update_slice_in_dim(out, block(xs), i * MIX_CHUNK, axis=1)
+
+    out = jax.lax.fori_loop(0, k, body, jnp.zeros((n, d), jnp.float32))
+    if d % MIX_CHUNK:
+        out = out.at[:, k * MIX_CHUNK :].set(block(x[:, k * MIX_CHUNK :]))
+    return out.reshape(shape)
+
+
+@jax.jit
+def scale_rows(x: jax.Array, scale: jax.Array, ref: jax.Array | None = None) -> jax.Array:
+    """ref + scale[i] * (x[i] - ref) for every row (ref = 0 when None), float32."""
+    n = x.shape[0]
+    out = []
+    for i in range(n):
+        xi = x[i].astype(jnp.float32)
+        out.append(xi * scale[i] if ref is None else ref + scale[i] * (xi - ref.astype(jnp.float32)))
+    return jnp.stack(out)

@@ -1,0 +1,27 @@
+"""Aggregation rules (n stacked trees -> one tree) and pre-aggregators (n -> n)."""
+
+from consensus.aggregators.averaging import mean, weighted_mean
+from consensus.aggregators.compose import ProcessState, chain, process
+from consensus.aggregators.coordinatewise import median, trimmed_mean
+from consensus.aggregators.geometric import centered_clipping, geometric_median
+from consensus.aggregators.krum import bulyan, krum, multi_krum
+from consensus.aggregators.pre import ClipState, MixState, clip, nnm
+
+__all__ = [
+    "ClipState",
+    "MixState",
+    "ProcessState",
+    "bulyan",
+    "centered_clipping",
+    "chain",
+    "clip",
+    "geometric_median",
+    "krum",
+    "mean",
+    "median",
+    "multi_krum",
+    "nnm",
+    "process",
+    "trimmed_mean",
+    "weighted_mean",
+]

@@ -1,0 +1,130 @@
+"""Plumbing shared by the aggregation rules: validity, centring, checks, state."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from consensus import tree
+from consensus.base import AggregationInfo, ByzantineToleranceError, empty_info
+from kernels import gram as gram_kernels
+from kernels import sorting
+
+PyTree = Any
+
+
+class RuleState(NamedTuple):
+    """State of a stateless rule: only the diagnostics of its last update."""
+
+    info: AggregationInfo
+
+
+def init_rule_state(params: PyTree = None) -> RuleState:
+    del params
+    return RuleState(info=empty_info())
+
+
+def is_concrete(x: Any) -> bool:
+    """True when x holds a value now (not a tracer inside an outer jit)."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def static_count(valid: jax.Array) -> int | None:
+    """Number of valid nodes as a Python int, or None under an outer jit."""
+    if is_concrete(valid):
+        return int(np.sum(np.asarray(valid)))
+    return None
+
+
+def check_stacked(stacked: PyTree, params: PyTree | None) -> int:
+    """Validate the stacked tree (and params, if given); return n."""
+    n = tree.num_nodes(stacked)
+    if params is not None:
+        tree.check_stacked_against(stacked, params)
+    return n
+
+
+def allowed(mask: jax.Array | None, n: int) -> jax.Array:
+    if mask is None:
+        return jnp.ones((n,), bool)
+    mask = jnp.asarray(mask)
+    if mask.shape != (n,):
+        raise ValueError(f"mask must have shape (n,) = ({n},), got {mask.shape}")
+    return mask.astype(bool)
+
+
+def valid_nodes(stacked: PyTree, mask: jax.Array | None, assume_finite: bool = False) -> jax.Array:
+    """(n,) bool: allowed by ``mask`` and, unless ``assume_finite``, finite in every leaf."""
+    n = tree.num_nodes(stacked)
+    valid = allowed(mask, n)
+    if not assume_finite:
+        valid = valid & tree.finite_mask(stacked)
+    return valid
+
+
+def require_count(rule: str, m: int | None, f: int, ok: bool, needed: str) -> None:
+    """Raise when a concrete valid count m violates the rule's precondition.
+
+    Under an outer jit m is None: the check cannot run, and the rule's output is
+    NaN instead when the precondition fails (documented on each rule).
+    """
+    if m is not None and not ok:
+        raise ByzantineToleranceError(
+            f"{rule}: cannot tolerate f={f} Byzantine nodes with n={m} valid nodes; needs {needed}."
+        )
+
+
+def check_f(rule: str, f: int) -> int:
+    if not isinstance(f, (int, np.integer)) or isinstance(f, bool) or f < 0:
+        raise ValueError(f"{rule}: num_byzantine must be a non-negative int, got {f!r}")
+    return int(f)
+
+
+def robust_centre(stacked: PyTree) -> PyTree:
+    """Coordinate-wise median of the nodes (non-finite entries read as 0).
+
+    Used as the Gram centre when no params are given: it sits inside the honest
+    cluster whenever fewer than half the nodes are outliers, which is what keeps
+    the distance computation free of cancellation.
+    """
+
+    def leaf(x):
+        safe = jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+        return sorting.median(safe).astype(x.dtype)
+
+    return jax.tree.map(leaf, stacked)
+
+
+class GramStats(NamedTuple):
+    gram: jax.Array  # (n, n), invalid rows/cols zeroed
+    sq_dists: jax.Array  # (n, n), +inf at invalid pairs
+    valid: jax.Array  # (n,)
+    centre: PyTree
+
+
+def gram_stats(stacked: PyTree, params: PyTree | None, mask: jax.Array | None) -> GramStats:
+    """Gram matrix centred on params (or on the coordinate-wise median), and validity from its diagonal.
+
+    A node whose leaves hold NaN/Inf (or overflow float32 when squared) has a
+    non-finite diagonal entry, so no separate finiteness pass is needed.
+    """
+    n = tree.num_nodes(stacked)
+    centre = params if params is not None else robust_centre(stacked)
+    g = tree.gram(stacked, centre)
+    valid = allowed(mask, n) & jnp.isfinite(jnp.diagonal(g))
+    both = valid[:, None] & valid[None, :]
+    g = jnp.where(both, g, 0.0)
+    d2 = jnp.where(both, gram_kernels.sq_dists_from_gram(g), jnp.inf)
+    return GramStats(g, d2, valid, centre)
+
+
+def uniform_over(mask: jax.Array) -> jax.Array:
+    m = jnp.sum(mask.astype(jnp.float32))
+    return mask.astype(jnp.float32) / jnp.maximum(m, 1.0)
+
+
+def nan_tree_like(params_like: PyTree) -> PyTree:
+    return jax.tree.map(lambda x: jnp.full(x.shape[1:], jnp.nan, x.dtype), params_like)

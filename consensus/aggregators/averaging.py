@@ -1,0 +1,88 @@
+"""Plain averaging: the FedAvg baseline, uniform or weighted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from consensus import tree
+from consensus.aggregators._common import (
+    RuleState,
+    check_stacked,
+    init_rule_state,
+    static_count,
+    uniform_over,
+    valid_nodes,
+)
+from consensus.base import AggregationInfo, Aggregator, ByzantineToleranceError
+
+PyTree = Any
+
+
+def _require_some(rule: str, valid: jax.Array, n: int) -> None:
+    m = static_count(valid)
+    if m is not None and m == 0:
+        raise ByzantineToleranceError(f"{rule}: no valid node out of n={n}; needs at least 1.")
+
+
+def mean() -> Aggregator:
+    """Uniform mean of the valid nodes (FedAvg with equal weights).
+
+    .. math:: \\bar x = \\frac{1}{m} \\sum_{i \\in V} x_i
+
+    V is the set of valid nodes (allowed by ``mask`` and finite), m = |V|.
+    Not robust: a single Byzantine node moves the output arbitrarily far.
+    Precondition: m >= 1.
+
+    Example:
+      >>> agg = mean(); state = agg.init(params)
+      >>> merged, state = agg.update(stacked, state)
+    """
+
+    def update(stacked, state, params=None, *, mask=None, assume_finite=False, **extra):
+        del state, extra
+        n = check_stacked(stacked, params)
+        valid = valid_nodes(stacked, mask, assume_finite)
+        _require_some("mean", valid, n)
+        w = uniform_over(valid)
+        merged = tree.weighted_sum(stacked, w)
+        return merged, RuleState(AggregationInfo(valid, valid, w, True))
+
+    return Aggregator(init_rule_state, update, "mean")
+
+
+def weighted_mean(weights: jax.Array | np.ndarray | None = None) -> Aggregator:
+    """Weighted mean with non-negative node weights, renormalised over the valid nodes.
+
+    .. math:: \\bar x = \\sum_{i \\in V} \\frac{\\alpha_i}{\\sum_{j \\in V} \\alpha_j} x_i
+
+    The weights (for example local dataset sizes, McMahan et al. 2017) are given
+    here or per call as ``update(..., weights=alpha)``; per-call weights win.
+    Not robust. Precondition: some valid node has a positive weight.
+    """
+    fixed = None if weights is None else jnp.asarray(weights, jnp.float32)
+
+    def update(stacked, state, params=None, *, mask=None, assume_finite=False, weights=None, **extra):
+        del state, extra
+        n = check_stacked(stacked, params)
+        alpha = fixed if weights is None else jnp.asarray(weights, jnp.float32)
+        if alpha is None:
+            raise ValueError("weighted_mean: node weights are required (here or as update(..., weights=...))")
+        if alpha.shape != (n,):
+            raise ValueError(f"weighted_mean: weights must have shape ({n},), got {alpha.shape}")
+        if static_count(alpha < 0) not in (None, 0):
+            raise ValueError("weighted_mean: weights must be non-negative")
+        valid = valid_nodes(stacked, mask, assume_finite)
+        a = jnp.where(valid, alpha, 0.0)
+        if static_count(a > 0) == 0:
+            raise ByzantineToleranceError(
+                f"weighted_mean: no valid node with a positive weight out of n={n}."
+            )
+        w = a / jnp.sum(a)
+        merged = tree.weighted_sum(stacked, w)
+        return merged, RuleState(AggregationInfo(valid, valid & (w > 0), w, True))
+
+    return Aggregator(init_rule_state, update, "weighted_mean")

@@ -1,0 +1,91 @@
+"""Composition: pre-aggregators, then a rule, then a server optimizer.
+
+``process(aggregator, pre=(clip(C), nnm(f)), post=optax.adam(1e-2))`` reads as
+the pipeline it runs. The server optimizer is any optax transform applied to
+the pseudo-gradient ``params - merged`` (Reddi et al. 2021, "Adaptive Federated
+Optimization"): ``optax.sgd(1.0)`` is FedAvg, ``optax.sgd(lr, momentum)``
+FedAvgM, ``optax.adam`` FedAdam.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import optax
+
+from consensus.aggregators._common import check_stacked, valid_nodes
+from consensus.aggregators.pre import pull_back_weights
+from consensus.base import AggregationInfo, Aggregator, PreAggregator, empty_info
+
+
+class ProcessState(NamedTuple):
+    pre: tuple
+    aggregator: Any
+    post: Any
+    info: AggregationInfo
+
+
+def process(
+    aggregator: Aggregator,
+    pre: Sequence[PreAggregator] = (),
+    post: optax.GradientTransformation | None = None,
+) -> Aggregator:
+    """A pipeline ``pre -> aggregator -> post`` as one :class:`Aggregator`.
+
+    Validity (mask and finiteness) is computed once on the input and passed to
+    every stage. ``state.info.weights`` is pulled back through the linear
+    pre-aggregators, so it is each *original* node's weight in the merged
+    tree. With ``post`` the update needs ``params``.
+    """
+    pre = tuple(pre)
+    for p in pre:
+        if not isinstance(p, PreAggregator):
+            raise TypeError(f"process: pre must hold PreAggregators, got {type(p).__name__}")
+    if not isinstance(aggregator, Aggregator):
+        raise TypeError(f"process: aggregator must be an Aggregator, got {type(aggregator).__name__}")
+    name = "+".join([p.name for p in pre] + [aggregator.name] + (["server_opt"] if post else []))
+
+    def init(params):
+        return ProcessState(
+            tuple(p.init(params) for p in pre),
+            aggregator.init(params),
+            None if post is None else post.init(params),
+            empty_info(),
+        )
+
+    def update(stacked, state, params=None, *, mask=None, **extra):
+        check_stacked(stacked, params)
+        if post is not None and params is None:
+            raise ValueError(f"{name}: a server optimizer (post) needs the current params")
+        extra.pop("assume_finite", None)
+        valid = valid_nodes(stacked, mask)
+        x = stacked
+        pre_states = []
+        for p, s in zip(pre, state.pre, strict=True):
+            x, s = p.update(x, s, params, mask=valid, assume_finite=True, **extra)
+            pre_states.append(s)
+        merged, agg_state = aggregator.update(
+            x, state.aggregator, params, mask=valid, assume_finite=True, **extra
+        )
+        info = agg_state.info
+        weights = info.weights
+        for s in reversed(pre_states):
+            weights = pull_back_weights(s, weights)
+        info = info._replace(valid=valid, weights=weights)
+        post_state = state.post
+        if post is not None:
+            pseudo_grad = jax.tree.map(lambda p_, m_: p_ - m_, params, merged)
+            updates, post_state = post.update(pseudo_grad, post_state, params)
+            merged = optax.apply_updates(params, updates)
+        return merged, ProcessState(tuple(pre_states), agg_state, post_state, info)
+
+    return Aggregator(init, update, name, aggregator.sensitivity if not pre and post is None else None)
+
+
+def chain(*stages: PreAggregator | Aggregator) -> Aggregator:
+    """``chain(pre_1, ..., pre_k, aggregator)`` = ``process(aggregator, pre=(pre_1, ..., pre_k))``."""
+    if not stages or not isinstance(stages[-1], Aggregator):
+        raise TypeError("chain: the last stage must be an Aggregator (pre-aggregators come first)")
+    return process(stages[-1], pre=stages[:-1])

@@ -1,0 +1,81 @@
+"""Rules solved in Gram space: geometric median (Weiszfeld) and centered clipping."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from consensus import tree
+from consensus.aggregators._common import (
+    RuleState,
+    check_stacked,
+    gram_stats,
+    init_rule_state,
+    require_count,
+    static_count,
+)
+from consensus.base import AggregationInfo, Aggregator
+from kernels import weiszfeld
+
+
+def geometric_median(max_iter: int = 100, eps: float = 1e-8, tol: float = 1e-6) -> Aggregator:
+    """Geometric median by smoothed Weiszfeld iterations in Gram space (RFA).
+
+    .. math:: z = \\arg\\min_z \\sum_{i \\in V} \\alpha_i \\lVert x_i - z \\rVert_2
+
+    Pillutla, Kakade and Harchaoui 2022 ("Robust Aggregation for Federated
+    Learning"): z = sum_i w_i x_i with w_i ∝ alpha_i / max(||x_i - z||, eps).
+    Every iteration costs O(n^2) on the Gram matrix, not a pass over the
+    parameters: the whole rule is one Gram pass plus one weighted-sum pass.
+    Node weights alpha default to uniform; give them per call as
+    ``update(..., weights=alpha)``. Breakdown point 1/2: tolerates f < m/2.
+    Precondition: m >= 1. ``info.weights`` are the final Weiszfeld weights.
+    """
+
+    def update(stacked, state, params=None, *, mask=None, weights=None, **extra):
+        del state, extra
+        n = check_stacked(stacked, params)
+        stats = gram_stats(stacked, params, mask)
+        m = static_count(stats.valid)
+        require_count("geometric_median", m, 0, m != 0, "at least 1 valid node")
+        alpha = None if weights is None else jnp.asarray(weights, jnp.float32).reshape(n)
+        w, _ = weiszfeld.geometric_median_weights(
+            stats.gram, stats.valid, alpha, max_iter=max_iter, eps=eps, tol=tol
+        )
+        merged = tree.weighted_sum(stacked, w)
+        return merged, RuleState(AggregationInfo(stats.valid, stats.valid, w, True))
+
+    return Aggregator(init_rule_state, update, "geometric_median")
+
+
+def centered_clipping(clip_radius: float, iterations: int = 1) -> Aggregator:
+    """Centered clipping (Karimireddy, He and Jaggi 2021, ICML, "Learning from History ...").
+
+    .. math::
+        v_{l+1} = v_l + \\frac{1}{m} \\sum_{i \\in V} (x_i - v_l)
+                  \\min(1, \\tau / \\lVert x_i - v_l \\rVert)
+
+    for ``iterations`` steps from v_0 = ``params`` (the previous consensus, so
+    the previous aggregate *update* is taken as zero; with params=None, v_0 is
+    the coordinate-wise median). Solved in Gram space: one Gram pass and one
+    weighted pass. ``info.weights`` are the coefficients a with
+    v = v_0 + sum_i a_i (x_i - v_0); the rest, 1 - sum(a), stays on v_0.
+    Precondition: m >= 1, tau > 0.
+    """
+    if not clip_radius > 0:
+        raise ValueError(f"centered_clipping: clip_radius must be > 0, got {clip_radius}")
+    if not isinstance(iterations, int) or iterations < 1:
+        raise ValueError(f"centered_clipping: iterations must be a positive int, got {iterations!r}")
+
+    def update(stacked, state, params=None, *, mask=None, **extra):
+        del state, extra
+        check_stacked(stacked, params)
+        stats = gram_stats(stacked, params, mask)
+        m = static_count(stats.valid)
+        require_count("centered_clipping", m, 0, m != 0, "at least 1 valid node")
+        a = weiszfeld.centered_clipping_coefficients(
+            stats.gram, stats.valid, float(clip_radius), iterations=iterations
+        )
+        merged = tree.combine(stacked, a, stats.centre)
+        return merged, RuleState(AggregationInfo(stats.valid, stats.valid, a, True))
+
+    return Aggregator(init_rule_state, update, "centered_clipping")

@@ -1,0 +1,154 @@
+"""The Krum family: Krum, Multi-Krum and Bulyan.
+
+All three start from one Gram pass over the (centred) stack: the n x n squared
+distances are all that selection needs. Krum and Multi-Krum finish with one
+weighted-sum pass; Bulyan with one sorting-network pass over the selected rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from consensus import tree
+from consensus.aggregators._common import (
+    RuleState,
+    check_f,
+    check_stacked,
+    gram_stats,
+    init_rule_state,
+    require_count,
+    static_count,
+    uniform_over,
+)
+from consensus.base import AggregationInfo, Aggregator, require
+from kernels import krum as krum_kernels
+from kernels import sorting
+
+
+def _finish_nan_if(bad, merged):
+    """Under an outer jit a failed precondition cannot raise: return NaN instead."""
+    if bad is None:
+        return merged
+    return jax.tree.map(lambda y: jnp.where(bad, jnp.full_like(y, jnp.nan), y), merged)
+
+
+def krum(num_byzantine: int) -> Aggregator:
+    """Krum (Blanchard et al. 2017, NeurIPS, "Machine Learning with Adversaries").
+
+    Node i's score is the *sum* of squared distances to its k = m - f - 2
+    nearest valid neighbours (itself excluded); the output is the valid node
+    with the lowest score (the lowest index on ties). Distances come from a
+    Gram matrix centred on ``params`` (pass the current global params) or, if
+    None, on the coordinate-wise median, so they stay accurate when the nodes
+    are close together.
+
+    Precondition: m > 2f + 2 valid nodes (ValueError naming n, f otherwise;
+    NaN output under an outer jit).
+    """
+    f = check_f("krum", num_byzantine)
+
+    def update(stacked, state, params=None, *, mask=None, **extra):
+        del state, extra
+        n = check_stacked(stacked, params)
+        require("krum", n, f, n > 2 * f + 2, f"n > 2f + 2 = {2 * f + 2}")
+        stats = gram_stats(stacked, params, mask)
+        m = static_count(stats.valid)
+        require_count("krum", m, f, m is not None and m > 2 * f + 2, f"n > 2f + 2 = {2 * f + 2}")
+        chosen = krum_kernels.krum_select(stats.sq_dists, f, stats.valid)
+        w = chosen.astype(jnp.float32)
+        merged = tree.weighted_sum(stacked, w)
+        bad = None if m is not None else jnp.sum(stats.valid) <= 2 * f + 2
+        return _finish_nan_if(bad, merged), RuleState(AggregationInfo(stats.valid, chosen, w, True))
+
+    return Aggregator(init_rule_state, update, "krum")
+
+
+def multi_krum(num_byzantine: int, num_selected: int | None = None) -> Aggregator:
+    """Multi-Krum (Blanchard et al. 2017): the mean of the ``num_selected`` best-scored nodes.
+
+    Scores as in :func:`krum` (sum over the m - f - 2 nearest), computed once on
+    all valid nodes. ``num_selected`` defaults to m - f.
+
+    Preconditions: m > 2f + 2 and 1 <= num_selected <= m - f.
+    """
+    f = check_f("multi_krum", num_byzantine)
+    if num_selected is not None and (not isinstance(num_selected, int) or num_selected < 1):
+        raise ValueError(f"multi_krum: num_selected must be a positive int, got {num_selected!r}")
+
+    def update(stacked, state, params=None, *, mask=None, **extra):
+        del state, extra
+        n = check_stacked(stacked, params)
+        require("multi_krum", n, f, n > 2 * f + 2, f"n > 2f + 2 = {2 * f + 2}")
+        stats = gram_stats(stacked, params, mask)
+        m = static_count(stats.valid)
+        require_count("multi_krum", m, f, m is not None and m > 2 * f + 2, f"n > 2f + 2 = {2 * f + 2}")
+        if num_selected is None:
+            if m is None:
+                raise ValueError("multi_krum: give num_selected explicitly when the update runs under jit")
+            k = m - f
+        else:
+            k = num_selected
+            need = f"num_selected = {k} <= n - f"
+            require_count("multi_krum", m, f, m is not None and k <= m - f, need)
+            require("multi_krum", n, f, k <= n - f, need)
+        chosen = krum_kernels.multi_krum_select(stats.sq_dists, f, stats.valid, k)
+        w = uniform_over(chosen)
+        merged = tree.weighted_sum(stacked, w)
+        bad = None if m is not None else jnp.sum(stats.valid) < jnp.maximum(2 * f + 3, k + f)
+        return _finish_nan_if(bad, merged), RuleState(AggregationInfo(stats.valid, chosen, w, True))
+
+    return Aggregator(init_rule_state, update, "multi_krum")
+
+
+def bulyan(num_byzantine: int) -> Aggregator:
+    """Bulyan (El Mhamdi, Guerraoui and Rouault 2018, ICML, "The Hidden Vulnerability ...").
+
+    1. Selection by *iterated* Krum: theta = m - 2f nodes, each chosen by Krum on
+       the nodes not chosen yet (scores recomputed every time, sum over the
+       m_remaining - f - 2 nearest, floored at 1 neighbour). This is the paper's
+       recursion; Flower's newer version selects in one shot instead.
+    2. Coordinate-wise: at every coordinate the mean of the beta = theta - 2f
+       selected values closest to their median.
+
+    Precondition: m >= 4f + 3 (ValueError naming n, f otherwise). ``info.selected``
+    is the theta-set; ``info.linear`` is False.
+    """
+    f = check_f("bulyan", num_byzantine)
+
+    def update(stacked, state, params=None, *, mask=None, **extra):
+        del state, extra
+        n = check_stacked(stacked, params)
+        require("bulyan", n, f, n >= 4 * f + 3, f"n >= 4f + 3 = {4 * f + 3}")
+        stats = gram_stats(stacked, params, mask)
+        m = static_count(stats.valid)
+        require_count("bulyan", m, f, m is not None and m >= 4 * f + 3, f"n >= 4f + 3 = {4 * f + 3}")
+        theta_static = None if m is None else m - 2 * f
+        theta = theta_static if theta_static is not None else jnp.sum(stats.valid) - 2 * f
+        if theta_static is not None:
+            chosen = krum_kernels.iterated_krum_select(stats.sq_dists, f, stats.valid, theta_static)
+        else:
+            # Under an outer jit the count is traced: select n - 2f and drop the
+            # surplus picks (the last ones chosen) beyond theta.
+            chosen = _iterated_prefix(stats.sq_dists, f, stats.valid, n - 2 * f, theta)
+        merged = jax.tree.map(
+            lambda x: sorting.closest_to_median_mean(x, f, chosen, m=theta_static).astype(x.dtype), stacked
+        )
+        bad = None if m is not None else jnp.sum(stats.valid) < 4 * f + 3
+        info = AggregationInfo(stats.valid, chosen, uniform_over(chosen), False)
+        return _finish_nan_if(bad, merged), RuleState(info)
+
+    return Aggregator(init_rule_state, update, "bulyan")
+
+
+def _iterated_prefix(d2, f, valid, max_selected, theta):
+    n = d2.shape[0]
+
+    def body(t, carry):
+        remaining, chosen = carry
+        scores = krum_kernels.krum_scores(d2, f, remaining)
+        pick = jax.nn.one_hot(jnp.argmin(scores), n, dtype=bool) & remaining & (t < theta)
+        return remaining & ~pick, chosen | pick
+
+    _, chosen = jax.lax.fori_loop(0, max_selected, body, (valid, jnp.zeros(n, bool)))
+    return chosen

@@ -1,0 +1,176 @@
+"""Coordinate-wise order statistics of an (n, ...) stack by sorting networks.
+
+A sorting network is a fixed list of compare-exchange pairs (i, j): row i
+becomes ``minimum(x_i, x_j)`` and row j ``maximum(x_i, x_j)``. For the small n
+of consensus it is a chain of elementwise ops that XLA fuses into one loop over
+the coordinates, so it streams memory once and is exact; ``jnp.sort(x, 0)``
+and ``jnp.median(x, 0)`` are ~100x slower on XLA:CPU. Outputs that are not used
+(a median needs one or two positions) let XLA drop the comparators that only
+feed them. Above ``UNROLL_MAX`` rows the generic ``jnp.sort`` path is used.
+
+Every rule here is an *L-estimator*: a weighted sum of the order statistics
+``sum_k c_k x_(k)`` with position weights c. Rows that must not take part
+(masked, non-finite or not selected nodes) are replaced by +inf, so they sort
+to the end and the c_k only cover the first m positions; m may be a traced
+value, which keeps shapes static under jit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels.rows import UNROLL_MAX, _tree_sum, rows
+
+
+@functools.cache
+def batcher_pairs(n: int) -> tuple[tuple[int, int], ...]:
+    """Compare-exchange pairs of Batcher's odd-even merge sort for n inputs.
+
+    Built for the next power of two and pruned: inputs past n are taken as
+    +inf, so every comparator touching them is a no-op and is dropped.
+    """
+    size = 1 << max(n - 1, 0).bit_length()
+    pairs = []
+    p = 1
+    while p < size:
+        k = p
+        while k >= 1:
+            for j in range(k % p, size - k, 2 * k):
+                for i in range(min(k, size - j - k)):
+                    a, b = i + j, i + j + k
+                    if a // (2 * p) == b // (2 * p) and b < n:
+                        pairs.append((a, b))
+            k //= 2
+        p *= 2
+    return tuple(pairs)
+
+
+def sort_rows(r: list[jax.Array]) -> list[jax.Array]:
+    """Rows sorted coordinate-wise (ascending) by Batcher's network, as a new list."""
+    r = list(r)
+    for a, b in batcher_pairs(len(r)):
+        r[a], r[b] = jnp.minimum(r[a], r[b]), jnp.maximum(r[a], r[b])
+    return r
+
+
+def _is_static(v) -> bool:
+    return isinstance(v, (int, np.integer))
+
+
+def pick(sorted_rows: list[jax.Array], index) -> jax.Array:
+    """``sorted_rows[index]`` for a Python int or a traced scalar index."""
+    if _is_static(index):
+        return sorted_rows[int(index)]
+    out = jnp.zeros_like(sorted_rows[0])
+    for k, v in enumerate(sorted_rows):
+        out = jnp.where(index == k, v, out)
+    return out
+
+
+def window_sum(sorted_rows: list[jax.Array], start, length) -> jax.Array:
+    """Sum of ``sorted_rows[start:start + length]`` (start/length static or traced)."""
+    if _is_static(start) and _is_static(length):
+        return _tree_sum(sorted_rows[int(start) : int(start) + int(length)])
+    terms = [jnp.where((k >= start) & (k < start + length), v, 0.0) for k, v in enumerate(sorted_rows)]
+    return _tree_sum(terms)
+
+
+def exclude(x: jax.Array, keep: jax.Array | None) -> list[jax.Array]:
+    """The rows of x (float32) with rows where ``keep`` is False replaced by +inf.
+
+    The replacement is a per-row scalar select: an (n, ...) ``where`` with a
+    broadcast mask stops XLA from fusing the network and costs ~6x.
+    """
+    r = [v.astype(jnp.float32) for v in rows(x)]
+    if keep is None:
+        return r
+    return [jnp.where(keep[i], v, jnp.inf) for i, v in enumerate(r)]
+
+
+def count(keep: jax.Array | None, n: int, m: int | None = None):
+    """Number of kept rows: static (a Python int) when known, else traced.
+
+    Passing the count as a static ``m`` when the mask is concrete keeps every
+    order position static, which is ~7x faster than the traced-position path.
+    """
+    if m is not None:
+        return int(m)
+    return n if keep is None else jnp.sum(keep.astype(jnp.int32))
+
+
+def _median_of_sorted(sorted_rows: list[jax.Array], m) -> jax.Array:
+    lo = (m - 1) // 2
+    hi = m // 2
+    return 0.5 * (pick(sorted_rows, lo) + pick(sorted_rows, hi))
+
+
+def _sorted(r: list[jax.Array]) -> list[jax.Array]:
+    if len(r) <= UNROLL_MAX:
+        return sort_rows(r)
+    return rows(jnp.sort(jnp.stack(r), axis=0))
+
+
+@functools.partial(jax.jit, static_argnames=("m",))
+def median(x: jax.Array, keep: jax.Array | None = None, m: int | None = None) -> jax.Array:
+    """Coordinate-wise median over the kept rows (mean of the two middle values when m is even).
+
+    ``m``, if given, must equal the number of True entries of ``keep``.
+    """
+    m = count(keep, x.shape[0], m)
+    return _median_of_sorted(_sorted(exclude(x, keep)), m)
+
+
+@functools.partial(jax.jit, static_argnames=("f", "m"))
+def trimmed_mean(x: jax.Array, f: int, keep: jax.Array | None = None, m: int | None = None) -> jax.Array:
+    """Coordinate-wise mean after removing the f smallest and f largest kept values.
+
+    Needs m > 2f kept rows; with fewer the result is NaN (callers check first).
+    """
+    m = count(keep, x.shape[0], m)
+    s = _sorted(exclude(x, keep))
+    total = window_sum(s, f, m - 2 * f)
+    denom = m - 2 * f
+    if _is_static(denom):
+        return total / float(denom) if denom > 0 else jnp.full_like(total, jnp.nan)
+    return jnp.where(denom > 0, total / jnp.maximum(denom, 1).astype(jnp.float32), jnp.nan)
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def order_statistic(x: jax.Array, k: int, keep: jax.Array | None = None) -> jax.Array:
+    """The k-th smallest value (0-based) over the kept rows, coordinate-wise (+inf if k >= m)."""
+    return pick(_sorted(exclude(x, keep)), k)
+
+
+@functools.partial(jax.jit, static_argnames=("f", "m"))
+def closest_to_median_mean(
+    x: jax.Array, f: int, keep: jax.Array | None = None, m: int | None = None
+) -> jax.Array:
+    """Bulyan's second stage: per coordinate, the mean of the beta = m - 2f kept values nearest their median.
+
+    The beta values nearest the median form a contiguous window of the sorted
+    values; of the 2f + 1 candidate windows the one whose farther end is
+    nearest the median wins (the first on ties).
+    """
+    m = count(keep, x.shape[0], m)
+    s = _sorted(exclude(x, keep))
+    med = _median_of_sorted(s, m)
+    beta = m - 2 * f
+    best_cost = best_sum = None
+    for start in range(2 * f + 1):
+        lo = pick(s, start)
+        hi = pick(s, start + beta - 1)
+        cost = jnp.maximum(med - lo, hi - med)
+        total = window_sum(s, start, beta)
+        if best_cost is None:
+            best_cost, best_sum = cost, total
+        else:
+            better = cost < best_cost
+            best_cost = jnp.where(better, cost, best_cost)
+            best_sum = jnp.where(better, total, best_sum)
+    if _is_static(beta):
+        return best_sum / float(beta) if beta > 0 else jnp.full_like(best_sum, jnp.nan)
+    return jnp.where(beta > 0, best_sum / jnp.maximum(beta, 1).astype(jnp.float32), jnp.nan)
