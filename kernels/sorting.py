@@ -74,7 +74,8 @@ def pick(sorted_rows: list[jax.Array], index) -> jax.Array:
 def window_sum(sorted_rows: list[jax.Array], start, length) -> jax.Array:
     """Sum of ``sorted_rows[start:start + length]`` (start/length static or traced)."""
     if _is_static(start) and _is_static(length):
-        return _tree_sum(sorted_rows[int(start) : int(start) + int(length)])
+        window = sorted_rows[int(start) : int(start) + int(length)]
+        return _tree_sum(window) if window else jnp.zeros_like(sorted_rows[0])
     terms = [jnp.where((k >= start) & (k < start + length), v, 0.0) for k, v in enumerate(sorted_rows)]
     return _tree_sum(terms)
 

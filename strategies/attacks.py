@@ -174,7 +174,7 @@ def apply_attack(
 
     def put(x, b, p):
         rows = b if p is None else (b.astype(jnp.float32) + p[None].astype(jnp.float32)).astype(x.dtype)
-        return x.at[byz].set(rows.astype(x.dtype))
+        return jnp.asarray(x).at[byz].set(rows.astype(x.dtype))
 
     if ref is None:
         return jax.tree.map(lambda x, b: put(x, b, None), stacked, bad)

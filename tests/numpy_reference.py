@@ -6,8 +6,8 @@ loop in the most literal way the papers describe, favouring clarity over speed.
 
 from __future__ import annotations
 
-import numpy as np
 import jax
+import numpy as np
 
 
 def flatten_stacked(stacked) -> np.ndarray:

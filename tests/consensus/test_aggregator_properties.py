@@ -8,8 +8,8 @@ and robustness to f attackers under every attack.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +48,9 @@ RULES = {
         "none",
     ),
     "median": Rule(lambda n: consensus.median(), lambda X, v, c: ref.median(X, v), "coord"),
-    "trimmed_mean": Rule(lambda n: consensus.trimmed_mean(F), lambda X, v, c: ref.trimmed_mean(X, F, v), "coord"),
+    "trimmed_mean": Rule(
+        lambda n: consensus.trimmed_mean(F), lambda X, v, c: ref.trimmed_mean(X, F, v), "coord"
+    ),
     "krum": Rule(lambda n: consensus.krum(F), lambda X, v, c: ref.krum(X, F, v)[0], "select"),
     "multi_krum": Rule(
         lambda n: consensus.multi_krum(F, 5), lambda X, v, c: ref.multi_krum(X, F, 5, v)[0], "select"
@@ -86,7 +88,10 @@ NAMES = sorted(RULES)
 def make_params(seed=0):
     rng = np.random.default_rng(seed)
     return {
-        "dense": {"w": rng.standard_normal((7, 5)).astype(np.float32), "b": rng.standard_normal(5).astype(np.float32)},
+        "dense": {
+            "w": rng.standard_normal((7, 5)).astype(np.float32),
+            "b": rng.standard_normal(5).astype(np.float32),
+        },
         "scale": np.float32(rng.standard_normal()),
     }
 
@@ -111,7 +116,9 @@ def run(rule_name, stacked, params, mask=None, jit=False):
     agg = RULES[rule_name].make(consensus.num_nodes(stacked))
     state = agg.init(params)
     if jit:
-        merged, state = jax.jit(lambda s, st, p, m: agg.update(s, st, p, mask=m))(stacked, state, params, mask)
+        merged, state = jax.jit(lambda s, st, p, m: agg.update(s, st, p, mask=m))(
+            stacked, state, params, mask
+        )
     else:
         merged, state = agg.update(stacked, state, params, mask=mask)
     return merged, consensus.get_info(state)

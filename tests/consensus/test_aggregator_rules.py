@@ -1,0 +1,187 @@
+"""Rule-specific conventions, preconditions, composition and the registry."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpy_reference as ref
+import optax
+import pytest
+
+import consensus
+from consensus import registry
+
+
+def _nodes(n, d=12, seed=0):
+    rng = np.random.default_rng(seed)
+    params = {"w": rng.standard_normal(d).astype(np.float32)}
+    stacked = {"w": (params["w"] + 0.5 * rng.standard_normal((n, d))).astype(np.float32)}
+    return params, stacked
+
+
+@pytest.mark.parametrize(
+    "make,n,f,needed",
+    [
+        (consensus.krum, 6, 2, r"n > 2f \+ 2 = 6"),
+        (lambda f: consensus.multi_krum(f, 2), 6, 2, r"n > 2f \+ 2 = 6"),
+        (consensus.bulyan, 10, 2, r"n >= 4f \+ 3 = 11"),
+        (consensus.trimmed_mean, 4, 2, r"n > 2f = 4"),
+        (consensus.nnm, 4, 2, r"n > 2f = 4"),
+    ],
+)
+def test_precondition_errors_name_rule_n_f_and_need(make, n, f, needed):
+    params, stacked = _nodes(n)
+    agg = make(f)
+    with pytest.raises(ValueError, match=rf"f={f}.*n={n}.*needs {needed}"):
+        agg.update(stacked, agg.init(params), params)
+
+
+def test_preconditions_hold_at_the_boundary():
+    for make, n in [(consensus.krum, 7), (consensus.bulyan, 11), (consensus.trimmed_mean, 5)]:
+        params, stacked = _nodes(n)
+        agg = make(2)
+        merged, _ = agg.update(stacked, agg.init(params), params)
+        assert np.isfinite(np.asarray(merged["w"])).all()
+
+
+def test_multi_krum_selection_size_precondition():
+    params, stacked = _nodes(9)
+    agg = consensus.multi_krum(2, 8)
+    with pytest.raises(ValueError, match=r"num_selected = 8 <= n - f"):
+        agg.update(stacked, agg.init(params), params)
+
+
+def test_krum_neighbour_count_is_n_minus_f_minus_2_sum():
+    """Pin the convention: a configuration where sum over n-f-2 and ByzFL's mean over n-f-1 disagree."""
+    # 1-D points: the winner under "sum of n - f - 2 = 2 nearest" is node 0; with 3 nearest it is node 3.
+    pts = np.array([0.0, 1.0, 1.05, 2.1, 9.0, 9.5, 20.0], np.float32)[:, None]
+    valid = np.ones(7, bool)
+    s2 = ref.krum_scores(pts.astype(np.float64), 3, valid)  # n - f - 2 = 2 neighbours
+    assert int(np.argmin(s2)) == 1
+    agg = consensus.krum(2)  # k = 7 - 2 - 2 = 3 neighbours
+    _, state = agg.update({"w": jnp.asarray(pts)}, agg.init(None))
+    want = int(np.argmin(ref.krum_scores(pts.astype(np.float64), 2, valid)))
+    got = int(np.argmax(np.asarray(consensus.get_info(state).selected)))
+    assert got == want
+    # Brute force of the documented formula: sum of the 3 smallest squared distances.
+    d2 = (pts - pts.T) ** 2
+    brute = [np.sort(np.delete(d2[i], i))[:3].sum() for i in range(7)]
+    assert got == int(np.argmin(brute))
+
+
+def test_nan_nodes_excluded_and_reported_by_every_rule():
+    params, stacked = _nodes(12)
+    stacked["w"] = jnp.asarray(stacked["w"]).at[4, 3].set(jnp.nan).at[8, 0].set(jnp.inf)
+    for name in registry.AGGREGATORS:
+        kwargs = {"num_byzantine": 1} if name in registry.TAKES_NUM_BYZANTINE else {}
+        if name == "weighted_mean":
+            kwargs = {"weights": np.ones(12)}
+        if name == "centered_clipping":
+            kwargs = {"clip_radius": 1.0}
+        agg = registry.make(name, **kwargs)
+        merged, state = agg.update(stacked, agg.init(params), params)
+        info = consensus.get_info(state)
+        assert np.isfinite(np.asarray(merged["w"])).all(), name
+        assert not np.asarray(info.valid)[[4, 8]].any(), name
+        assert np.asarray(info.valid).sum() == 10, name
+
+
+def test_all_nodes_invalid_is_a_clear_error():
+    params, stacked = _nodes(3)
+    stacked["w"] = stacked["w"] * np.nan
+    with pytest.raises(ValueError, match="mean: no valid node"):
+        consensus.mean().update(stacked, consensus.mean().init(params), params)
+    with pytest.raises(ValueError, match="median"):
+        consensus.median().update(stacked, consensus.median().init(params), params)
+
+
+def test_linear_rules_report_weights_that_reproduce_the_output():
+    params, stacked = _nodes(11, seed=3)
+    X = ref.flatten_stacked(stacked)
+    c = ref.flatten_tree(params)
+    for agg in [
+        consensus.mean(),
+        consensus.krum(2),
+        consensus.multi_krum(2, 4),
+        consensus.geometric_median(),
+        consensus.centered_clipping(1.0, iterations=2),
+        consensus.chain(consensus.nnm(2), consensus.krum(2)),
+        consensus.chain(consensus.clip(2.0), consensus.nnm(2), consensus.multi_krum(2, 3)),
+    ]:
+        merged, state = agg.update(stacked, agg.init(params), params)
+        info = consensus.get_info(state)
+        assert info.linear, agg.name
+        w = np.asarray(info.weights, np.float64)
+        np.testing.assert_allclose(
+            ref.flatten_tree(merged), c + w @ (X - c), rtol=1e-5, atol=1e-5, err_msg=agg.name
+        )
+
+
+def test_process_with_server_optimizer():
+    params, stacked = _nodes(9, seed=4)
+    plain = consensus.trimmed_mean(2)
+    merged, _ = plain.update(stacked, plain.init(params), params)
+    # sgd(1) on the pseudo-gradient is the rule itself (FedAvg's server step).
+    fedavg = consensus.process(consensus.trimmed_mean(2), post=optax.sgd(1.0))
+    out, _ = fedavg.update(stacked, fedavg.init(params), params)
+    np.testing.assert_allclose(np.asarray(out["w"]), np.asarray(merged["w"]), rtol=1e-6, atol=1e-6)
+    # sgd(0.5): half-way between params and the merged tree.
+    half = consensus.process(consensus.trimmed_mean(2), post=optax.sgd(0.5))
+    out, _ = half.update(stacked, half.init(params), params)
+    np.testing.assert_allclose(
+        np.asarray(out["w"]), 0.5 * (params["w"] + np.asarray(merged["w"])), rtol=1e-6, atol=1e-6
+    )
+    # Momentum keeps state across rounds (FedAvgM): the second step differs from plain sgd.
+    fedavgm = consensus.process(consensus.mean(), post=optax.sgd(1.0, momentum=0.9))
+    state = fedavgm.init(params)
+    p = params
+    for _ in range(2):
+        p, state = fedavgm.update(stacked, state, p)
+    assert state.post is not None
+    with pytest.raises(ValueError, match="needs the current params"):
+        fedavgm.update(stacked, fedavgm.init(params), None)
+
+
+def test_chain_rejects_wrong_order():
+    with pytest.raises(TypeError, match="last stage must be an Aggregator"):
+        consensus.chain(consensus.krum(1), consensus.nnm(1))
+    with pytest.raises(TypeError, match="pre must hold PreAggregators"):
+        consensus.process(consensus.mean(), pre=[consensus.krum(1)])
+
+
+def test_clip_pre_aggregator_bounds_update_norms():
+    params, stacked = _nodes(6, seed=5)
+    clip = consensus.clip(0.7)
+    out, state = clip.update(stacked, clip.init(params), params)
+    norms = np.linalg.norm(np.asarray(out["w"], np.float64) - params["w"], axis=1)
+    assert (norms <= 0.7 * (1 + 1e-6)).all()
+    want = ref.clip(ref.flatten_stacked(stacked), ref.flatten_tree(params), 0.7)
+    np.testing.assert_allclose(np.asarray(out["w"]), want, rtol=1e-5, atol=1e-6)
+
+
+def test_registry_lists_valid_choices():
+    with pytest.raises(ValueError, match=r"unknown aggregation rule 'krum2'; valid choices: \['bulyan'"):
+        registry.make("krum2")
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="num_byzantine must be a non-negative int"):
+        consensus.krum(-1)
+    with pytest.raises(ValueError, match="clip_radius must be > 0"):
+        consensus.centered_clipping(0.0)
+    with pytest.raises(ValueError, match="max_norm must be > 0"):
+        consensus.clip(-1.0)
+    params, stacked = _nodes(4)
+    with pytest.raises(ValueError, match=r"mask must have shape \(n,\) = \(4,\)"):
+        consensus.mean().update(stacked, consensus.mean().init(params), mask=np.ones(3, bool))
+
+
+def test_bulyan_under_jit_with_traced_mask_equals_eager():
+    params, stacked = _nodes(13, seed=6)
+    mask = np.arange(13) != 2
+    agg = consensus.bulyan(2)
+    a, sa = agg.update(stacked, agg.init(params), params, mask=mask)
+    b, sb = jax.jit(lambda s, st, p, m: agg.update(s, st, p, mask=m))(
+        stacked, agg.init(params), params, jnp.asarray(mask)
+    )
+    np.testing.assert_allclose(np.asarray(a["w"]), np.asarray(b["w"]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(sa.info.selected), np.asarray(sb.info.selected))
