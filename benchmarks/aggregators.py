@@ -1,0 +1,168 @@
+"""Speed and memory of every aggregation rule against the memory-bandwidth floor.
+
+For each (n, d) the script times, in one run on one stack:
+  * the floor: one numpy pass that sums the (n, d) float32 stack over the node axis;
+  * numpy baselines: ``np.mean(x, 0)``, ``np.median(x, 0)`` and a plain numpy Krum
+    (pairwise squared distances from ``x @ x.T``, scores, argmin);
+  * every rule of the package, called eagerly as a user would
+    (``agg.update(stacked, state, params)``, params = the global params, so Gram
+    statistics are centred), and reports time / floor.
+Extra memory is XLA's own account of the jitted update (temporaries plus the
+output) divided by the size of the stack.
+
+    python -m benchmarks.aggregators            # n in {8, 16, 32}, d in {1e5, 1e6, 1e7}
+    python -m benchmarks.aggregators --quick    # a subset, under a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import consensus
+from benchmarks.common import best_time, machine, markdown_table, write_results
+
+# Targets from the issue, as multiples of the floor, at n = 16, d = 1e7.
+TARGETS = {
+    "mean": 2.0,
+    "median": 2.0,
+    "trimmed_mean": 2.0,
+    "clip": 2.0,
+    "krum": 3.0,
+    "multi_krum": 3.0,
+    "bulyan": 4.0,
+}
+GM_ITERS = 10
+
+
+def byzantine_count(n: int) -> int:
+    """The largest f that every rule (Bulyan: n >= 4f + 3) accepts."""
+    return max((n - 3) // 4, 0)
+
+
+def rules(n: int) -> dict[str, consensus.Aggregator | consensus.PreAggregator]:
+    f = byzantine_count(n)
+    return {
+        "mean": consensus.mean(),
+        "median": consensus.median(),
+        "trimmed_mean": consensus.trimmed_mean(f),
+        "clip": consensus.clip(1.0),
+        "krum": consensus.krum(f),
+        "multi_krum": consensus.multi_krum(f, n - f),
+        "bulyan": consensus.bulyan(f),
+        "geometric_median": consensus.geometric_median(max_iter=GM_ITERS, tol=0.0),
+        "centered_clipping": consensus.centered_clipping(1.0, iterations=3),
+        "nnm+krum": consensus.chain(consensus.nnm(f), consensus.krum(f)),
+    }
+
+
+def numpy_krum(x: np.ndarray, f: int) -> np.ndarray:
+    sq = np.einsum("ij,ij->i", x, x)
+    d2 = sq[:, None] + sq[None, :] - 2.0 * (x @ x.T)
+    n = x.shape[0]
+    k = n - f - 2
+    scores = [np.sort(np.delete(d2[i], i))[:k].sum() for i in range(n)]
+    return x[int(np.argmin(scores))]
+
+
+def extra_memory_ratio(agg, stacked, params) -> float | None:
+    """XLA's temporaries + output of the jitted update, as a fraction of the stack's bytes."""
+    try:
+        state = agg.init(params)
+        compiled = jax.jit(lambda s, st, p: agg.update(s, st, p)).lower(stacked, state, params).compile()
+        mem = compiled.memory_analysis()
+        if mem is None:
+            return None
+        stack_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(stacked))
+        return (mem.temp_size_in_bytes + mem.output_size_in_bytes) / stack_bytes
+    except Exception:  # noqa: BLE001 - memory analysis is best effort across backends
+        return None
+
+
+def bench_one(n: int, d: int, repeats: int, with_memory: bool, numpy_baselines: bool) -> list[dict]:
+    rng = np.random.default_rng(0)
+    params_np = rng.standard_normal(d, dtype=np.float32)
+    x_np = params_np + 0.01 * rng.standard_normal((n, d), dtype=np.float32)
+    params = {"w": jnp.asarray(params_np)}
+    stacked = {"w": jnp.asarray(x_np)}
+    f = byzantine_count(n)
+    floor = best_time(lambda: x_np.sum(axis=0), repeats)
+    rows = [dict(n=n, d=d, f=f, rule="floor (numpy sum)", seconds=floor, ratio=1.0)]
+    if numpy_baselines:
+        for name, fn in [
+            ("numpy mean", lambda: np.mean(x_np, axis=0)),
+            ("numpy median", lambda: np.median(x_np, axis=0)),
+            ("numpy krum", lambda: numpy_krum(x_np, f)),
+        ]:
+            t = best_time(fn, max(1, repeats - 1))
+            rows.append(dict(n=n, d=d, f=f, rule=name, seconds=t, ratio=t / floor))
+    for name, agg in rules(n).items():
+        state = agg.init(params)
+        t = best_time(lambda agg=agg, state=state: agg.update(stacked, state, params)[0], repeats)
+        row = dict(n=n, d=d, f=f, rule=name, seconds=t, ratio=t / floor)
+        if name in TARGETS:
+            row["target"] = TARGETS[name]
+        if name == "geometric_median":
+            row["target"] = GM_ITERS + 2.0
+        if with_memory:
+            row["extra_memory"] = extra_memory_ratio(agg, stacked, params)
+        rows.append(row)
+        gc.collect()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="a subset that runs in under a minute")
+    parser.add_argument("--sizes", type=str, default=None, help="comma list of d, e.g. 1e5,1e6")
+    parser.add_argument("--nodes", type=str, default=None, help="comma list of n, e.g. 8,16")
+    args = parser.parse_args(argv)
+    if args.quick:
+        nodes, sizes, repeats = [16], [100_000, 1_000_000], 3
+    else:
+        nodes, sizes, repeats = [8, 16, 32], [100_000, 1_000_000, 10_000_000], 3
+    if args.nodes:
+        nodes = [int(v) for v in args.nodes.split(",")]
+    if args.sizes:
+        sizes = [int(float(v)) for v in args.sizes.split(",")]
+    results = []
+    for n in nodes:
+        for d in sizes:
+            # Memory analysis compiles every rule once more: only at the largest size.
+            results += bench_one(n, d, repeats, with_memory=(d == max(sizes)), numpy_baselines=True)
+            print(f"done n={n} d={d:.0e}", flush=True)
+    headers = ["n", "d", "f", "rule", "ms", "x floor", "target", "extra mem (x stack)"]
+    table = [
+        [
+            r["n"],
+            f"{r['d']:.0e}",
+            r["f"],
+            r["rule"],
+            1e3 * r["seconds"],
+            r["ratio"],
+            r.get("target", ""),
+            "" if r.get("extra_memory") is None else round(r["extra_memory"], 2),
+        ]
+        for r in results
+    ]
+    md = (
+        "# Aggregator speed (time / one numpy pass over the stack)\n\n"
+        f"Command: `python -m benchmarks.aggregators{' --quick' if args.quick else ''}`. "
+        f"Machine: {machine()['processor']}, {machine()['cpu_count']} cores, jax {jax.__version__} "
+        f"({jax.default_backend()}).\n\n" + markdown_table(headers, table)
+    )
+    write_results(
+        "aggregators" + ("_quick" if args.quick else ""), {"machine": machine(), "results": results}, md
+    )
+    print(md)
+    return {"results": results}
+
+
+if __name__ == "__main__":
+    main()
