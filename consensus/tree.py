@@ -201,18 +201,23 @@ def weighted_sum(stacked: PyTree, weights: jax.Array) -> PyTree:
     return jax.tree.map(lambda x: row_kernels.weighted_sum(x, weights).astype(x.dtype), stacked)
 
 
-def combine(stacked: PyTree, weights: jax.Array, ref: PyTree | None = None) -> PyTree:
-    """``ref + sum_i w_i (x_i - ref)``: equals :func:`weighted_sum` when the weights sum to 1.
+def combine(
+    stacked: PyTree, weights: jax.Array, ref: PyTree | None = None, total: float | jax.Array = 1.0
+) -> PyTree:
+    """``total * ref + sum_i w_i (x_i - ref)``, one pass over the stack.
 
-    With ``ref=None`` this is the plain weighted sum.
+    With the default ``total = 1`` this is ``ref + sum_i w_i (x_i - ref)``, which
+    equals :func:`weighted_sum` when the weights sum to 1; with ``ref=None`` it
+    is the plain weighted sum.
     """
     if ref is None:
         return weighted_sum(stacked, weights)
-    total = jnp.sum(weights)
+    # sum_i w_i x_i + (total - sum_i w_i) ref
+    rest = total - jnp.sum(weights)
 
     def leaf(x, r):
         s = row_kernels.weighted_sum(x, weights)
-        return (s + (1.0 - total) * r.astype(jnp.float32)).astype(x.dtype)
+        return (s + rest * r.astype(jnp.float32)).astype(x.dtype)
 
     return jax.tree.map(leaf, stacked, ref)
 

@@ -132,3 +132,29 @@ def scale_rows(x: jax.Array, scale: jax.Array, ref: jax.Array | None = None) -> 
         xi = x[i].astype(jnp.float32)
         out.append(xi * scale[i] if ref is None else ref + scale[i] * (xi - ref.astype(jnp.float32)))
     return jnp.stack(out)
+
+
+def view_rows(
+    x: jax.Array, mixing: jax.Array | None, centre: jax.Array | None, *, diagonal: bool = True
+) -> list[jax.Array]:
+    """Rows ``y_i = c + sum_j A[i, j] (x_j - c)`` as float32 arrays, built lazily.
+
+    Meant to be called inside a jitted kernel so the rows fuse into whatever
+    consumes them (a sorting network) instead of being written out. Terms with
+    ``A[i, j] == 0`` contribute exactly 0 even when x_j is NaN. ``diagonal``
+    (static) says A is diagonal: one multiply-add per row instead of n.
+    """
+    r = [v.astype(jnp.float32) for v in rows(x)]
+    if mixing is None:
+        return r
+    c = None if centre is None else centre.astype(jnp.float32)
+    d = r if c is None else [v - c for v in r]
+    n = len(r)
+    if diagonal:
+        out = [jnp.where(mixing[i, i] != 0, mixing[i, i] * d[i], 0.0) for i in range(n)]
+    else:
+        out = [
+            _tree_sum([jnp.where(mixing[i, j] != 0, mixing[i, j] * d[j], 0.0) for j in range(n)])
+            for i in range(n)
+        ]
+    return out if c is None else [c + v for v in out]

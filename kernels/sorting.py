@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.rows import UNROLL_MAX, _tree_sum, rows
+from kernels.rows import UNROLL_MAX, _tree_sum, rows, view_rows
 
 
 @functools.cache
@@ -80,13 +80,21 @@ def window_sum(sorted_rows: list[jax.Array], start, length) -> jax.Array:
     return _tree_sum(terms)
 
 
-def exclude(x: jax.Array, keep: jax.Array | None) -> list[jax.Array]:
-    """The rows of x (float32) with rows where ``keep`` is False replaced by +inf.
+def exclude(
+    x: jax.Array,
+    keep: jax.Array | None,
+    mixing: jax.Array | None = None,
+    centre: jax.Array | None = None,
+    diagonal: bool = True,
+) -> list[jax.Array]:
+    """The rows (float32) with rows where ``keep`` is False replaced by +inf.
 
-    The replacement is a per-row scalar select: an (n, ...) ``where`` with a
+    The rows are those of x, or of the lazy view ``c + A (x - c)`` when a
+    mixing matrix is given (see :func:`kernels.rows.view_rows`). The
+    replacement is a per-row scalar select: an (n, ...) ``where`` with a
     broadcast mask stops XLA from fusing the network and costs ~6x.
     """
-    r = [v.astype(jnp.float32) for v in rows(x)]
+    r = view_rows(x, mixing, centre, diagonal=diagonal)
     if keep is None:
         return r
     return [jnp.where(keep[i], v, jnp.inf) for i, v in enumerate(r)]
@@ -115,24 +123,39 @@ def _sorted(r: list[jax.Array]) -> list[jax.Array]:
     return rows(jnp.sort(jnp.stack(r), axis=0))
 
 
-@functools.partial(jax.jit, static_argnames=("m",))
-def median(x: jax.Array, keep: jax.Array | None = None, m: int | None = None) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("m", "diagonal"))
+def median(
+    x: jax.Array,
+    keep: jax.Array | None = None,
+    m: int | None = None,
+    mixing: jax.Array | None = None,
+    centre: jax.Array | None = None,
+    diagonal: bool = True,
+) -> jax.Array:
     """Coordinate-wise median over the kept rows (mean of the two middle values when m is even).
 
     ``m``, if given, must equal the number of True entries of ``keep``.
     """
     m = count(keep, x.shape[0], m)
-    return _median_of_sorted(_sorted(exclude(x, keep)), m)
+    return _median_of_sorted(_sorted(exclude(x, keep, mixing, centre, diagonal)), m)
 
 
-@functools.partial(jax.jit, static_argnames=("f", "m"))
-def trimmed_mean(x: jax.Array, f: int, keep: jax.Array | None = None, m: int | None = None) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("f", "m", "diagonal"))
+def trimmed_mean(
+    x: jax.Array,
+    f: int,
+    keep: jax.Array | None = None,
+    m: int | None = None,
+    mixing: jax.Array | None = None,
+    centre: jax.Array | None = None,
+    diagonal: bool = True,
+) -> jax.Array:
     """Coordinate-wise mean after removing the f smallest and f largest kept values.
 
     Needs m > 2f kept rows; with fewer the result is NaN (callers check first).
     """
     m = count(keep, x.shape[0], m)
-    s = _sorted(exclude(x, keep))
+    s = _sorted(exclude(x, keep, mixing, centre, diagonal))
     total = window_sum(s, f, m - 2 * f)
     denom = m - 2 * f
     if _is_static(denom):
@@ -146,9 +169,15 @@ def order_statistic(x: jax.Array, k: int, keep: jax.Array | None = None) -> jax.
     return pick(_sorted(exclude(x, keep)), k)
 
 
-@functools.partial(jax.jit, static_argnames=("f", "m"))
+@functools.partial(jax.jit, static_argnames=("f", "m", "diagonal"))
 def closest_to_median_mean(
-    x: jax.Array, f: int, keep: jax.Array | None = None, m: int | None = None
+    x: jax.Array,
+    f: int,
+    keep: jax.Array | None = None,
+    m: int | None = None,
+    mixing: jax.Array | None = None,
+    centre: jax.Array | None = None,
+    diagonal: bool = True,
 ) -> jax.Array:
     """Bulyan's second stage: per coordinate, the mean of the beta = m - 2f kept values nearest their median.
 
@@ -157,7 +186,7 @@ def closest_to_median_mean(
     nearest the median wins (the first on ties).
     """
     m = count(keep, x.shape[0], m)
-    s = _sorted(exclude(x, keep))
+    s = _sorted(exclude(x, keep, mixing, centre, diagonal))
     med = _median_of_sorted(s, m)
     beta = m - 2 * f
     best_cost = best_sum = None

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from consensus import tree
+from consensus.aggregators import view as views
 from consensus.base import AggregationInfo, ByzantineToleranceError, empty_info
 from kernels import gram as gram_kernels
 from kernels import sorting
@@ -40,10 +41,11 @@ def static_count(valid: jax.Array) -> int | None:
 
 
 def check_stacked(stacked: PyTree, params: PyTree | None) -> int:
-    """Validate the stacked tree (and params, if given); return n."""
-    n = tree.num_nodes(stacked)
+    """Validate the stacked tree or view (and params, if given); return n."""
+    base = views.base_of(stacked)
+    n = tree.num_nodes(base)
     if params is not None:
-        tree.check_stacked_against(stacked, params)
+        tree.check_stacked_against(base, params)
     return n
 
 
@@ -57,11 +59,17 @@ def allowed(mask: jax.Array | None, n: int) -> jax.Array:
 
 
 def valid_nodes(stacked: PyTree, mask: jax.Array | None, assume_finite: bool = False) -> jax.Array:
-    """(n,) bool: allowed by ``mask`` and, unless ``assume_finite``, finite in every leaf."""
-    n = tree.num_nodes(stacked)
+    """(n,) bool: allowed by ``mask`` and, unless ``assume_finite``, finite in every leaf.
+
+    A view knows its valid rows once a pre-aggregator has looked at them.
+    """
+    base = views.base_of(stacked)
+    n = tree.num_nodes(base)
     valid = allowed(mask, n)
+    if views.is_view(stacked) and stacked.valid is not None:
+        return valid & stacked.valid
     if not assume_finite:
-        valid = valid & tree.finite_mask(stacked)
+        valid = valid & tree.finite_mask(base)
     return valid
 
 
@@ -109,12 +117,36 @@ def gram_stats(stacked: PyTree, params: PyTree | None, mask: jax.Array | None) -
     """Gram matrix centred on params (or on the coordinate-wise median), and validity from its diagonal.
 
     A node whose leaves hold NaN/Inf (or overflow float32 when squared) has a
-    non-finite diagonal entry, so no separate finiteness pass is needed.
+    non-finite diagonal entry, so no separate finiteness pass is needed. For a
+    view the Gram matrix of its rows is ``A G A^T`` (cached by the view when a
+    pre-aggregator already formed it), centred on the view's centre.
     """
+    if views.is_view(stacked):
+        return _view_gram_stats(stacked, mask)
     n = tree.num_nodes(stacked)
     centre = params if params is not None else robust_centre(stacked)
     g = tree.gram(stacked, centre)
     valid = allowed(mask, n) & jnp.isfinite(jnp.diagonal(g))
+    return _finish_stats(g, valid, centre)
+
+
+def _view_gram_stats(v, mask) -> GramStats:
+    n = tree.num_nodes(v.base)
+    if v.gram is not None:
+        g, valid = v.gram, v.valid
+    else:
+        g = tree.gram(v.base, v.centre)
+        valid = jnp.isfinite(jnp.diagonal(g))
+        if v.valid is not None:
+            valid = valid & v.valid
+        if v.mixing is not None:
+            g = jnp.where(valid[:, None] & valid[None, :], g, 0.0)
+            g = v.mixing @ g @ v.mixing.T
+            valid = valid & jnp.any(v.mixing != 0, axis=1)
+    return _finish_stats(g, allowed(mask, n) & valid, v.centre)
+
+
+def _finish_stats(g, valid, centre) -> GramStats:
     both = valid[:, None] & valid[None, :]
     g = jnp.where(both, g, 0.0)
     d2 = jnp.where(both, gram_kernels.sq_dists_from_gram(g), jnp.inf)
@@ -126,5 +158,24 @@ def uniform_over(mask: jax.Array) -> jax.Array:
     return mask.astype(jnp.float32) / jnp.maximum(m, 1.0)
 
 
-def nan_tree_like(params_like: PyTree) -> PyTree:
-    return jax.tree.map(lambda x: jnp.full(x.shape[1:], jnp.nan, x.dtype), params_like)
+def coordinatewise(kernel, stacked: PyTree, **kwargs) -> PyTree:
+    """Apply a per-leaf coordinate-wise kernel to a stacked tree or a view.
+
+    ``kernel(x_leaf, mixing=..., centre=..., diagonal=..., **kwargs)`` returns
+    the float32 result for that leaf; it is cast back to the leaf's dtype.
+    """
+    leaves, centres, mixing, diagonal = views.leaf_inputs(stacked)
+    out = []
+    for x, c in zip(leaves, centres, strict=True):
+        if mixing is None:
+            y = kernel(x, **kwargs)
+        else:
+            y = kernel(x, mixing=mixing, centre=c, diagonal=diagonal, **kwargs)
+        out.append(y.astype(x.dtype))
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(views.base_of(stacked)), out)
+
+
+def accepts_views(update):
+    """Mark an update function as able to read a lazy :class:`NodeView`."""
+    update.accepts_views = True
+    return update

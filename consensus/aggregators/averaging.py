@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from consensus import tree
+from consensus.aggregators import view as views
 from consensus.aggregators._common import (
     RuleState,
+    accepts_views,
     check_stacked,
     init_rule_state,
     static_count,
@@ -42,13 +43,14 @@ def mean() -> Aggregator:
       >>> merged, state = agg.update(stacked, state)
     """
 
+    @accepts_views
     def update(stacked, state, params=None, *, mask=None, assume_finite=False, **extra):
         del state, extra
         n = check_stacked(stacked, params)
         valid = valid_nodes(stacked, mask, assume_finite)
         _require_some("mean", valid, n)
         w = uniform_over(valid)
-        merged = tree.weighted_sum(stacked, w)
+        merged = views.weighted_sum(stacked, w)
         return merged, RuleState(AggregationInfo(valid, valid, w, True))
 
     return Aggregator(init_rule_state, update, "mean")
@@ -65,6 +67,7 @@ def weighted_mean(weights: jax.Array | np.ndarray | None = None) -> Aggregator:
     """
     fixed = None if weights is None else jnp.asarray(weights, jnp.float32)
 
+    @accepts_views
     def update(stacked, state, params=None, *, mask=None, assume_finite=False, weights=None, **extra):
         del state, extra
         n = check_stacked(stacked, params)
@@ -82,7 +85,7 @@ def weighted_mean(weights: jax.Array | np.ndarray | None = None) -> Aggregator:
                 f"weighted_mean: no valid node with a positive weight out of n={n}."
             )
         w = a / jnp.sum(a)
-        merged = tree.weighted_sum(stacked, w)
+        merged = views.weighted_sum(stacked, w)
         return merged, RuleState(AggregationInfo(valid, valid & (w > 0), w, True))
 
     return Aggregator(init_rule_state, update, "weighted_mean")

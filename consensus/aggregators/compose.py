@@ -15,7 +15,8 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from consensus.aggregators._common import check_stacked, valid_nodes
+from consensus.aggregators import view as views
+from consensus.aggregators._common import check_stacked, robust_centre
 from consensus.aggregators.pre import pull_back_weights
 from consensus.base import AggregationInfo, Aggregator, PreAggregator, empty_info
 
@@ -34,10 +35,15 @@ def process(
 ) -> Aggregator:
     """A pipeline ``pre -> aggregator -> post`` as one :class:`Aggregator`.
 
-    Validity (mask and finiteness) is computed once on the input and passed to
-    every stage. ``state.info.weights`` is pulled back through the linear
-    pre-aggregators, so it is each *original* node's weight in the merged
-    tree. With ``post`` the update needs ``params``.
+    The pre-aggregators stay lazy (a linear view of the input, see
+    :mod:`consensus.aggregators.view`): the pipeline reads the parameters once
+    per Gram or weighted-sum pass and never writes an intermediate stack. A
+    rule that cannot read views gets the view materialised once. The centre of
+    the view is ``params``; without params it is 0 when the pipeline clips
+    (clipping is then around 0) and the coordinate-wise median otherwise.
+    ``state.info.weights`` is pulled back through the pre-aggregators, so it is
+    each *original* node's weight in the merged tree. With ``post`` the update
+    needs ``params``.
     """
     pre = tuple(pre)
     for p in pre:
@@ -59,21 +65,27 @@ def process(
         check_stacked(stacked, params)
         if post is not None and params is None:
             raise ValueError(f"{name}: a server optimizer (post) needs the current params")
-        extra.pop("assume_finite", None)
-        valid = valid_nodes(stacked, mask)
         x = stacked
+        if pre:
+            if params is not None:
+                centre = params
+            elif any(p.name == "clip" for p in pre):
+                centre = None
+            else:
+                centre = robust_centre(stacked)
+            x = views.identity(stacked, centre)
         pre_states = []
         for p, s in zip(pre, state.pre, strict=True):
-            x, s = p.update(x, s, params, mask=valid, assume_finite=True, **extra)
+            x, s = p.update(x, s, params, mask=mask, lazy=True, **extra)
             pre_states.append(s)
-        merged, agg_state = aggregator.update(
-            x, state.aggregator, params, mask=valid, assume_finite=True, **extra
-        )
+        if views.is_view(x) and not getattr(aggregator.update, "accepts_views", False):
+            x = views.materialise(x)
+        merged, agg_state = aggregator.update(x, state.aggregator, params, mask=mask, **extra)
         info = agg_state.info
         weights = info.weights
         for s in reversed(pre_states):
             weights = pull_back_weights(s, weights)
-        info = info._replace(valid=valid, weights=weights)
+        info = info._replace(weights=weights)
         post_state = state.post
         if post is not None:
             pseudo_grad = jax.tree.map(lambda p_, m_: p_ - m_, params, merged)

@@ -10,8 +10,10 @@ import jax
 
 from consensus.aggregators._common import (
     RuleState,
+    accepts_views,
     check_f,
     check_stacked,
+    coordinatewise,
     init_rule_state,
     require_count,
     static_count,
@@ -41,13 +43,14 @@ def median() -> Aggregator:
     uniform share over valid nodes.
     """
 
+    @accepts_views
     def update(stacked, state, params=None, *, mask=None, assume_finite=False, **extra):
         del state, extra
         n = check_stacked(stacked, params)
         valid = valid_nodes(stacked, mask, assume_finite)
         require_count("median", static_count(valid), 0, static_count(valid) != 0, "at least 1 valid node")
         keep, m = _keep_args(valid, n)
-        merged = jax.tree.map(lambda x: sorting.median(x, keep, m=m).astype(x.dtype), stacked)
+        merged = coordinatewise(sorting.median, stacked, keep=keep, m=m)
         return merged, RuleState(AggregationInfo(valid, valid, uniform_over(valid), False))
 
     return Aggregator(init_rule_state, update, "median")
@@ -63,6 +66,7 @@ def trimmed_mean(num_byzantine: int) -> Aggregator:
     """
     f = check_f("trimmed_mean", num_byzantine)
 
+    @accepts_views
     def update(stacked, state, params=None, *, mask=None, assume_finite=False, **extra):
         del state, extra
         n = check_stacked(stacked, params)
@@ -71,7 +75,7 @@ def trimmed_mean(num_byzantine: int) -> Aggregator:
         m_now = static_count(valid)
         require_count("trimmed_mean", m_now, f, m_now is not None and m_now > 2 * f, f"n > 2f = {2 * f}")
         keep, m = _keep_args(valid, n)
-        merged = jax.tree.map(lambda x: sorting.trimmed_mean(x, f, keep, m=m).astype(x.dtype), stacked)
+        merged = coordinatewise(sorting.trimmed_mean, stacked, f=f, keep=keep, m=m)
         return merged, RuleState(AggregationInfo(valid, valid, uniform_over(valid), False))
 
     return Aggregator(init_rule_state, update, "trimmed_mean")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from consensus import tree
+from consensus.aggregators import view as views
 from consensus.aggregators._common import (
     RuleState,
+    accepts_views,
     check_stacked,
     gram_stats,
     init_rule_state,
@@ -31,6 +32,7 @@ def geometric_median(max_iter: int = 100, eps: float = 1e-8, tol: float = 1e-6) 
     Precondition: m >= 1. ``info.weights`` are the final Weiszfeld weights.
     """
 
+    @accepts_views
     def update(stacked, state, params=None, *, mask=None, weights=None, **extra):
         del state, extra
         n = check_stacked(stacked, params)
@@ -41,7 +43,7 @@ def geometric_median(max_iter: int = 100, eps: float = 1e-8, tol: float = 1e-6) 
         w, _ = weiszfeld.geometric_median_weights(
             stats.gram, stats.valid, alpha, max_iter=max_iter, eps=eps, tol=tol
         )
-        merged = tree.weighted_sum(stacked, w)
+        merged = views.weighted_sum(stacked, w)
         return merged, RuleState(AggregationInfo(stats.valid, stats.valid, w, True))
 
     return Aggregator(init_rule_state, update, "geometric_median")
@@ -66,6 +68,7 @@ def centered_clipping(clip_radius: float, iterations: int = 1) -> Aggregator:
     if not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"centered_clipping: iterations must be a positive int, got {iterations!r}")
 
+    @accepts_views
     def update(stacked, state, params=None, *, mask=None, **extra):
         del state, extra
         check_stacked(stacked, params)
@@ -75,7 +78,7 @@ def centered_clipping(clip_radius: float, iterations: int = 1) -> Aggregator:
         a = weiszfeld.centered_clipping_coefficients(
             stats.gram, stats.valid, float(clip_radius), iterations=iterations
         )
-        merged = tree.combine(stacked, a, stats.centre)
+        merged = views.combine(stacked, a, stats.centre)
         return merged, RuleState(AggregationInfo(stats.valid, stats.valid, a, True))
 
     return Aggregator(init_rule_state, update, "centered_clipping")

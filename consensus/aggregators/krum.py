@@ -10,11 +10,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from consensus import tree
+from consensus.aggregators import view as views
 from consensus.aggregators._common import (
     RuleState,
+    accepts_views,
     check_f,
     check_stacked,
+    coordinatewise,
     gram_stats,
     init_rule_state,
     require_count,
@@ -48,6 +50,7 @@ def krum(num_byzantine: int) -> Aggregator:
     """
     f = check_f("krum", num_byzantine)
 
+    @accepts_views
     def update(stacked, state, params=None, *, mask=None, **extra):
         del state, extra
         n = check_stacked(stacked, params)
@@ -57,7 +60,7 @@ def krum(num_byzantine: int) -> Aggregator:
         require_count("krum", m, f, m is not None and m > 2 * f + 2, f"n > 2f + 2 = {2 * f + 2}")
         chosen = krum_kernels.krum_select(stats.sq_dists, f, stats.valid)
         w = chosen.astype(jnp.float32)
-        merged = tree.weighted_sum(stacked, w)
+        merged = views.weighted_sum(stacked, w)
         bad = None if m is not None else jnp.sum(stats.valid) <= 2 * f + 2
         return _finish_nan_if(bad, merged), RuleState(AggregationInfo(stats.valid, chosen, w, True))
 
@@ -76,6 +79,7 @@ def multi_krum(num_byzantine: int, num_selected: int | None = None) -> Aggregato
     if num_selected is not None and (not isinstance(num_selected, int) or num_selected < 1):
         raise ValueError(f"multi_krum: num_selected must be a positive int, got {num_selected!r}")
 
+    @accepts_views
     def update(stacked, state, params=None, *, mask=None, **extra):
         del state, extra
         n = check_stacked(stacked, params)
@@ -94,7 +98,7 @@ def multi_krum(num_byzantine: int, num_selected: int | None = None) -> Aggregato
             require("multi_krum", n, f, k <= n - f, need)
         chosen = krum_kernels.multi_krum_select(stats.sq_dists, f, stats.valid, k)
         w = uniform_over(chosen)
-        merged = tree.weighted_sum(stacked, w)
+        merged = views.weighted_sum(stacked, w)
         bad = None if m is not None else jnp.sum(stats.valid) < jnp.maximum(2 * f + 3, k + f)
         return _finish_nan_if(bad, merged), RuleState(AggregationInfo(stats.valid, chosen, w, True))
 
@@ -116,6 +120,7 @@ def bulyan(num_byzantine: int) -> Aggregator:
     """
     f = check_f("bulyan", num_byzantine)
 
+    @accepts_views
     def update(stacked, state, params=None, *, mask=None, **extra):
         del state, extra
         n = check_stacked(stacked, params)
@@ -131,9 +136,7 @@ def bulyan(num_byzantine: int) -> Aggregator:
             # Under an outer jit the count is traced: select n - 2f and drop the
             # surplus picks (the last ones chosen) beyond theta.
             chosen = _iterated_prefix(stats.sq_dists, f, stats.valid, n - 2 * f, theta)
-        merged = jax.tree.map(
-            lambda x: sorting.closest_to_median_mean(x, f, chosen, m=theta_static).astype(x.dtype), stacked
-        )
+        merged = coordinatewise(sorting.closest_to_median_mean, stacked, f=f, keep=chosen, m=theta_static)
         bad = None if m is not None else jnp.sum(stats.valid) < 4 * f + 3
         info = AggregationInfo(stats.valid, chosen, uniform_over(chosen), False)
         return _finish_nan_if(bad, merged), RuleState(info)

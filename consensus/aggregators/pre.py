@@ -1,9 +1,12 @@
 """Pre-aggregators: node-to-node transforms (n -> n) applied before a rule.
 
-Each returns a stacked tree of the same shape, and records in its state how it
-acted on the nodes, so a pipeline can report the final weight of every
-*original* node: clipping scales node deltas, nearest-neighbour mixing is a
-linear map of the nodes.
+Both are linear maps of the nodes around a centre c, ``y_i = c + sum_j A[i, j]
+(x_j - c)``: clipping scales each node's delta (A diagonal), nearest-neighbour
+mixing averages neighbours (A dense). Inside :func:`consensus.process` they
+stay lazy (a :class:`~consensus.aggregators.view.NodeView`), so the pipeline
+never writes an intermediate copy of the stack; called on their own they
+return an ordinary stacked tree. Their state records A, so a pipeline can
+report the final weight of every *original* node.
 """
 
 from __future__ import annotations
@@ -14,18 +17,30 @@ import jax
 import jax.numpy as jnp
 
 from consensus import tree
-from consensus.aggregators._common import check_f, check_stacked, gram_stats, require_count, static_count
+from consensus.aggregators import view as views
+from consensus.aggregators._common import (
+    allowed,
+    check_f,
+    check_stacked,
+    gram_stats,
+    require_count,
+    robust_centre,
+    static_count,
+)
 from consensus.base import PreAggregator, require
-from kernels import rows as row_kernels
 from kernels import weiszfeld
 
 
 class ClipState(NamedTuple):
-    scale: jax.Array  # (n,) factor applied to each node's delta
+    scale: jax.Array  # (n,) factor applied to each node's delta (0 for invalid nodes)
 
 
 class MixState(NamedTuple):
     mixing: jax.Array  # (n, n) row i = weights of the nodes averaged into node i
+
+
+def _finish(view: views.NodeView, lazy: bool):
+    return view if lazy else views.materialise(view)
 
 
 def clip(max_norm: float) -> PreAggregator:
@@ -34,8 +49,10 @@ def clip(max_norm: float) -> PreAggregator:
     .. math:: x_i' = c + (x_i - c) \\min(1, C / \\lVert x_i - c \\rVert_2)
 
     with c = ``params`` (the current global params), or 0 when params is None.
-    The norm is taken over every leaf together, not leaf by leaf. Non-finite
-    nodes stay non-finite (and are excluded downstream).
+    The norm is taken over every leaf together, not leaf by leaf. Non-finite or
+    masked-out nodes come out as NaN ("no value"), so every rule downstream
+    excludes them. Cost: one norm pass (none inside a pipeline that already has
+    a Gram matrix).
     """
     if not max_norm > 0:
         raise ValueError(f"clip: max_norm must be > 0, got {max_norm}")
@@ -44,17 +61,23 @@ def clip(max_norm: float) -> PreAggregator:
         del params
         return ClipState(jnp.zeros((0,), jnp.float32))
 
-    def update(stacked, state, params=None, *, mask=None, **extra):
-        del state, mask, extra
-        check_stacked(stacked, params)
-        scale = weiszfeld.clip_factors(tree.sq_norms(stacked, params), float(max_norm))
-        if params is None:
-            out = jax.tree.map(lambda x: row_kernels.scale_rows(x, scale).astype(x.dtype), stacked)
+    def update(stacked, state, params=None, *, mask=None, lazy=False, **extra):
+        del state, extra
+        n = check_stacked(stacked, params)
+        v = stacked if views.is_view(stacked) else views.identity(stacked, params)
+        if v.gram is not None:
+            sq, valid = jnp.diagonal(v.gram), v.valid
+        elif v.mixing is None:
+            sq = tree.sq_norms(v.base, v.centre)
+            valid = jnp.isfinite(sq) if v.valid is None else jnp.isfinite(sq) & v.valid
         else:
-            out = jax.tree.map(
-                lambda x, c: row_kernels.scale_rows(x, scale, c).astype(x.dtype), stacked, params
-            )
-        return out, ClipState(scale)
+            stats = gram_stats(v, params, None)
+            sq, valid = jnp.diagonal(stats.gram), stats.valid
+        valid = valid & allowed(mask, n)
+        scale = jnp.where(valid, weiszfeld.clip_factors(jnp.where(valid, sq, 0.0), float(max_norm)), 0.0)
+        gram = None if v.gram is None else v.gram * scale[:, None] * scale[None, :]
+        out = views.compose(v, jnp.diag(scale), diagonal=True, gram=gram, valid=valid)
+        return _finish(out, lazy), ClipState(scale)
 
     return PreAggregator(init, update, "clip")
 
@@ -63,10 +86,12 @@ def nnm(num_byzantine: int) -> PreAggregator:
     """Nearest-neighbour mixing (Allouah et al. 2023, AISTATS, "Fixing by Mixing").
 
     Every valid node is replaced by the mean of the m - f valid nodes nearest
-    to it (itself included), distances from a Gram matrix centred on
-    ``params`` (or the coordinate-wise median). Invalid nodes come out as NaN so
-    that any rule downstream excludes them. Precondition: m > 2f (the paper's
-    setting f < m/2). One Gram pass, one mixing pass.
+    to it (itself included; ties to the lower index), distances from a Gram
+    matrix centred on ``params`` (or the coordinate-wise median). Invalid nodes
+    come out as NaN so that any rule downstream excludes them. Precondition:
+    m > 2f (the paper's setting f < m/2). One Gram pass; inside a pipeline the
+    mixed Gram matrix M G M^T is handed on, so a vector-wise rule after NNM
+    needs no second Gram pass.
     """
     f = check_f("nnm", num_byzantine)
 
@@ -74,16 +99,20 @@ def nnm(num_byzantine: int) -> PreAggregator:
         del params
         return MixState(jnp.zeros((0, 0), jnp.float32))
 
-    def update(stacked, state, params=None, *, mask=None, **extra):
+    def update(stacked, state, params=None, *, mask=None, lazy=False, **extra):
         del state, extra
         n = check_stacked(stacked, params)
         require("nnm", n, f, n > 2 * f, f"n > 2f = {2 * f}")
-        stats = gram_stats(stacked, params, mask)
+        if views.is_view(stacked):
+            v = stacked
+        else:
+            v = views.identity(stacked, params if params is not None else robust_centre(stacked))
+        stats = gram_stats(v, params, mask)
         m = static_count(stats.valid)
         require_count("nnm", m, f, m is not None and m > 2 * f, f"n > 2f = {2 * f}")
         mixing = weiszfeld.nnm_matrix(stats.sq_dists, f, stats.valid)
-        out = jax.tree.map(lambda x: row_kernels.mix(x, mixing).astype(x.dtype), stacked)
-        return out, MixState(mixing)
+        out = views.compose(v, mixing, diagonal=False, gram=mixing @ stats.gram @ mixing.T, valid=stats.valid)
+        return _finish(out, lazy), MixState(mixing)
 
     return PreAggregator(init, update, "nnm")
 

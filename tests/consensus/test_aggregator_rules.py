@@ -185,3 +185,36 @@ def test_bulyan_under_jit_with_traced_mask_equals_eager():
     )
     np.testing.assert_allclose(np.asarray(a["w"]), np.asarray(b["w"]), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(sa.info.selected), np.asarray(sb.info.selected))
+
+
+def test_lazy_pipeline_equals_materialised_composition():
+    """process() keeps clip/nnm lazy; the result equals running each stage on materialised stacks."""
+    params, stacked = _nodes(11, d=40, seed=7)
+    stacked["w"] = jnp.asarray(stacked["w"]).at[3].set(jnp.nan)
+    clip, nnm = consensus.clip(2.0), consensus.nnm(2)
+    step1, _ = clip.update(stacked, clip.init(params), params)
+    step2, _ = nnm.update(step1, nnm.init(params), params)
+    for rule in (
+        consensus.krum(2),
+        consensus.median(),
+        consensus.bulyan(1),
+        consensus.centered_clipping(0.5),
+    ):
+        want, _ = rule.update(step2, rule.init(params), params)
+        pipe = consensus.process(rule, pre=[clip, nnm])
+        got, state = pipe.update(stacked, pipe.init(params), params)
+        np.testing.assert_allclose(
+            np.asarray(got["w"]), np.asarray(want["w"]), rtol=1e-5, atol=1e-5, err_msg=rule.name
+        )
+        assert not bool(np.asarray(consensus.get_info(state).valid)[3])
+
+    # A rule that cannot read views gets the view materialised (NaN rows for invalid nodes).
+    def plain_update(x, state, params=None, *, mask=None, **extra):
+        assert isinstance(x, dict), "a rule without accepts_views must receive a plain stacked tree"
+        return consensus.median().update(x, state, params, mask=mask)
+
+    opaque = consensus.Aggregator(consensus.median().init, plain_update, "opaque_median")
+    pipe = consensus.process(opaque, pre=[clip, nnm])
+    got, _ = pipe.update(stacked, pipe.init(params), params)
+    want, _ = consensus.median().update(step2, consensus.median().init(params), params)
+    np.testing.assert_allclose(np.asarray(got["w"]), np.asarray(want["w"]), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,122 @@
+"""Lazy linear views of a stacked tree: pre-aggregators that never materialise.
+
+Clipping and nearest-neighbour mixing are linear maps of the nodes: with a
+centre c, their output rows are ``y_i = c + sum_j A[i, j] (x_j - c)``. Writing
+those n rows out costs a full copy of the stack, and on XLA:CPU a fresh
+(16, 1e7) output costs ~6x one pass over memory in page faults alone. A
+:class:`NodeView` keeps ``(x, A, c)`` instead, and every rule reads it
+through the helpers below:
+
+* Gram matrix of y (centred on c): ``A G_x A^T``, n x n work, cached in the view;
+* a weighted sum of y: one pass over x with weights ``A^T w``;
+* coordinate-wise rules build the rows of y inside their fused kernel.
+
+So ``process(krum(f), pre=(clip(C), nnm(f)))`` reads the parameters twice in
+all: one Gram pass and one weighted-sum pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from consensus import tree
+
+PyTree = Any
+
+
+class NodeView(NamedTuple):
+    """Rows ``y_i = c + sum_j A[i, j] (x_j - c)`` of a stacked tree x, not materialised.
+
+    Attributes:
+      base: the stacked tree x (n rows).
+      mixing: (n, n) A, or None for the identity.
+      centre: the tree c (no node axis), or None for 0.
+      valid: (n,) bool rows of y that exist, or None when not computed yet.
+      gram: cached (n, n) Gram matrix of y centred on c (invalid rows zeroed), or None.
+      diagonal: static; True when A is diagonal (clipping only), which makes
+        building a row of y one multiply-add instead of n.
+    """
+
+    base: PyTree
+    mixing: jax.Array | None = None
+    centre: PyTree | None = None
+    valid: jax.Array | None = None
+    gram: jax.Array | None = None
+    diagonal: bool = True
+
+
+def is_view(x: Any) -> bool:
+    return isinstance(x, NodeView)
+
+
+def base_of(x: PyTree | NodeView) -> PyTree:
+    return x.base if is_view(x) else x
+
+
+def identity(stacked: PyTree, centre: PyTree | None) -> NodeView:
+    return NodeView(stacked, None, centre, None, None, True)
+
+
+def compose(
+    view: NodeView, mixing: jax.Array, *, diagonal: bool, gram: jax.Array | None, valid: jax.Array
+) -> NodeView:
+    """The view of ``z_i = c + sum_k M[i, k] (y_k - c)`` where y is ``view``."""
+    total = mixing if view.mixing is None else mixing @ view.mixing
+    return NodeView(view.base, total, view.centre, valid, gram, view.diagonal and diagonal)
+
+
+def weighted_sum(x: PyTree | NodeView, weights: jax.Array) -> PyTree:
+    """``sum_i w_i y_i`` in one pass over the base stack."""
+    if not is_view(x):
+        return tree.weighted_sum(x, weights)
+    if x.mixing is None:
+        return (
+            tree.weighted_sum(x.base, weights)
+            if x.centre is None
+            else tree.combine(x.base, weights, x.centre, total=jnp.sum(weights))
+        )
+    b = x.mixing.T @ weights
+    if x.centre is None:
+        return tree.weighted_sum(x.base, b)
+    return tree.combine(x.base, b, x.centre, total=jnp.sum(weights))
+
+
+def combine(x: PyTree | NodeView, coeffs: jax.Array, ref: PyTree) -> PyTree:
+    """``ref + sum_i a_i (y_i - ref)``; for a view ``ref`` must be its centre."""
+    if not is_view(x):
+        return tree.combine(x, coeffs, ref)
+    b = coeffs if x.mixing is None else x.mixing.T @ coeffs
+    if x.centre is None:
+        return tree.weighted_sum(x.base, b)
+    return tree.combine(x.base, b, x.centre)
+
+
+def leaf_inputs(x: PyTree | NodeView) -> tuple[list, list, jax.Array | None, bool]:
+    """(base leaves, centre leaves or Nones, mixing, diagonal) for per-leaf kernels."""
+    if not is_view(x):
+        leaves = jax.tree_util.tree_leaves(x)
+        return leaves, [None] * len(leaves), None, True
+    leaves = jax.tree_util.tree_leaves(x.base)
+    centres = [None] * len(leaves) if x.centre is None else jax.tree_util.tree_leaves(x.centre)
+    return leaves, centres, x.mixing, x.diagonal
+
+
+def materialise(x: PyTree | NodeView) -> PyTree:
+    """The rows of y as an ordinary stacked tree (one copy of the stack); invalid rows NaN."""
+    if not is_view(x):
+        return x
+    from kernels import rows as row_kernels
+
+    leaves, centres, mixing, diagonal = leaf_inputs(x)
+    treedef = jax.tree_util.tree_structure(x.base)
+    out = []
+    for leaf, c in zip(leaves, centres, strict=True):
+        r = row_kernels.view_rows(leaf, mixing, c, diagonal=diagonal)
+        y = jnp.stack(r).astype(leaf.dtype)
+        if x.valid is not None:
+            y = jnp.where(x.valid.reshape((-1,) + (1,) * (y.ndim - 1)), y, jnp.nan).astype(leaf.dtype)
+        out.append(y)
+    return jax.tree_util.tree_unflatten(treedef, out)
