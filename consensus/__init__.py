@@ -10,6 +10,7 @@ One flat namespace over small private modules, in the style of optax::
     consensus.get_info(state).selected                # which nodes were kept
 """
 
+from consensus import dp, privacy
 from consensus.aggregators import (
     ClipState,
     MixState,
@@ -35,6 +36,18 @@ from consensus.base import (
     PreAggregator,
     get_info,
 )
+from consensus.dp import (
+    AdaptiveClipConfig,
+    check_dp_compatible,
+    dp_fedavg,
+    dp_sensitivity,
+    dp_weighted_mean,
+    privacy_event,
+    privatise,
+    round_participants,
+    sample_participants,
+)
+from consensus.privacy import PrivacyBudgetExceeded, PrivacyEvent, PrivacyLedger, calibrate_noise
 from consensus.tree import (
     NonFiniteError,
     TreeMismatchError,
@@ -53,6 +66,7 @@ from consensus.tree import (
 )
 
 __all__ = [
+    "AdaptiveClipConfig",
     "AggregationInfo",
     "Aggregator",
     "ByzantineToleranceError",
@@ -60,16 +74,25 @@ __all__ = [
     "MixState",
     "NonFiniteError",
     "PreAggregator",
+    "PrivacyBudgetExceeded",
+    "PrivacyEvent",
+    "PrivacyLedger",
     "ProcessState",
     "TreeMismatchError",
     "broadcast",
     "bulyan",
+    "calibrate_noise",
+    "check_dp_compatible",
     "centered_clipping",
     "chain",
     "check_finite",
     "check_same_structure",
     "clip",
     "combine",
+    "dp",
+    "dp_fedavg",
+    "dp_sensitivity",
+    "dp_weighted_mean",
     "finite_mask",
     "geometric_median",
     "get_info",
@@ -81,7 +104,12 @@ __all__ = [
     "nnm",
     "nonfinite_report",
     "num_nodes",
+    "privacy",
+    "privacy_event",
+    "privatise",
     "process",
+    "round_participants",
+    "sample_participants",
     "sq_norms",
     "stack",
     "trimmed_mean",
