@@ -10,7 +10,7 @@ One flat namespace over small private modules, in the style of optax::
     consensus.get_info(state).selected                # which nodes were kept
 """
 
-from consensus import dp, privacy
+from consensus import convex, dp, privacy
 from consensus.aggregators import (
     ClipState,
     MixState,
@@ -35,6 +35,22 @@ from consensus.base import (
     ByzantineToleranceError,
     PreAggregator,
     get_info,
+)
+from consensus.convex import (
+    ConvexMergeState,
+    ConvexWeights,
+    LossModel,
+    ProblemCache,
+    anchor_weigher,
+    anchor_weights,
+    convex_merge,
+    empirical_fisher,
+    mixture_nll_weigher,
+    mixture_nll_weights,
+    quadratic_weigher,
+    quadratic_weights,
+    softmax_gauss_newton,
+    trust_region_quadratic_weights,
 )
 from consensus.dp import (
     AdaptiveClipConfig,
@@ -66,6 +82,20 @@ from consensus.tree import (
 )
 
 __all__ = [
+    "ConvexMergeState",
+    "ConvexWeights",
+    "LossModel",
+    "ProblemCache",
+    "anchor_weigher",
+    "anchor_weights",
+    "convex_merge",
+    "empirical_fisher",
+    "mixture_nll_weigher",
+    "mixture_nll_weights",
+    "quadratic_weigher",
+    "quadratic_weights",
+    "softmax_gauss_newton",
+    "trust_region_quadratic_weights",
     "AdaptiveClipConfig",
     "AggregationInfo",
     "Aggregator",
@@ -89,6 +119,7 @@ __all__ = [
     "check_same_structure",
     "clip",
     "combine",
+    "convex",
     "dp",
     "dp_fedavg",
     "dp_sensitivity",

@@ -1,0 +1,264 @@
+"""Convex merge weights as an aggregator: solve for w on the host, merge in one pass.
+
+:func:`convex_merge` wraps a *weigher*, a host-side function that returns
+:class:`~consensus.convex.weights.ConvexWeights` for a stacked tree, into a
+:class:`~consensus.base.Aggregator`. The weigher runs cvxpy (not jittable;
+the problem is compiled once and re-solved each round), then the merge is one
+streaming :func:`consensus.tree.weighted_sum` pass. Ready-made weighers:
+:func:`quadratic_weigher`, :func:`mixture_nll_weigher`, :func:`anchor_weigher`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from consensus import tree
+from consensus.base import AggregationInfo, Aggregator, empty_info, get_info
+from consensus.convex.curvature import LossModel
+from consensus.convex.weights import (
+    ConvexWeights,
+    accepted_mask,
+    anchor_weights,
+    mixture_nll_weights,
+    quadratic_weights,
+    trust_region_quadratic_weights,
+)
+
+PyTree = Any
+
+
+class Weigher(Protocol):
+    """``weigher(stacked, params, mask, **extra) -> ConvexWeights`` (host side).
+
+    ``mask`` is the (n,) numpy bool of nodes allowed to take part (the vote's
+    mask and finiteness already combined); ``params`` the current global tree
+    or None; ``extra`` the keyword arguments given to the aggregator's update
+    (for example the held-out ``batch``).
+    """
+
+    def __call__(
+        self, stacked: PyTree, params: PyTree | None, mask: np.ndarray, **extra: Any
+    ) -> ConvexWeights: ...
+
+
+class ConvexMergeState(NamedTuple):
+    """State of :func:`convex_merge`.
+
+    Attributes:
+      info: the round's :class:`~consensus.base.AggregationInfo`; ``selected``
+        is the set of nodes the weigher accepted (allowed a positive weight).
+      result: the round's :class:`~consensus.convex.weights.ConvexWeights`
+        (status, objective, solve time, fallback and its reason), None before
+        the first update.
+    """
+
+    info: AggregationInfo
+    result: ConvexWeights | None = None
+
+
+def _sensitivity(clip_norm: float, num_nodes: float) -> float:
+    del num_nodes
+    return 2.0 * float(clip_norm)
+
+
+def convex_merge(weigher: Weigher, *, name: str = "convex_merge") -> Aggregator:
+    """An aggregator that merges with weights from a convex problem.
+
+    .. math:: \\bar x = \\sum_i w_i x_i,\\qquad w = \\text{weigher}(x) \\in
+              \\{w \\ge 0, \\textstyle\\sum_i w_i = 1\\}
+
+    ``update(stacked, state, params=None, *, mask=None, **extra)`` combines
+    ``mask`` with the finite-node mask, calls ``weigher(stacked, params, valid,
+    **extra)`` on the host, and merges with one weighted-sum pass (nodes of
+    weight 0 contribute exactly 0, even when they hold NaN). The state records
+    the ConvexWeights result, so a solver fallback is visible in the round's
+    info. Infeasible options (caps below 1/n_valid, no valid node) raise the
+    weigher's ValueError. Not jittable (cvxpy runs on the host).
+
+    Sensitivity (for DP): ``2 * clip_norm``, whatever n. The merged update
+    ``sum_i w_i u_i`` is a convex combination of node updates clipped to norm
+    C, so it lies in the C-ball, and any two such outputs (with or without one
+    node) are at most 2C apart. No tighter bound is claimed: the weights are
+    data-dependent, so adding or removing one node may move every weight (a
+    node can take the whole mass up to the cap). Unlike the uniform mean's
+    C/n this does not shrink with n, so DP noise for this rule is large. The
+    bound is for stacked *updates* (deltas); merging parameter trees adds
+    ``(1 - sum w) * params`` with ``|1 - sum w|`` at float32 rounding (~1e-7 n).
+
+    Args:
+      weigher: see :class:`Weigher`.
+      name: the aggregator's name.
+
+    Returns:
+      :class:`~consensus.base.Aggregator`.
+
+    Example:
+      >>> agg = convex_merge(quadratic_weigher(model_fn, max_weight=1 / (n - f)))
+      >>> state = agg.init(params)
+      >>> merged, state = agg.update(stacked, state, params, mask=vote, batch=held_out)
+      >>> state.result.status, state.result.fallback
+    """
+    if not callable(weigher):
+        raise TypeError(f"weigher must be callable, got {type(weigher).__name__}")
+
+    def init(params: PyTree) -> ConvexMergeState:
+        del params
+        return ConvexMergeState(info=empty_info(), result=None)
+
+    def update(stacked, state, params=None, *, mask=None, **extra):
+        del state
+        n = tree.num_nodes(stacked)
+        if params is not None:
+            tree.check_stacked_against(stacked, params)
+        valid = accepted_mask(mask, n) & np.asarray(tree.finite_mask(stacked))
+        result = weigher(stacked, params, valid, **extra)
+        if not isinstance(result, ConvexWeights):
+            raise TypeError(f"weigher must return ConvexWeights, got {type(result).__name__}")
+        w = jnp.asarray(result.weights, jnp.float32)
+        merged = tree.weighted_sum(stacked, w)
+        info = AggregationInfo(
+            valid=jnp.asarray(valid), selected=jnp.asarray(result.accepted & valid), weights=w
+        )
+        return merged, ConvexMergeState(info=info, result=result)
+
+    return Aggregator(init=init, update=update, name=name, sensitivity=_sensitivity)
+
+
+# ----------------------------------------------------------------------------- weighers
+
+
+def _reference(stacked: PyTree, params: PyTree | None, mask: np.ndarray, reference: Any) -> PyTree:
+    if reference == "mean":
+        return tree.weighted_sum(stacked, jnp.asarray(mask.astype(np.float32) / mask.sum()))
+    if reference == "params":
+        if params is None:
+            raise ValueError("reference='params' needs the current global params in update(..., params=...)")
+        return params
+    if isinstance(reference, Aggregator):
+        merged, _ = reference.update(stacked, reference.init(params), params, mask=jnp.asarray(mask))
+        return merged
+    raise ValueError(
+        f"reference must be 'mean', 'params' or an Aggregator (a robust mean), got {reference!r}"
+    )
+
+
+def quadratic_weigher(
+    model_fn: Callable[..., LossModel],
+    *,
+    reference: Any = "mean",
+    trust_region: bool = True,
+    loss_fn: Callable[..., Any] | None = None,
+    eta: float = 0.1,
+    max_steps: int = 8,
+    **options: Any,
+) -> Weigher:
+    """Weigher for the quadratic model of the held-out loss.
+
+    Each round: theta_0 = ``reference`` ("mean": the uniform mean of the valid
+    nodes; "params": the current global params; or an Aggregator such as a
+    robust mean), then ``model_fn(theta_0, **extra) -> LossModel`` (for example
+    :func:`~consensus.convex.curvature.softmax_gauss_newton` on the held-out
+    batch passed to ``update``), then the QP. With ``trust_region`` (default)
+    the weights go through
+    :func:`~consensus.convex.weights.trust_region_quadratic_weights`, so the
+    merge's true held-out loss is never above the uniform merge's; the loss of
+    a candidate merge is ``loss_fn(params, **extra)`` or, if None,
+    ``model_fn(params, **extra).loss``. Without it,
+    :func:`~consensus.convex.weights.quadratic_weights` is used as is.
+
+    Args:
+      model_fn: builds the loss model at a point.
+      reference: see above.
+      trust_region: safeguard the weights by the true held-out loss.
+      loss_fn: cheaper held-out loss for the trust region (optional).
+      eta, max_steps: trust-region acceptance threshold and number of ridge increases.
+      **options: lambda_reg, max_weight, min_weight, damping, solver, cache, solver_options.
+
+    Returns:
+      a :class:`Weigher`.
+
+    Example:
+      >>> def model_fn(p, x, y): return softmax_gauss_newton(logits_fn, p, x, y)
+      >>> agg = convex_merge(quadratic_weigher(model_fn, max_weight=0.5))
+      >>> merged, state = agg.update(stacked, agg.init(params), x=x_val, y=y_val)
+    """
+
+    def weigh(stacked, params, mask, **extra):
+        ref = _reference(stacked, params, mask, reference)
+        model = model_fn(ref, **extra)
+        if not trust_region:
+            return quadratic_weights(
+                stacked, ref, model.grad, model.curvature, loss=float(model.loss), mask=mask, **options
+            )
+
+        def loss_at(p):
+            return float(loss_fn(p, **extra)) if loss_fn is not None else float(model_fn(p, **extra).loss)
+
+        return trust_region_quadratic_weights(
+            stacked,
+            ref,
+            model.grad,
+            model.curvature,
+            loss_at,
+            loss=float(model.loss),
+            eta=eta,
+            max_steps=max_steps,
+            mask=mask,
+            **options,
+        )
+
+    return weigh
+
+
+def mixture_nll_weigher(prob_fn: Callable[..., jax.Array], **options: Any) -> Weigher:
+    """Weigher for :func:`~consensus.convex.weights.mixture_nll_weights` (stacking).
+
+    ``prob_fn(node_params, **extra) -> (m,)`` gives one node's probability of
+    the true label of each held-out example; it is vmapped over the node axis
+    to form ``probs`` (n, m).
+
+    Example:
+      >>> def prob_fn(p, batch):
+      ...     return jnp.take_along_axis(jax.nn.softmax(batch["x"] @ p["w"] + p["b"]),
+      ...                                batch["y"][:, None], 1)[:, 0]
+      >>> agg = convex_merge(mixture_nll_weigher(prob_fn, max_weight=0.5))
+    """
+
+    def weigh(stacked, params, mask, **extra):
+        del params
+        probs = jax.vmap(lambda p: prob_fn(p, **extra))(stacked)
+        return mixture_nll_weights(np.asarray(probs, np.float64), mask=mask, **options)
+
+    return weigh
+
+
+def anchor_weigher(anchor: Aggregator, **options: Any) -> Weigher:
+    """Weigher for :func:`~consensus.convex.weights.anchor_weights` around a robust aggregator.
+
+    The anchor aggregator (geometric median, trimmed mean, ...) runs on the same
+    stacked tree and mask. If its info says its output is a weighted mean of the
+    nodes (``info.linear``, e.g. Weiszfeld's weights of the geometric median),
+    those weights are used (b = G v, exact); otherwise its output tree is the
+    anchor.
+
+    Example:
+      >>> agg = convex_merge(anchor_weigher(trimmed_mean(f=2), max_weight=1 / (n - 2)))
+    """
+    if not isinstance(anchor, Aggregator):
+        raise TypeError(f"anchor must be an Aggregator (a robust rule), got {type(anchor).__name__}")
+
+    def weigh(stacked, params, mask, **extra):
+        merged, st = anchor.update(stacked, anchor.init(params), params, mask=jnp.asarray(mask))
+        info = get_info(st)
+        if info.linear:
+            v = np.asarray(info.weights, np.float64)
+            v = np.where(mask, v, 0.0)
+            return anchor_weights(stacked, anchor_node_weights=v / v.sum(), mask=mask, **options)
+        return anchor_weights(stacked, merged, mask=mask, **options)
+
+    return weigh

@@ -1,0 +1,800 @@
+"""Convex merge weights: simplex weights over the nodes from a convex problem.
+
+Three objectives, each a cvxpy problem compiled once (see
+:mod:`consensus.convex.problems`) and re-solved through Parameters:
+
+* :func:`quadratic_weights`: a quadratic model of the held-out loss of the
+  merged parameters around a reference point;
+* :func:`mixture_nll_weights`: the negative log-likelihood of the mixture of the
+  nodes' predictive distributions on held-out data (stacking);
+* :func:`anchor_weights`: the merged point closest to a robust anchor.
+
+All three share the feasible set and options::
+
+    W = {w : sum_i w_i = 1, lb_i <= w_i <= ub_i},
+    ub_i = max_weight * a_i,  lb_i = min_weight * a_i,  a_i = 1 if node i is accepted
+
+plus an optional ridge ``lambda_reg * ||w - u||^2`` towards the uniform weights
+u over the accepted nodes. Infeasible options raise ValueError before any
+solve. A solver failure (exception, bad status, non-finite point) returns the
+uniform weights over the accepted nodes with ``fallback=True`` and the reason
+in ``message``; weights are never NaN. The solver's point is projected onto W
+(Euclidean, by bisection), so the returned weights satisfy the constraints to
+rounding even when the solver stops at its tolerance.
+
+Statistics come from the stacked tree leaf by leaf (Gram matrices of deltas,
+matrix-vector products), summed over leaves in float64; parameters are never
+flattened into one vector.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from consensus import tree
+from consensus.convex import problems
+from consensus.convex.problems import (
+    DEFAULT_SOLVER,
+    ProblemCache,
+    accepted_mask,
+    check_options,
+    factor_psd,
+    polish_qp,
+    project_capped_simplex,
+    uniform_weights,
+    weight_bounds,
+)
+from kernels import gram as gram_kernels
+
+PyTree = Any
+HIGHEST = jax.lax.Precision.HIGHEST
+# Probabilities are floored here before the log: a node that gives a held-out
+# example probability 0 would otherwise make the objective infinite for any
+# weight vector that relies on it alone.
+PROB_FLOOR = 1e-12
+
+
+_BLAS_CONTROLLER: Any = None
+
+
+def _single_threaded_blas(fn):
+    """Run fn with the BLAS pool limited to one thread (threadpoolctl, if importable).
+
+    The host-side algebra here is on n x n matrices (n <= a few hundred). With
+    OpenBLAS's default pool, an eigh of a 64 x 64 matrix right after a solver
+    call measured 10 ms instead of 0.4 ms on a busy 2-core machine (threads
+    spinning against each other); one thread is the fastest at these sizes.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        global _BLAS_CONTROLLER
+        if _BLAS_CONTROLLER is None:
+            try:
+                from threadpoolctl import ThreadpoolController
+
+                _BLAS_CONTROLLER = ThreadpoolController()
+            except ImportError:  # threadpoolctl comes with scikit-learn; without it, do nothing
+                _BLAS_CONTROLLER = False
+        if _BLAS_CONTROLLER is False:
+            return fn(*args, **kwargs)
+        with _BLAS_CONTROLLER.limit(limits=1, user_api="blas"):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@dataclass(frozen=True)
+class ConvexWeights:
+    """Result of a convex weighing, the same type for every objective.
+
+    Attributes:
+      weights: (n,) float64 on the capped simplex; 0 for rejected nodes.
+      objective: the objective at ``weights`` in its own units, computed in
+        float64 from the statistics (quadratic: predicted held-out loss;
+        mixture_nll: mean NLL; anchor: squared distance), ridge included.
+      status: the solver's status ("optimal", "optimal_inaccurate", or why it
+        failed).
+      solve_time: seconds spent in ``problem.solve`` (all Newton steps for the
+        Newton method); building statistics is not included.
+      fallback: True when the weights are the uniform fallback.
+      message: why the fallback was taken, or notes ("" when none).
+      accepted: (n,) bool, the nodes allowed a positive weight.
+      objective_name: "quadratic", "mixture_nll", "anchor" or "qp".
+      solver: the cvxpy solver used.
+      built: True when this call compiled the problem (False: a DPP re-solve).
+      iterations: solves performed (1, or the Newton steps).
+    """
+
+    weights: np.ndarray
+    objective: float
+    status: str
+    solve_time: float
+    fallback: bool
+    message: str
+    accepted: np.ndarray
+    objective_name: str = "qp"
+    solver: str = DEFAULT_SOLVER
+    built: bool = False
+    iterations: int = 1
+
+
+# ----------------------------------------------------------------------------- QP
+
+
+def _qp_objective(qm: np.ndarray, q: np.ndarray, c: float, lam: float, u: np.ndarray, w: np.ndarray) -> float:
+    return float(0.5 * w @ qm @ w + q @ w + c + lam * np.sum((w - u) ** 2))
+
+
+@_single_threaded_blas
+def solve_qp_weights(
+    qmat: np.ndarray,
+    q: np.ndarray,
+    const: float = 0.0,
+    *,
+    objective_name: str = "qp",
+    lambda_reg: float = 0.0,
+    max_weight: float | None = None,
+    min_weight: float = 0.0,
+    mask: Any = None,
+    solver: str = DEFAULT_SOLVER,
+    cache: ProblemCache | None = None,
+    solver_options: dict[str, Any] | None = None,
+) -> ConvexWeights:
+    """Weights minimising a convex quadratic over the capped simplex.
+
+    .. math:: \\min_{w \\in W} \\tfrac12 w^T Q w + q^T w + c + \\lambda \\|w - u\\|^2
+
+    Rows and columns of rejected nodes are ignored (they may hold NaN). The
+    problem is scaled by ``max(|Q|, |q|)`` before solving so that the solver's
+    tolerances are relative; Q enters through a PSD factor (see
+    :mod:`~consensus.convex.problems`).
+
+    Args:
+      qmat: (n, n) symmetric PSD matrix Q.
+      q: (n,) linear term.
+      const: constant c (only changes the reported objective).
+      objective_name: name recorded in the result.
+      lambda_reg, max_weight, min_weight, mask: see the module docstring.
+      solver: installed cvxpy solver; Clarabel by default.
+      cache: problem cache (default: the process-wide one).
+      solver_options: keyword arguments for ``problem.solve``.
+
+    Returns:
+      :class:`ConvexWeights`.
+    """
+    check_options(lambda_reg, max_weight, min_weight)
+    qmat = np.asarray(qmat, np.float64)
+    q = np.asarray(q, np.float64)
+    n = q.shape[0]
+    if qmat.shape != (n, n) or q.shape != (n,):
+        raise ValueError(f"Q must be (n, n) and q (n,), got {qmat.shape} and {q.shape}")
+    acc = accepted_mask(mask, n)
+    lb, ub = weight_bounds(acc, max_weight, min_weight)
+    keep = np.outer(acc, acc)
+    qmat = np.where(keep, qmat, 0.0)
+    q = np.where(acc, q, 0.0)
+    u = uniform_weights(acc)
+    lam = float(lambda_reg)
+    floored = bool(np.any(lb > 0))
+    compiled, built = problems.get_problem(
+        "qp", n, solver=solver, ridge=lam > 0, floored=floored, cache=cache
+    )
+    if not (np.all(np.isfinite(qmat)) and np.all(np.isfinite(q)) and math.isfinite(const)):
+        return _fallback(
+            acc,
+            lb,
+            ub,
+            objective_name,
+            compiled,
+            built,
+            "solver_error",
+            0.0,
+            "statistics of accepted nodes are not finite",
+            lambda w: float("nan"),
+        )
+    scale = max(float(np.max(np.abs(qmat))), float(np.max(np.abs(q))), 2.0 * lam, 1e-300)
+    values: dict[str, Any] = {
+        "Lt": factor_psd(qmat / scale, check=True),
+        "q": (q - 2.0 * lam * u) / scale,
+        "c": (const + lam * float(u @ u)) / scale,
+        "ub": ub,
+    }
+    if lam > 0:
+        values["r"] = math.sqrt(lam / scale)
+    if floored:
+        values["lb"] = lb
+    out = problems.solve(compiled, values, solver_options=solver_options)
+
+    def objective(w: np.ndarray) -> float:
+        return _qp_objective(qmat, q, const, lam, u, w)
+
+    if out.w is None:
+        return _fallback(
+            acc, lb, ub, objective_name, compiled, built, out.status, out.solve_time, out.error, objective
+        )
+    w = project_capped_simplex(out.w, lb, ub)
+    polished = polish_qp(qmat + 2.0 * lam * np.eye(n), q - 2.0 * lam * u, w, lb, ub)
+    w = w if polished is None else polished
+    return ConvexWeights(
+        w,
+        objective(w),
+        out.status,
+        out.solve_time,
+        False,
+        "",
+        acc,
+        objective_name,
+        compiled.key.solver,
+        built,
+    )
+
+
+def _fallback(acc, lb, ub, name, compiled, built, status, solve_time, why, objective) -> ConvexWeights:
+    w = uniform_weights(acc)
+    return ConvexWeights(
+        w,
+        objective(w),
+        status,
+        solve_time,
+        True,
+        f"{why}; fell back to uniform weights over the {int(acc.sum())} accepted nodes",
+        acc,
+        name,
+        compiled.key.solver,
+        built,
+    )
+
+
+# ----------------------------------------------------------------------------- tree statistics
+
+
+def _check_like(name: str, t: PyTree, ref: PyTree) -> None:
+    t_leaves, t_def = jax.tree_util.tree_flatten(t)
+    r_leaves, r_def = jax.tree_util.tree_flatten(ref)
+    if t_def != r_def:
+        raise tree.TreeMismatchError(f"{name} has a different tree structure from the reference params")
+    for path, a, b in zip(tree.leaf_paths(ref), r_leaves, t_leaves, strict=True):
+        if np.shape(a) != np.shape(b):
+            raise tree.TreeMismatchError(
+                f"{name}, leaf {path}: shape {np.shape(b)} != params shape {np.shape(a)}"
+            )
+
+
+def _check_finite_tree(name: str, t: PyTree, *, nonneg: bool = False) -> None:
+    for path, x in zip(tree.leaf_paths(t), jax.tree_util.tree_leaves(t), strict=True):
+        arr = np.asarray(x, np.float64)
+        if not np.all(np.isfinite(arr)):
+            raise ValueError(f"{name}, leaf {path}: holds NaN or Inf")
+        if nonneg and np.any(arr < 0):
+            raise ValueError(f"{name}, leaf {path}: a curvature must be >= 0, found min {arr.min():g}")
+
+
+@jax.jit
+def _scaled_delta_gram(x: jax.Array, ref: jax.Array, h: jax.Array) -> jax.Array:
+    # Centre first, then scale: (x - ref) is exact-ish for close nodes; scaling
+    # before centring would cancel like raw-parameter Grams do.
+    s = jnp.sqrt(h.astype(jnp.float32))
+    d = (x.astype(jnp.float32) - ref.astype(jnp.float32)[None]) * s[None]
+    return gram_kernels.gram(d)
+
+
+@jax.jit
+def _delta_dot(x: jax.Array, ref: jax.Array, v: jax.Array) -> jax.Array:
+    n = x.shape[0]
+    d = (x.astype(jnp.float32) - ref.astype(jnp.float32)[None]).reshape(n, -1)
+    return jnp.dot(d, v.astype(jnp.float32).reshape(-1), precision=HIGHEST)
+
+
+def quadratic_statistics(
+    stacked: PyTree, ref: PyTree, grad: PyTree, curvature: PyTree
+) -> tuple[np.ndarray, np.ndarray]:
+    """(Q, q) of the quadratic model, leaf by leaf, summed in float64.
+
+    .. math:: Q = D H D^T = \\sum_{leaves} G((x - \\theta_0) \\sqrt h),\\qquad q = D g
+
+    where row i of D is node i's delta ``x_i - theta_0`` and ``H = diag(h)``.
+    """
+    tree.check_stacked_against(stacked, ref)
+    _check_like("grad", grad, ref)
+    _check_like("curvature", curvature, ref)
+    n = tree.num_nodes(stacked)
+    qmat = np.zeros((n, n))
+    q = np.zeros(n)
+    for x, r, g, h in zip(
+        *(jax.tree_util.tree_leaves(t) for t in (stacked, ref, grad, curvature)), strict=True
+    ):
+        qmat += np.asarray(_scaled_delta_gram(x, r, h), np.float64)
+        q += np.asarray(_delta_dot(x, r, g), np.float64)
+    return qmat, q
+
+
+def _masked_mean(stacked: PyTree, acc: np.ndarray) -> PyTree:
+    w = jnp.asarray(acc.astype(np.float32) / acc.sum())
+    return tree.weighted_sum(stacked, w)
+
+
+def _combined_mask(stacked: PyTree, mask: Any) -> np.ndarray:
+    n = tree.num_nodes(stacked)
+    return accepted_mask(mask, n) & np.asarray(tree.finite_mask(stacked))
+
+
+# ----------------------------------------------------------------------------- objectives
+
+
+def quadratic_weights(
+    stacked: PyTree,
+    ref: PyTree,
+    grad: PyTree,
+    curvature: PyTree,
+    *,
+    loss: float = 0.0,
+    damping: float = 0.0,
+    lambda_reg: float = 0.0,
+    max_weight: float | None = None,
+    min_weight: float = 0.0,
+    mask: Any = None,
+    solver: str = DEFAULT_SOLVER,
+    cache: ProblemCache | None = None,
+    solver_options: dict[str, Any] | None = None,
+) -> ConvexWeights:
+    """Weights minimising a quadratic model of the held-out loss of the merge.
+
+    With ``theta(w) = sum_i w_i x_i`` and ``sum_i w_i = 1``,
+    ``theta(w) - theta_0 = D^T w`` (rows of D: the deltas ``x_i - theta_0``), so
+
+    .. math:: L(\\theta(w)) \\approx L_0 + (D g)^T w + \\tfrac12 w^T D (H + \\delta I) D^T w
+
+    with g the held-out gradient and ``H = diag(h) >= 0`` a diagonal Fisher or
+    Gauss-Newton curvature at theta_0 (see :mod:`consensus.convex.curvature`).
+    An n-dimensional QP; the n x n matrix is a Gram matrix of the scaled deltas.
+
+    Args:
+      stacked: stacked tree of the n nodes' parameters.
+      ref: the reference point theta_0 (the uniform or a robust mean of the
+        nodes, or the current global params), a tree like one node.
+      grad: gradient of the held-out loss at ``ref``, a tree like ``ref``.
+      curvature: diagonal curvature h >= 0 at ``ref``, a tree like ``ref``.
+      loss: held-out loss at ``ref`` (only shifts the reported objective).
+      damping: delta >= 0 added to h (a trust-region-like damping).
+      lambda_reg, max_weight, min_weight, mask, solver, cache, solver_options:
+        see :func:`solve_qp_weights`. Nodes holding NaN/Inf are rejected on
+        top of ``mask``.
+
+    Returns:
+      :class:`ConvexWeights`; ``objective`` is the predicted held-out loss.
+
+    Example:
+      >>> model = softmax_gauss_newton(logits_fn, ref, x_val, y_val)
+      >>> res = quadratic_weights(stacked, ref, model.grad, model.curvature, loss=model.loss,
+      ...                         max_weight=1 / (n - f))
+
+    References:
+      Matena & Raffel, "Merging Models with Fisher-Weighted Averaging", NeurIPS 2022.
+    """
+    if not (math.isfinite(damping) and damping >= 0):
+        raise ValueError(f"damping must be a finite number >= 0, got {damping!r}")
+    acc = _combined_mask(stacked, mask)
+    _check_finite_tree("ref", ref)
+    _check_finite_tree("grad", grad)
+    _check_finite_tree("curvature", curvature, nonneg=True)
+    if damping > 0:
+        curvature = jax.tree.map(lambda h: h + jnp.asarray(damping, jnp.result_type(h)), curvature)
+    qmat, q = quadratic_statistics(stacked, ref, grad, curvature)
+    return solve_qp_weights(
+        qmat,
+        q,
+        float(loss),
+        objective_name="quadratic",
+        lambda_reg=lambda_reg,
+        max_weight=max_weight,
+        min_weight=min_weight,
+        mask=acc,
+        solver=solver,
+        cache=cache,
+        solver_options=solver_options,
+    )
+
+
+def trust_region_quadratic_weights(
+    stacked: PyTree,
+    ref: PyTree,
+    grad: PyTree,
+    curvature: PyTree,
+    loss_at: Callable[[PyTree], float],
+    *,
+    loss: float = 0.0,
+    eta: float = 0.1,
+    max_steps: int = 8,
+    damping: float = 0.0,
+    lambda_reg: float = 0.0,
+    max_weight: float | None = None,
+    min_weight: float = 0.0,
+    mask: Any = None,
+    solver: str = DEFAULT_SOLVER,
+    cache: ProblemCache | None = None,
+    solver_options: dict[str, Any] | None = None,
+) -> ConvexWeights:
+    """Quadratic-model weights, safeguarded by the true held-out loss (a trust region).
+
+    The quadratic model is only trusted near its reference point; far from it
+    (a vertex of the simplex, for a non-convex network) it can promise a loss
+    the merge does not have. As in Levenberg-Marquardt, the ridge towards
+    uniform weights u is the trust region: solve :func:`quadratic_weights` with
+    ridge lambda, evaluate the true held-out loss L of the merge, and accept
+    when
+
+    .. math:: \\rho = \\frac{L(\\theta(u)) - L(\\theta(w))}{m(u) - m(w)} \\ge \\eta
+
+    (m the quadratic model); otherwise ``lambda <- max(10 lambda, 0.01 |Q|)``
+    and re-solve (a DPP re-solve: only Parameters change). Accepted weights
+    never have a higher held-out loss than the uniform merge; after
+    ``max_steps`` rejections the uniform weights are returned (and the
+    message says so).
+
+    Args:
+      stacked, ref, grad, curvature, loss, damping, lambda_reg, max_weight,
+        min_weight, mask, solver, cache, solver_options: as in
+        :func:`quadratic_weights` (``lambda_reg`` is the first ridge tried).
+      loss_at: ``loss_at(params) -> float``, the held-out loss of a tree like
+        ``ref`` (for example ``lambda p: float(model_fn(p).loss)``).
+      eta: acceptance threshold on rho, in (0, 1).
+      max_steps: how many times the ridge may grow.
+
+    Returns:
+      :class:`ConvexWeights`; ``iterations`` counts the solves, ``message``
+      gives the accepted lambda, rho and held-out losses.
+
+    References:
+      Nocedal & Wright, "Numerical Optimization", ch. 4 (trust regions), 2006.
+    """
+    if not (0 < eta < 1):
+        raise ValueError(f"eta must be in (0, 1), got {eta!r}")
+    if max_steps < 0:
+        raise ValueError(f"max_steps must be >= 0, got {max_steps!r}")
+    if not (math.isfinite(damping) and damping >= 0):
+        raise ValueError(f"damping must be a finite number >= 0, got {damping!r}")
+    check_options(lambda_reg, max_weight, min_weight)
+    acc = _combined_mask(stacked, mask)
+    _check_finite_tree("ref", ref)
+    _check_finite_tree("grad", grad)
+    _check_finite_tree("curvature", curvature, nonneg=True)
+    if damping > 0:
+        curvature = jax.tree.map(lambda h: h + jnp.asarray(damping, jnp.result_type(h)), curvature)
+    qmat, q = quadratic_statistics(stacked, ref, grad, curvature)
+    keep = np.outer(acc, acc)
+    qz, qv = np.where(keep, qmat, 0.0), np.where(acc, q, 0.0)
+    u = uniform_weights(acc)
+
+    def model(w: np.ndarray) -> float:
+        return float(loss + qv @ w + 0.5 * w @ qz @ w)
+
+    def merged(w: np.ndarray) -> PyTree:
+        return tree.weighted_sum(stacked, jnp.asarray(w, jnp.float32))
+
+    loss_u = float(loss_at(merged(u)))
+    scale = max(float(np.max(np.abs(qz))), 1e-300)
+    lam = float(lambda_reg)
+    total_time = 0.0
+    res = None
+    for step in range(max_steps + 1):
+        res = solve_qp_weights(
+            qmat,
+            q,
+            float(loss),
+            objective_name="quadratic",
+            lambda_reg=lam,
+            max_weight=max_weight,
+            min_weight=min_weight,
+            mask=acc,
+            solver=solver,
+            cache=cache,
+            solver_options=solver_options,
+        )
+        total_time += res.solve_time
+        if res.fallback:
+            return res
+        w = res.weights
+        predicted = model(u) - model(w)
+        if predicted <= 1e-12 * max(1.0, abs(loss_u)):
+            note = f"trust region: the model predicts no gain over uniform weights (lambda={lam:.3g})"
+            return _replace(res, solve_time=total_time, message=note, iterations=step + 1)
+        loss_w = float(loss_at(merged(w)))
+        rho = (loss_u - loss_w) / predicted
+        if rho >= eta and loss_w <= loss_u:
+            note = (
+                f"trust region: accepted lambda={lam:.3g}, rho={rho:.3f}, held-out loss {loss_w:.6g} "
+                f"(uniform {loss_u:.6g})"
+            )
+            return _replace(res, solve_time=total_time, message=note, iterations=step + 1)
+        lam = max(10.0 * lam, 0.01 * scale)
+    note = (
+        f"trust region: no step with rho >= {eta} in {max_steps + 1} solves (last lambda={lam / 10:.3g}); "
+        "uniform weights"
+    )
+    return _replace(
+        res, weights=u, objective=model(u), solve_time=total_time, message=note, iterations=max_steps + 1
+    )
+
+
+def _replace(res: ConvexWeights, **changes: Any) -> ConvexWeights:
+    return dataclasses.replace(res, **changes)
+
+
+def anchor_weights(
+    stacked: PyTree,
+    anchor: PyTree | None = None,
+    *,
+    anchor_node_weights: Any = None,
+    ref: PyTree | None = None,
+    lambda_reg: float = 0.0,
+    max_weight: float | None = None,
+    min_weight: float = 0.0,
+    mask: Any = None,
+    solver: str = DEFAULT_SOLVER,
+    cache: ProblemCache | None = None,
+    solver_options: dict[str, Any] | None = None,
+) -> ConvexWeights:
+    """Weights whose merged point is closest to a robust anchor.
+
+    .. math:: \\min_{w \\in W} \\|D^T w - (a - \\theta_0)\\|^2 = w^T G w - 2 b^T w + c
+
+    Give the anchor either as a tree ``anchor`` (e.g. the trimmed mean): then
+    theta_0 = a, so G is the Gram matrix of the deltas from the anchor and
+    b = 0, c = 0 (centring on the anchor keeps G accurate); or as weights
+    ``v`` over the nodes (``anchor_node_weights``, e.g. Weiszfeld's weights of
+    the geometric median, ``a = sum_i v_i x_i``): then b = G v and c = v^T G v
+    with G centred on ``ref`` (default: the uniform mean of the accepted
+    nodes). Without caps or floors the answer is v itself; caps make it the
+    closest capped merge.
+
+    Args:
+      stacked: stacked tree of the n nodes.
+      anchor: the anchor as a tree like one node, or None.
+      anchor_node_weights: (n,) nonnegative weights summing to 1, zero on
+        rejected nodes, or None. Exactly one of ``anchor`` and this is given.
+      ref: centring point for the node-weights form.
+      lambda_reg, max_weight, min_weight, mask, solver, cache, solver_options:
+        see :func:`solve_qp_weights`.
+
+    Returns:
+      :class:`ConvexWeights`; ``objective`` is the squared distance to the anchor
+      (plus the ridge).
+
+    Example:
+      >>> res = anchor_weights(stacked, anchor=trimmed, max_weight=1 / (n - f))
+
+    References:
+      Pillutla, Kakade & Harchaoui, "Robust Aggregation for Federated Learning" (RFA), 2022.
+    """
+    if (anchor is None) == (anchor_node_weights is None):
+        raise ValueError("give exactly one of anchor (a tree) and anchor_node_weights (an (n,) vector)")
+    n = tree.num_nodes(stacked)
+    acc = _combined_mask(stacked, mask)
+    opts = dict(
+        objective_name="anchor",
+        lambda_reg=lambda_reg,
+        max_weight=max_weight,
+        min_weight=min_weight,
+        mask=acc,
+        solver=solver,
+        cache=cache,
+        solver_options=solver_options,
+    )
+    if anchor is not None:
+        tree.check_stacked_against(stacked, anchor)
+        _check_finite_tree("anchor", anchor)
+        g = tree.gram_f64(stacked, anchor)
+        return solve_qp_weights(2.0 * g, np.zeros(n), 0.0, **opts)
+    v = np.asarray(anchor_node_weights, np.float64)
+    if v.shape != (n,):
+        raise ValueError(f"anchor_node_weights must have shape ({n},), got {v.shape}")
+    if not np.all(np.isfinite(v)) or np.any(v < 0) or abs(v.sum() - 1.0) > 1e-5:
+        raise ValueError(
+            "anchor_node_weights must be finite, >= 0 and sum to 1 "
+            f"(got sum {v.sum():.6g}, min {v.min():.3g})"
+        )
+    if np.any(v[~acc] != 0):
+        raise ValueError(
+            f"anchor_node_weights put weight on rejected nodes {np.flatnonzero((v != 0) & ~acc).tolist()}"
+        )
+    v = v / v.sum()
+    if ref is None:
+        ref = _masked_mean(stacked, acc)
+    else:
+        tree.check_stacked_against(stacked, ref)
+    g = tree.gram_f64(stacked, ref)
+    g = np.where(np.outer(acc, acc), g, 0.0)
+    b = g @ v
+    return solve_qp_weights(2.0 * g, -2.0 * b, float(v @ b), **opts)
+
+
+def _mixture_objective(pt: np.ndarray, lam: float, u: np.ndarray, w: np.ndarray) -> float:
+    z = pt @ w
+    return float(-np.mean(np.log(z)) + lam * np.sum((w - u) ** 2))
+
+
+@_single_threaded_blas
+def mixture_nll_weights(
+    probs: Any,
+    lambda_reg: float = 0.0,
+    max_weight: float | None = None,
+    mask: Any = None,
+    *,
+    min_weight: float = 0.0,
+    solver: str = DEFAULT_SOLVER,
+    method: str = "auto",
+    floor: float = PROB_FLOOR,
+    cache: ProblemCache | None = None,
+    solver_options: dict[str, Any] | None = None,
+    tol: float = 1e-10,
+    max_iter: int = 50,
+) -> ConvexWeights:
+    """Stacking weights: minimise the held-out NLL of the mixture of the nodes.
+
+    .. math:: \\min_{w \\in W} -\\frac1m \\sum_{j=1}^m \\log\\Big(\\sum_i w_i P_{ij}\\Big)
+              + \\lambda \\|w - u\\|^2
+
+    ``P[i, j]`` is node i's predicted probability of the true label of held-out
+    example j. Convex in w (minus the log of an affine function). Entries are
+    floored at ``floor`` (1e-12) so the objective stays finite.
+
+    Two exact methods:
+
+    * ``"conic"``: the problem above in cvxpy with P as an (m, n) Parameter
+      (m exponential cones), compiled once and re-solved. cvxpy's DPP map for
+      it needs index space ~ n*m*(n+m), so it is used up to
+      ``problems.MAX_DPP_MIXTURE_SIZE``.
+    * ``"newton"``: damped Newton steps, each a DPP QP over W (the same
+      compiled ``qp`` problem as :func:`quadratic_weights`) with the exact
+      gradient and Hessian ``(1/m) P diag(1/z^2) P^T`` (z = P^T w), and a
+      backtracking line search; -log of an affine function is self-concordant,
+      so this converges globally and quadratically near the optimum. Stops when
+      the Newton decrement ``-g^T d`` is below ``tol``. Scales to any m.
+
+    ``"auto"`` picks conic when it fits, else Newton.
+
+    Args:
+      probs: (n, m) probabilities in [0, 1]. Rows with NaN/Inf reject the node.
+      lambda_reg, max_weight, mask, min_weight, solver, cache, solver_options:
+        see :func:`solve_qp_weights`.
+      method: "auto", "conic" or "newton".
+      floor: probability floor (> 0).
+      tol, max_iter: Newton stopping rule.
+
+    Returns:
+      :class:`ConvexWeights`; ``objective`` is the mean NLL (plus the ridge).
+
+    Example:
+      >>> res = mixture_nll_weights(probs, max_weight=0.5)
+      >>> mixture_probs = res.weights @ probs
+
+    References:
+      Wolpert, "Stacked generalization", 1992; Breiman, "Stacked regressions", 1996;
+      Cover, "An algorithm for maximizing expected log investment return", 1984.
+    """
+    check_options(lambda_reg, max_weight, min_weight)
+    if method not in ("auto", "conic", "newton"):
+        raise ValueError(f"method must be 'auto', 'conic' or 'newton', got {method!r}")
+    if not (0 < floor < 1):
+        raise ValueError(f"floor must be in (0, 1), got {floor!r}")
+    p = np.asarray(probs, np.float64)
+    if p.ndim != 2 or p.shape[0] < 1 or p.shape[1] < 1:
+        raise ValueError(f"probs must be (n nodes, m examples) with n, m >= 1, got shape {p.shape}")
+    n, m = p.shape
+    acc = accepted_mask(mask, n) & np.all(np.isfinite(p), axis=1)
+    lb, ub = weight_bounds(acc, max_weight, min_weight)
+    pa = p[acc]
+    if pa.min() < -1e-6 or pa.max() > 1 + 1e-6:
+        raise ValueError(
+            f"probs must be probabilities in [0, 1]; found values in [{pa.min():g}, {pa.max():g}]"
+        )
+    # Rejected rows get the floor: their weight is 0, any finite value works.
+    pt = np.where(acc[:, None], np.clip(p, floor, 1.0), floor).T.copy()
+    lam = float(lambda_reg)
+    u = uniform_weights(acc)
+    floored = bool(np.any(lb > 0))
+    if method == "auto":
+        method = "conic" if n * m * (n + m) <= problems.MAX_DPP_MIXTURE_SIZE else "newton"
+
+    def objective(w: np.ndarray) -> float:
+        return _mixture_objective(pt, lam, u, w)
+
+    if method == "conic":
+        compiled, built = problems.get_problem(
+            "mixture_nll", n, m=m, solver=solver, ridge=lam > 0, floored=floored, cache=cache
+        )
+        values: dict[str, Any] = {"P": pt, "ub": ub}
+        if lam > 0:
+            values.update(r=math.sqrt(lam), s=-2.0 * lam * u, c=lam * float(u @ u))
+        if floored:
+            values["lb"] = lb
+        out = problems.solve(compiled, values, solver_options=solver_options)
+        if out.w is None:
+            return _fallback(
+                acc, lb, ub, "mixture_nll", compiled, built, out.status, out.solve_time, out.error, objective
+            )
+        w = project_capped_simplex(out.w, lb, ub)
+        return ConvexWeights(
+            w,
+            objective(w),
+            out.status,
+            out.solve_time,
+            False,
+            "",
+            acc,
+            "mixture_nll",
+            compiled.key.solver,
+            built,
+        )
+    return _mixture_newton(pt, acc, lb, ub, lam, u, solver, cache, solver_options, tol, max_iter, objective)
+
+
+def _mixture_newton(pt, acc, lb, ub, lam, u, solver, cache, solver_options, tol, max_iter, objective):
+    n = pt.shape[1]
+    m = pt.shape[0]
+    floored = bool(np.any(lb > 0))
+    compiled, built = problems.get_problem("qp", n, solver=solver, ridge=False, floored=floored, cache=cache)
+    w = project_capped_simplex(u, lb, ub)
+    f = objective(w)
+    total = 0.0
+    status, note = "optimal_inaccurate", f"Newton did not reach decrement {tol:g} in {max_iter} steps"
+    it = 0
+    for it in range(1, max_iter + 1):  # noqa: B007 - the count is reported
+        z = pt @ w
+        a = pt / z[:, None]  # (m, n): P_ji / z_j
+        g = -a.mean(axis=0) + 2.0 * lam * (w - u)
+        h = a.T @ a / m + 2.0 * lam * np.eye(n)
+        h = np.where(np.outer(acc, acc), h, 0.0)
+        g = np.where(acc, g, 0.0)
+        # The QP in the new point v: 1/2 v^T H v + (g - H w)^T v, scaled for the solver.
+        lin = g - h @ w
+        scale = max(float(np.max(np.abs(h))), float(np.max(np.abs(lin))), 1e-300)
+        values: dict[str, Any] = {"Lt": factor_psd(h / scale), "q": lin / scale, "c": 0.0, "ub": ub}
+        if floored:
+            values["lb"] = lb
+        out = problems.solve(compiled, values, solver_options=solver_options)
+        total += out.solve_time
+        if out.w is None:
+            return _fallback(
+                acc,
+                lb,
+                ub,
+                "mixture_nll",
+                compiled,
+                built,
+                out.status,
+                total,
+                f"Newton step {it}: {out.error}",
+                objective,
+            )
+        v = project_capped_simplex(out.w, lb, ub)
+        polished = polish_qp(h, lin, v, lb, ub)
+        d = (v if polished is None else polished) - w
+        dec = float(-g @ d)
+        if dec <= tol:
+            status, note = "optimal", ""
+            break
+        t = 1.0
+        while t > 1e-12:
+            f_new = objective(w + t * d)
+            if f_new <= f - 0.25 * t * dec:
+                break
+            t *= 0.5
+        else:
+            status, note = "optimal", "line search made no progress (at the optimum to rounding)"
+            break
+        w, f = w + t * d, f_new
+    w = project_capped_simplex(w, lb, ub)
+    return ConvexWeights(
+        w, objective(w), status, total, False, note, acc, "mixture_nll", compiled.key.solver, built, it
+    )
