@@ -10,7 +10,7 @@ One flat namespace over small private modules, in the style of optax::
     consensus.get_info(state).selected                # which nodes were kept
 """
 
-from consensus import convex, dp, privacy
+from consensus import convex, dp, mesh, privacy
 from consensus.aggregators import (
     ClipState,
     MixState,
@@ -63,6 +63,7 @@ from consensus.dp import (
     round_participants,
     sample_participants,
 )
+from consensus.mesh import MeshConfig, make_mesh, stacked_sharding
 from consensus.privacy import PrivacyBudgetExceeded, PrivacyEvent, PrivacyLedger, calibrate_noise
 from consensus.tree import (
     NonFiniteError,
@@ -84,6 +85,7 @@ from consensus.tree import (
 __all__ = [
     "ConvexMergeState",
     "ConvexWeights",
+    "MeshConfig",
     "LossModel",
     "ProblemCache",
     "anchor_weigher",
@@ -130,7 +132,9 @@ __all__ = [
     "gram",
     "krum",
     "mean",
+    "make_mesh",
     "median",
+    "mesh",
     "multi_krum",
     "nnm",
     "nonfinite_report",
@@ -142,6 +146,7 @@ __all__ = [
     "round_participants",
     "sample_participants",
     "sq_norms",
+    "stacked_sharding",
     "stack",
     "trimmed_mean",
     "unstack",

@@ -1,0 +1,207 @@
+"""Node trainer throughput: n vmapped nodes against hand-written single-model Flax + optax loops.
+
+Run ``python -m benchmarks.trainers [--quick]``. Writes benchmarks/results/trainers.json
+and trainers.md (``trainers_quick.*`` with ``--quick``, fewer steps, under a minute).
+
+For each task (digits MLP, byte-level text transformer), all in one process:
+
+* ``hand loop``: one model trained without the trainer: the task's Flax NNX
+  model (params from ``nnx.split``, ``nnx.merge`` inside the loss) +
+  ``optax.adam``, ``value_and_grad`` with the loss kept per step, one
+  ``jax.jit`` step per Python loop iteration, minibatch indices drawn on
+  device: the idiomatic loop;
+* ``hand scan``: the same step under ``lax.scan`` (many steps per dispatch),
+  the fastest single-model loop we know how to write, and the fair baseline of
+  the trainer, which also scans;
+* ``trainer n``: :class:`strategies.trainer.NodeTrainer` with n = 1, 4, 8
+  vmapped nodes, each with its own data, key and learning rate.
+
+Reported: samples per second (n x batch x steps / time, best of repeats),
+the n = 1 trainer against both baselines (target: within 10% of the hand
+scan), n vmapped nodes against n sequential hand-written runs (the hand
+scan's time x n; target: ratio >= 1), and the bytes of the stacked state
+(params + optimizer state) for n nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from benchmarks.common import machine, markdown_table, write_results
+from strategies.tasks.digits import DigitsTask
+from strategies.trainer import NodeTrainer
+
+
+def _interleaved_best(runners: dict[str, Any], repeats: int) -> dict[str, float]:
+    """Best wall time of each runner; runners take turns so a burst of machine load hits all alike."""
+    for fn in runners.values():
+        jax.block_until_ready(fn())  # compile and warm up
+    best = dict.fromkeys(runners, float("inf"))
+    for _ in range(repeats):
+        for name, fn in runners.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def _tree_bytes(tree: Any) -> int:
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def _hand_written(task, pool: dict[str, np.ndarray], count: int, batch: int, lr: float):
+    """A single model trained by hand: returns (init state, jitted step, jitted scan of k steps)."""
+    params = task.init(jax.random.key(0))
+    tx = optax.adam(lr)
+    with jax.numpy_dtype_promotion("standard"):
+        opt = tx.init(params)
+    pool = {k: jnp.asarray(v) for k, v in pool.items()}
+
+    def step(carry, _=None):
+        params, opt, key = carry
+        key, k_sample = jax.random.split(key)
+        rows = jax.random.randint(k_sample, (batch,), 0, count)
+        b = {k: v[rows] for k, v in pool.items()}
+        # The loss is kept (as any training loop that logs it would); the trainer reports it too.
+        loss, grads = jax.value_and_grad(task.loss)(params, b)
+        with jax.numpy_dtype_promotion("standard"):
+            upd, opt = tx.update(grads, opt, params)
+        return (optax.apply_updates(params, upd), opt, key), loss
+
+    one = jax.jit(step)
+    many = jax.jit(lambda c, steps: jax.lax.scan(step, c, length=steps), static_argnums=1)
+    return (params, opt, jax.random.key(1)), one, many
+
+
+def bench_task(task, data, *, batch: int, steps: int, repeats: int, nodes: tuple[int, ...], lr: float):
+    own = data.own()
+    pool0 = {k: np.asarray(v[0]) for k, v in own.pool.items()}
+    count0 = int(own.count[0])
+    carry, one, many = _hand_written(task, pool0, count0, batch, lr)
+
+    def loop():
+        c = carry
+        losses = []
+        for _ in range(steps):
+            c, loss = one(c)
+            losses.append(loss)
+        return c, losses
+
+    runners: dict[str, Any] = {"loop": loop, "scan": lambda: many(carry, steps)}
+    init = task.init(jax.random.key(0))
+    states = {}
+    for n in nodes:
+        # Node i uses node (i mod n_data)'s shard: the data exist for max(nodes) nodes.
+        node_data = own.select_nodes(np.arange(n) % own.num_nodes)
+        trainer = NodeTrainer(
+            task, optax.adam, {"learning_rate": np.full(n, lr, np.float32)}, batch_size=batch
+        )
+        state = trainer.init(jax.random.key(0), init, n)
+        placed = trainer.place(node_data)
+        states[n] = state
+        runners[f"trainer{n}"] = lambda tr=trainer, s=state, d=placed: tr.fit(s, d, steps)
+    best = _interleaved_best(runners, repeats)
+    t_loop, t_scan = best["loop"], best["scan"]
+    rows = [
+        {"runner": "hand loop", "nodes": 1, "seconds": t_loop, "samples_per_s": batch * steps / t_loop},
+        {"runner": "hand scan", "nodes": 1, "seconds": t_scan, "samples_per_s": batch * steps / t_scan},
+    ]
+    for n in nodes:
+        t, state = best[f"trainer{n}"], states[n]
+        rows.append(
+            {
+                "runner": "trainer",
+                "nodes": n,
+                "seconds": t,
+                "samples_per_s": n * batch * steps / t,
+                "state_bytes": _tree_bytes((state.params, state.opt_state)),
+                "params_bytes": _tree_bytes(state.params),
+                # n nodes here vs n sequential hand-written runs of one node.
+                "vs_n_sequential_hand_scan": (n * t_scan) / t,
+                "vs_n_sequential_hand_loop": (n * t_loop) / t,
+            }
+        )
+    t1 = next(r for r in rows if r["runner"] == "trainer" and r["nodes"] == 1)
+    summary = {
+        "trainer1_over_hand_scan_throughput": t1["samples_per_s"] / rows[1]["samples_per_s"],
+        "trainer1_over_hand_loop_throughput": t1["samples_per_s"] / rows[0]["samples_per_s"],
+        "params_count": int(sum(x.size for x in jax.tree.leaves(init))),
+    }
+    return rows, summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats (under a minute)")
+    parser.add_argument("--no-text", action="store_true", help="skip the text task")
+    args = parser.parse_args(argv)
+    repeats = 3 if args.quick else 10
+    nodes = (1, 4, 8)
+    tasks: list[tuple[str, Any, dict]] = [
+        ("digits", DigitsTask(), {"batch": 64, "steps": 100 if args.quick else 500, "lr": 3e-3}),
+    ]
+    if not args.no_text:
+        try:
+            from strategies.tasks.text import TextTask
+        except ImportError:  # the text task is optional for this benchmark
+            TextTask = None
+        if TextTask is not None:
+            text = TextTask(windows_per_node=128, general_windows=64, heldout_windows=16, test_windows=16)
+            tasks.append(("text", text, {"batch": 8, "steps": 10 if args.quick else 50, "lr": 1e-3}))
+    results: dict[str, Any] = {"machine": machine(), "quick": args.quick, "tasks": {}}
+    mach = results["machine"]
+    md = [
+        "# Node trainer throughput\n",
+        f"`python -m benchmarks.trainers{' --quick' if args.quick else ''}` on {mach['processor']}, "
+        f"{mach['cpu_count']} CPUs, backend {mach['backend']}. "
+        "Samples/s = nodes x batch x steps / best wall time. `vs n seq` = time of n sequential "
+        "hand-written single-model runs / time of the n-node trainer (>= 1: vmapping pays).\n",
+    ]
+    for name, task, cfg in tasks:
+        start = time.perf_counter()
+        data = task.splits(max(nodes), seed=0)
+        rows, summary = bench_task(
+            task, data, batch=cfg["batch"], steps=cfg["steps"], repeats=repeats, nodes=nodes, lr=cfg["lr"]
+        )
+        results["tasks"][name] = {"config": cfg, "rows": rows, "summary": summary}
+        table = [
+            [
+                r["runner"],
+                r["nodes"],
+                r["samples_per_s"],
+                r["seconds"] * 1e3,
+                r.get("vs_n_sequential_hand_scan", ""),
+                r.get("vs_n_sequential_hand_loop", ""),
+                r.get("state_bytes", ""),
+            ]
+            for r in rows
+        ]
+        md.append(
+            f"\n## {name} ({summary['params_count']} params, batch {cfg['batch']}, {cfg['steps']} steps)\n\n"
+        )
+        md.append(
+            markdown_table(
+                ["runner", "n", "samples/s", "ms", "vs n seq (scan)", "vs n seq (loop)", "state bytes"], table
+            )
+        )
+        md.append(
+            f"\ntrainer n=1 / hand scan throughput: {summary['trainer1_over_hand_scan_throughput']:.3f}; "
+            f"/ hand loop: {summary['trainer1_over_hand_loop_throughput']:.3f}. "
+            f"({time.perf_counter() - start:.1f} s)\n"
+        )
+        print(name, summary, flush=True)
+        for r in rows:
+            print("  ", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
+    jpath, mpath = write_results("trainers_quick" if args.quick else "trainers", results, "".join(md))
+    print(f"wrote {jpath} and {mpath}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""Byzantine nodes as node strategies, chosen by a node mask.
+
+Honest and Byzantine nodes train in the same jitted step: a Byzantine node is
+an ordinary node whose *data* is poisoned during training (label flipping,
+through the task's ``flip_labels``) and/or whose *submitted params* are
+replaced after training by a model attack computed from the honest nodes'
+updates (:mod:`strategies.attacks`: sign flip, ALIE, IPM, Gaussian, NaN/Inf,
+mimic). Model attacks act on updates relative to the anchor (the last
+consensus), the setting of the robust-aggregation literature.
+
+Example::
+
+    byz = Byzantine(mask=np.array([False, False, False, True]), attack="alie")
+    state, submitted, log = byzantine_fit(trainer, state, data.own(), 100, byz, key, anchor=global_params)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from strategies import attacks
+from strategies.tasks.base import NodeData, PyTree
+from strategies.trainer import FitLog, NodeTrainer, TrainState
+
+LABEL_FLIP = "label_flip"
+
+
+@dataclasses.dataclass(frozen=True)
+class Byzantine:
+    """Which nodes are Byzantine and how they attack.
+
+    Args:
+      mask: concrete (n,) bool, True for Byzantine nodes.
+      attack: ``"label_flip"`` (poisoned training data only), a model attack
+        name from :data:`strategies.attacks.ATTACKS`, or an attack function
+        ``attack(key, honest_deltas, num_byzantine, **kw)``.
+      label_flip: also train the Byzantine nodes on flipped labels when the
+        attack is a model attack (data + model poisoning).
+      kwargs: keyword arguments of the model attack (``scale``, ``std``,
+        ``epsilon``, ``z``, ...).
+    """
+
+    mask: np.ndarray
+    attack: str | Callable[..., PyTree] = LABEL_FLIP
+    label_flip: bool = False
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        mask = np.asarray(self.mask)
+        if mask.ndim != 1 or mask.dtype != np.bool_:
+            raise TypeError(
+                f"Byzantine.mask must be a 1-D numpy bool array, got {mask.dtype} of shape {mask.shape}"
+            )
+        object.__setattr__(self, "mask", mask)
+        if isinstance(self.attack, str) and self.attack != LABEL_FLIP and self.attack not in attacks.ATTACKS:
+            raise ValueError(
+                f"unknown attack {self.attack!r}; valid: {[LABEL_FLIP, *sorted(attacks.ATTACKS)]} "
+                "or a function"
+            )
+        if self.is_model_attack and mask.all():
+            raise ValueError(
+                "a model attack needs at least one honest node (it is a function of their updates)"
+            )
+
+    @property
+    def num_byzantine(self) -> int:
+        return int(self.mask.sum())
+
+    @property
+    def is_model_attack(self) -> bool:
+        return self.attack != LABEL_FLIP
+
+    @property
+    def flip_mask(self) -> np.ndarray:
+        """(n,) bool: nodes that train on flipped labels."""
+        if self.attack == LABEL_FLIP or self.label_flip:
+            return self.mask.copy()
+        return np.zeros_like(self.mask)
+
+
+def honest(num_nodes: int) -> Byzantine:
+    """No Byzantine node."""
+    return Byzantine(np.zeros((num_nodes,), bool))
+
+
+def last_nodes(
+    num_nodes: int, num_byzantine: int, attack: str | Callable = LABEL_FLIP, **kwargs: Any
+) -> Byzantine:
+    """The last ``num_byzantine`` nodes are Byzantine (a common convention; masks are positional)."""
+    if not 0 <= num_byzantine <= num_nodes:
+        raise ValueError(f"need 0 <= num_byzantine <= num_nodes, got {num_byzantine} of {num_nodes}")
+    mask = np.zeros((num_nodes,), bool)
+    mask[num_nodes - num_byzantine :] = True
+    return Byzantine(mask, attack, kwargs=kwargs)
+
+
+def submit(byz: Byzantine, key: jax.Array, stacked: PyTree, anchor: PyTree | None) -> PyTree:
+    """The params every node hands to the coordinator: Byzantine rows replaced by the model attack.
+
+    Args:
+      byz: the Byzantine configuration.
+      key: PRNG key of the attack.
+      stacked: trained stacked params (n rows).
+      anchor: the last consensus; attacks act on the updates ``x_i - anchor``
+        (on raw params when None).
+    Returns:
+      The stacked params, unchanged for label flipping or with no Byzantine node.
+    """
+    n = int(jax.tree_util.tree_leaves(stacked)[0].shape[0])
+    if byz.mask.shape != (n,):
+        raise ValueError(f"Byzantine mask has shape {byz.mask.shape}, the stacked params have {n} nodes")
+    if not byz.is_model_attack or not byz.mask.any():
+        return stacked
+    try:
+        fn = _compiled_attack(byz.attack, tuple(byz.mask.tolist()), tuple(sorted(byz.kwargs.items())))
+    except TypeError:  # unhashable attack options: run eagerly
+        return attacks.apply_attack(byz.attack, key, stacked, byz.mask, params=anchor, **dict(byz.kwargs))
+    return fn(key, stacked, anchor)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_attack(attack: Any, mask: tuple[bool, ...], kwargs: tuple[tuple[str, Any], ...]) -> Callable:
+    # One compiled program per (attack, mask, options) instead of many small eager ops per leaf.
+    mask_np = np.array(mask, bool)
+
+    def run(key, stacked, anchor):
+        return attacks.apply_attack(attack, key, stacked, mask_np, params=anchor, **dict(kwargs))
+
+    return jax.jit(run)
+
+
+def byzantine_fit(
+    trainer: NodeTrainer,
+    state: TrainState,
+    data: NodeData | Sequence[NodeData],
+    steps: int,
+    byz: Byzantine,
+    key: jax.Array,
+    *,
+    anchor: PyTree | None = None,
+    **fit_kwargs: Any,
+) -> tuple[TrainState, PyTree, FitLog]:
+    """Train honest and Byzantine nodes together, then form what each node submits.
+
+    Args:
+      trainer, state, data, steps: as :meth:`NodeTrainer.fit`.
+      byz: the Byzantine configuration (mask over all n nodes).
+      key: PRNG key of the model attack.
+      anchor: the last consensus (the reference of model attacks).
+      **fit_kwargs: passed to :meth:`NodeTrainer.fit` (``schedule``,
+        ``hyperparams``, ``proximal``, ``record``).
+    Returns:
+      ``(state, submitted, log)``: the trained state (Byzantine nodes keep
+      training honestly-shaped params), the stacked params submitted to the
+      coordinator, and the fit log.
+    """
+    n = int(state.step.shape[0])
+    if byz.mask.shape != (n,):
+        raise ValueError(f"Byzantine mask has shape {byz.mask.shape}, the state has {n} nodes")
+    if "flip_labels" in fit_kwargs:
+        raise TypeError("pass label flipping through the Byzantine configuration, not flip_labels")
+    flip = byz.flip_mask
+    state, log = trainer.fit(state, data, steps, flip_labels=flip if flip.any() else None, **fit_kwargs)
+    return state, submit(byz, key, state.params, anchor), log

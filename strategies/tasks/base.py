@@ -1,0 +1,416 @@
+"""The task interface: a model, its loss and metrics, and the data of every node.
+
+A *task* is a small frozen object that the node trainer, the strategies and the
+coordinator all talk to. Parameters are plain pytrees (nested dicts of jax
+arrays) obtained from a Flax NNX module with ``nnx.split`` and
+``nnx.to_pure_dict``; ``apply`` turns them back into a module with
+``nnx.merge`` inside the traced function, so the consensus code can stack,
+average and shard them like any other tree.
+
+Data layout (:class:`TaskData`), chosen so every node's batch has the same
+shape and one jitted step serves all nodes:
+
+* ``train``: each hosted node's own shard, ``(n_local, m, ...)``, valid rows
+  first and zero padding after ``train_count[i]`` rows;
+* ``general``: a pool shared by every node (no node axis) used by the
+  "general" level of hierarchical training;
+* ``heldout`` / ``test``: shared evaluation sets;
+* ``groups``: every example belongs to one group (a class for digits, a module
+  family for text) and every node specialises in a few groups
+  (``node_groups``), which drives the "specialised" hierarchical level.
+
+A fit phase samples from a :class:`NodeData`: a pool (shared or per node), a
+``(n, k)`` table of the pool rows each node may draw and the number ``count``
+of valid entries per node. Node i draws ``index[i, randint(0, count[i])]``
+with its own key, so the gather happens on device.
+
+Multi-host: ``splits(..., process_index=p, process_count=P)`` returns the
+shards of the nodes process p hosts only (a contiguous block, see
+:func:`hosted_nodes`), never the other nodes' examples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+Array = jax.Array
+Batch = Mapping[str, Array]
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What the node trainer needs from a model + data family.
+
+    Conventions every task follows:
+
+    * ``apply`` computes in the floating dtype of ``params`` (the trainer casts
+      float32 params to bfloat16 for mixed precision) and casts floating inputs
+      to it; ``loss`` and ``metrics`` return float32 scalars.
+    * ``loss`` is the mean over the rows of ``batch`` whose ``batch["mask"]``
+      is True when a mask is present (padding rows weigh nothing).
+    * ``metrics`` returns at least ``"loss"``; classification tasks add
+      ``"accuracy"``, language models ``"accuracy"`` and ``"perplexity"``.
+    * ``logical_axes(params)`` has the structure of ``params`` with, at each
+      leaf, a tuple of logical axis names (or None entries for dims that are
+      never split), one entry per dimension of the leaf.
+    * ``flip_labels(batch)`` returns the batch with corrupted targets (label
+      flipping attack). It must be a pure jittable function.
+    """
+
+    name: str
+
+    def init(self, key: Array) -> PyTree: ...
+
+    def apply(
+        self, params: PyTree, inputs: Array, *, train: bool = False, key: Array | None = None
+    ) -> Array: ...
+
+    def loss(self, params: PyTree, batch: Batch, key: Array | None = None) -> Array: ...
+
+    def metrics(self, params: PyTree, batch: Batch) -> dict[str, Array]: ...
+
+    def logical_axes(self, params: PyTree) -> PyTree: ...
+
+    def flip_labels(self, batch: Batch) -> Batch: ...
+
+    def splits(
+        self,
+        num_nodes: int,
+        *,
+        seed: int = 0,
+        alpha: float = 0.5,
+        process_index: int = 0,
+        process_count: int = 1,
+    ) -> TaskData: ...
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeData:
+    """What one fit phase samples from: a pool, and the rows of it each node may draw.
+
+    Attributes:
+      pool: dict of arrays. Shared by all nodes (``(N, ...)``) when ``shared``,
+        else one pool per node (``(n, N, ...)``).
+      index: (n, k) int32. Row ``index[i, j]`` of the pool is node i's j-th
+        candidate; only the first ``count[i]`` entries are valid.
+      count: (n,) int32, at least 1 for every node.
+      shared: whether ``pool`` has no node axis.
+      name: label for logs ("general", "groups", "own", ...).
+      identity: promise that ``index[i, j] == j`` for every node (as for
+        :meth:`TaskData.own`), so samplers may draw pool rows directly and skip
+        one gather. Checked when ``index`` is a host array.
+    """
+
+    pool: Mapping[str, Array]
+    index: Array
+    count: Array
+    shared: bool
+    name: str = "data"
+    identity: bool = False
+
+    def __post_init__(self):
+        index, count = np.shape(self.index), np.shape(self.count)
+        what = f"NodeData {self.name!r}"
+        if len(index) != 2 or count != index[:1]:
+            raise ValueError(f"{what}: index must be (n, k) and count (n,); got {index} and {count}")
+        if not self.pool:
+            raise ValueError(f"{what}: empty pool")
+        lead = {np.shape(v)[: 1 if self.shared else 2] for v in self.pool.values()}
+        if len(lead) != 1:
+            raise ValueError(f"{what}: pool arrays disagree on their leading dims: {lead}")
+        if not self.shared and lead.pop()[0] != index[0]:
+            raise ValueError(f"{what}: per-node pool has a node axis different from index {index}")
+        c = np.asarray(count_host(self.count))
+        if c.size and c.min() < 1:
+            raise ValueError(f"{what}: nodes {np.flatnonzero(c < 1).tolist()} have no data to draw")
+        host_index = isinstance(self.index, np.ndarray)
+        if self.identity and host_index and not (self.index == np.arange(index[1])[None]).all():
+            raise ValueError(f"{what}: identity=True but index is not arange(k) for every node")
+
+    @property
+    def num_nodes(self) -> int:
+        return int(np.shape(self.index)[0])
+
+    def select_nodes(self, rows: np.ndarray) -> NodeData:
+        """The NodeData of a subset of the nodes (host-side, e.g. for one process)."""
+        rows = np.asarray(rows)
+        pool = self.pool if self.shared else {k: v[rows] for k, v in self.pool.items()}
+        return dataclasses.replace(self, pool=pool, index=self.index[rows], count=self.count[rows])
+
+
+def count_host(count: Any) -> np.ndarray:
+    """``count`` as a host numpy array when it is concrete (for validation only)."""
+    try:
+        return np.asarray(count)
+    except Exception:  # a tracer or a global array spanning processes: skip the check
+        return np.ones((0,), np.int32)
+
+
+def pad_index_table(rows_per_node: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Pack per-node row lists into an ``(n, k)`` int32 table (padded with 0) and counts."""
+    counts = np.array([len(r) for r in rows_per_node], np.int32)
+    k = max(int(counts.max(initial=0)), 1)
+    table = np.zeros((len(rows_per_node), k), np.int32)
+    for i, r in enumerate(rows_per_node):
+        table[i, : len(r)] = r
+    return table, counts
+
+
+def pad_stack(arrays: list[np.ndarray], size: int | None = None) -> np.ndarray:
+    """Stack arrays of shape (m_i, ...) into (n, max m_i, ...) with zero padding after each."""
+    size = max(a.shape[0] for a in arrays) if size is None else size
+    out = np.zeros((len(arrays), size, *arrays[0].shape[1:]), arrays[0].dtype)
+    for i, a in enumerate(arrays):
+        out[i, : a.shape[0]] = a
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskData:
+    """Every split a task provides, for the nodes this process hosts.
+
+    Attributes:
+      num_nodes: total number of nodes over all processes.
+      node_ids: (n_local,) global ids of the hosted nodes (a contiguous block).
+      train: dict of (n_local, m, ...) arrays, each node's own shard, valid rows
+        first, zero padded.
+      train_count: (n_local,) int32 valid rows per node.
+      train_groups: (n_local, m) int32 group of each own row (-1 on padding).
+      general: dict of (N_g, ...) arrays shared by every node.
+      general_groups: (N_g,) int32 group of each general row.
+      heldout: dict of (N_h, ...) arrays (model selection, soups, barriers).
+      test: dict of (N_t, ...) arrays (final numbers only).
+      node_groups: (n_local, G) bool, the groups each node specialises in.
+      group_names: the G group names (class names, module families).
+      process_index, process_count: which share of the nodes this is.
+      meta: anything else. By convention ``meta["example_ids"]`` is an
+        (n_local, m) int64 array of global example ids of each own row (-1 on
+        padding), so callers can check that processes hold disjoint shards.
+    """
+
+    num_nodes: int
+    node_ids: np.ndarray
+    train: Mapping[str, np.ndarray]
+    train_count: np.ndarray
+    train_groups: np.ndarray
+    general: Mapping[str, np.ndarray]
+    general_groups: np.ndarray
+    heldout: Mapping[str, np.ndarray]
+    test: Mapping[str, np.ndarray]
+    node_groups: np.ndarray
+    group_names: tuple[str, ...]
+    process_index: int = 0
+    process_count: int = 1
+    meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        n = len(self.node_ids)
+        for k, v in self.train.items():
+            if np.shape(v)[0] != n:
+                raise ValueError(f"TaskData: train[{k!r}] has {np.shape(v)[0]} nodes, node_ids has {n}")
+        if np.shape(self.train_count) != (n,) or np.shape(self.node_groups)[0] != n:
+            raise ValueError("TaskData: train_count must be (n_local,) and node_groups (n_local, G)")
+        if np.shape(self.node_groups)[1] != len(self.group_names):
+            raise ValueError("TaskData: node_groups has a column per group name")
+
+    @property
+    def num_local(self) -> int:
+        return len(self.node_ids)
+
+    def own(self) -> NodeData:
+        """Each node draws from its own shard only."""
+        m = int(next(iter(self.train.values())).shape[1])
+        index = np.broadcast_to(np.arange(m, dtype=np.int32), (self.num_local, m)).copy()
+        count = self.train_count.astype(np.int32)
+        return NodeData(dict(self.train), index, count, shared=False, name="own", identity=True)
+
+    def everything(self) -> NodeData:
+        """Every node draws from the whole shared general pool."""
+        n_g = len(self.general_groups)
+        index = np.broadcast_to(np.arange(n_g, dtype=np.int32), (self.num_local, n_g)).copy()
+        count = np.full((self.num_local,), n_g, np.int32)
+        return NodeData(dict(self.general), index, count, shared=True, name="general")
+
+    def in_groups(self, node_groups: np.ndarray | None = None) -> NodeData:
+        """Every node draws from the general rows of its own groups (default ``self.node_groups``)."""
+        node_groups = self.node_groups if node_groups is None else np.asarray(node_groups, bool)
+        rows = [np.flatnonzero(node_groups[i][self.general_groups]) for i in range(self.num_local)]
+        empty = [int(self.node_ids[i]) for i, r in enumerate(rows) if len(r) == 0]
+        if empty:
+            raise ValueError(f"TaskData.in_groups: nodes {empty} have no general rows in their groups")
+        index, count = pad_index_table(rows)
+        return NodeData(dict(self.general), index, count, shared=True, name="groups")
+
+    def own_in_groups(self, node_groups: np.ndarray | None = None) -> NodeData:
+        """Each node draws from the rows of its own shard that belong to its groups."""
+        node_groups = self.node_groups if node_groups is None else np.asarray(node_groups, bool)
+        rows = []
+        for i in range(self.num_local):
+            g = self.train_groups[i, : self.train_count[i]]
+            rows.append(np.flatnonzero(node_groups[i][g]))
+        index, count = pad_index_table(rows)
+        if count.min(initial=1) < 1:
+            raise ValueError("TaskData.own_in_groups: some nodes hold no row of their own groups")
+        return NodeData(dict(self.train), index, count, shared=False, name="own_groups")
+
+
+def hosted_nodes(num_nodes: int, process_index: int = 0, process_count: int = 1) -> np.ndarray:
+    """The contiguous block of global node ids that process ``process_index`` hosts.
+
+    Contiguous blocks match how a mesh built over ``jax.devices()`` lays the
+    "node" axis over processes (each process owns a contiguous run of devices).
+    """
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise ValueError(f"need 0 <= process_index < process_count, got {process_index}, {process_count}")
+    if num_nodes % process_count:
+        raise ValueError(f"num_nodes={num_nodes} must be a multiple of process_count={process_count}")
+    per = num_nodes // process_count
+    return np.arange(process_index * per, (process_index + 1) * per)
+
+
+def dirichlet_partition(
+    groups: np.ndarray,
+    num_nodes: int,
+    alpha: float,
+    rng: np.random.Generator,
+    *,
+    min_size: int = 1,
+    max_tries: int = 100,
+) -> list[np.ndarray]:
+    """Non-IID split of examples over nodes, per-group proportions ~ Dirichlet(alpha).
+
+    For every group g, a vector p_g ~ Dir(alpha * 1_n) splits the examples of g
+    over the n nodes (the usual label-skew partition of Hsu et al. 2019). Small
+    alpha gives each node a few dominant groups; large alpha tends to IID.
+    Redraws (up to ``max_tries``) until every node holds ``min_size`` examples.
+
+    Args:
+      groups: (N,) int group (class) of each example.
+      num_nodes: n.
+      alpha: concentration, > 0.
+      rng: numpy Generator (seeded by the caller).
+      min_size: smallest acceptable shard.
+    Returns:
+      n sorted int arrays of example indices, disjoint, covering all N examples.
+
+    References:
+      Hsu, Qi, Brown, "Measuring the effects of non-identical data distribution
+      for federated visual classification", 2019.
+    """
+    if alpha <= 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}")
+    if num_nodes < 1:
+        raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
+    groups = np.asarray(groups)
+    if len(groups) < num_nodes * min_size:
+        raise ValueError(f"{len(groups)} examples cannot give {num_nodes} nodes {min_size} each")
+    for _ in range(max_tries):
+        parts: list[list[np.ndarray]] = [[] for _ in range(num_nodes)]
+        for g in np.unique(groups):
+            idx = rng.permutation(np.flatnonzero(groups == g))
+            p = rng.dirichlet(np.full(num_nodes, alpha))
+            cuts = (np.cumsum(p)[:-1] * len(idx)).astype(int)
+            for i, chunk in enumerate(np.split(idx, cuts)):
+                parts[i].append(chunk)
+        shards = [np.sort(np.concatenate(p)) for p in parts]
+        if min(len(s) for s in shards) >= min_size:
+            return shards
+    raise ValueError(
+        f"could not give every one of {num_nodes} nodes {min_size} examples in {max_tries} Dirichlet draws "
+        f"with alpha={alpha}; raise alpha or lower num_nodes"
+    )
+
+
+def dominant_groups(shard_groups: np.ndarray, num_groups: int, *, mass: float = 0.8) -> np.ndarray:
+    """(G,) bool: the fewest groups that cover ``mass`` of a node's examples (its specialisation)."""
+    counts = np.bincount(np.asarray(shard_groups), minlength=num_groups).astype(np.float64)
+    order = np.argsort(-counts, kind="stable")
+    cum = np.cumsum(counts[order]) / max(counts.sum(), 1.0)
+    k = int(np.searchsorted(cum, mass) + 1)
+    out = np.zeros(num_groups, bool)
+    out[order[:k]] = True
+    return out
+
+
+# --------------------------------------------------------------------------- models
+
+
+def logical_axes_of_state(state: Any) -> PyTree:
+    """Logical axes of an ``nnx.State`` of Params as a pure tree of tuples.
+
+    Reads the ``out_sharding`` metadata set by ``nnx.with_partitioning`` (use
+    ``eager_sharding=False`` so modules can be built without a mesh); dims
+    without a name get None, so every leaf gets a tuple of length ``ndim``.
+    """
+    from flax import nnx
+
+    def leaf(v):
+        names = v.get_metadata().get("out_sharding") if isinstance(v, nnx.Variable) else None
+        ndim = len(np.shape(v.get_value() if isinstance(v, nnx.Variable) else v))
+        names = tuple(names) if names else ()
+        if len(names) > ndim:
+            raise ValueError(f"logical axes {names} have more entries than the leaf's {ndim} dims")
+        return names + (None,) * (ndim - len(names))
+
+    axes = jax.tree.map(leaf, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return nnx.to_pure_dict(axes) if isinstance(axes, nnx.State) else axes
+
+
+def split_module(module: Any) -> tuple[Any, PyTree, PyTree]:
+    """``(graphdef, params, logical_axes)`` of an NNX module; params is a pure dict of arrays.
+
+    Only ``nnx.Param`` variables are trainable params; a module with other
+    state (batch statistics, caches) is rejected so nothing is silently lost.
+    """
+    from flax import nnx
+
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    if jax.tree_util.tree_leaves(rest):
+        raise TypeError("split_module: the module holds non-Param state; a task's only state is its params")
+    return graphdef, nnx.to_pure_dict(params), logical_axes_of_state(params)
+
+
+def cast_floating(tree: PyTree, dtype: Any) -> PyTree:
+    """Cast every floating leaf of ``tree`` to ``dtype`` (integers are left alone)."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def param_dtype(params: PyTree) -> Any:
+    """The dtype of the first floating leaf (the dtype ``apply`` computes in)."""
+    for x in jax.tree_util.tree_leaves(params):
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            return x.dtype
+    return jnp.float32
+
+
+def masked_mean(values: Array, mask: Array | None) -> Array:
+    """Float32 mean of ``values`` over the entries where ``mask`` is True (all when None)."""
+    values = values.astype(jnp.float32)
+    if mask is None:
+        return jnp.mean(values)
+    m = mask.astype(jnp.float32)
+    return jnp.sum(values * m) / jnp.maximum(jnp.sum(m), jnp.float32(1.0))
+
+
+def cross_entropy(logits: Array, labels: Array) -> Array:
+    """Per-example softmax cross entropy in float32 (logits (..., C), int labels (...))."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def batch_rows(batch: Batch) -> int:
+    """Number of rows of a batch (leading dim of its arrays, checked to agree)."""
+    sizes = {int(np.shape(v)[0]) for v in batch.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"batch arrays disagree on the number of rows: {sizes}")
+    return sizes.pop()

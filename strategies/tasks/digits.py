@@ -1,0 +1,223 @@
+"""Digits: scikit-learn's bundled 8x8 handwritten digits and a Flax NNX MLP.
+
+1,797 images (64 pixels in 0..16, scaled to [0, 1]) of the digits 0-9, shipped
+with scikit-learn, so nothing is downloaded. A stratified split with a fixed
+seed gives train / held-out / test sets; the training set is then split over
+the nodes with a Dirichlet(alpha) label-skew partition. Every example's group
+is its class, and a node specialises in its dominant classes (the fewest
+classes holding ``dominant_mass`` of its shard), which feeds the middle level
+of hierarchical training: all classes -> the node's classes -> its own shard.
+
+The general pool shared by every node is the whole training split (the
+"general data" of the first hierarchical level, treated as public); the
+private per-node shards are a partition of it, and a process loads the shards
+of the nodes it hosts only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from strategies.tasks.base import (
+    Array,
+    Batch,
+    PyTree,
+    TaskData,
+    cross_entropy,
+    dirichlet_partition,
+    dominant_groups,
+    hosted_nodes,
+    masked_mean,
+    pad_stack,
+    param_dtype,
+    split_module,
+)
+
+NUM_CLASSES = 10
+NUM_FEATURES = 64
+
+
+class MLP(nnx.Module):
+    """ReLU multilayer perceptron with logical axis names on its kernels."""
+
+    def __init__(self, sizes: tuple[int, ...], *, rngs: nnx.Rngs):
+        # Named attributes (dense_0, dense_1, ...) rather than a list: string keys in the params
+        # dict keep checkpoints (orbax) and leaf paths readable.
+        self.num_layers = len(sizes) - 1
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+            out_name = "classes" if i == self.num_layers - 1 else "mlp"
+            in_name = "embed" if i == 0 else "mlp"
+            kernel_init = nnx.with_partitioning(
+                nnx.initializers.lecun_normal(), (in_name, out_name), eager_sharding=False
+            )
+            bias_init = nnx.with_partitioning(nnx.initializers.zeros, (out_name,), eager_sharding=False)
+            layer = nnx.Linear(a, b, rngs=rngs, kernel_init=kernel_init, bias_init=bias_init)
+            setattr(self, f"dense_{i}", layer)
+
+    def __call__(self, x: Array, *, dropout: float = 0.0, key: Array | None = None) -> Array:
+        for i in range(self.num_layers):
+            x = getattr(self, f"dense_{i}")(x)
+            if i < self.num_layers - 1:
+                x = jax.nn.relu(x)
+                if dropout > 0.0 and key is not None:
+                    key, sub = jax.random.split(key)
+                    keep = jax.random.bernoulli(sub, 1.0 - dropout, x.shape)
+                    x = jnp.where(keep, x / jnp.asarray(1.0 - dropout, x.dtype), jnp.zeros_like(x))
+        return x
+
+
+@functools.cache
+def _load() -> tuple[np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    return (d.data / 16.0).astype(np.float32), d.target.astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class DigitsTask:
+    """The digits classification task.
+
+    Args:
+      hidden: hidden layer widths of the MLP.
+      dropout: dropout rate in training (0 disables it).
+      test_fraction, heldout_fraction: shares of the 1,797 examples.
+      split_seed: seed of the train / held-out / test split (fixed, so test
+        numbers compare across partition seeds).
+      dominant_mass: share of a node's shard its specialised classes cover.
+
+    Example:
+      >>> task = DigitsTask()
+      >>> data = task.splits(4, seed=0, alpha=0.5)
+      >>> params = task.init(jax.random.key(0))
+      >>> task.metrics(params, data.test)["accuracy"]  # about 0.1 before training
+    """
+
+    hidden: tuple[int, ...] = (128,)
+    dropout: float = 0.0
+    test_fraction: float = 0.2
+    heldout_fraction: float = 0.1
+    split_seed: int = 0
+    dominant_mass: float = 0.8
+    name: str = "digits"
+
+    def __post_init__(self):
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        fractions_ok = self.test_fraction > 0 and self.heldout_fraction > 0
+        if not (fractions_ok and self.test_fraction + self.heldout_fraction < 1):
+            raise ValueError("test_fraction and heldout_fraction must be > 0 and sum to less than 1")
+
+    @functools.cached_property
+    def _graphdef(self) -> Any:
+        abstract = nnx.eval_shape(lambda: MLP(self._sizes, rngs=nnx.Rngs(0)))
+        return nnx.graphdef(abstract)
+
+    @property
+    def _sizes(self) -> tuple[int, ...]:
+        return (NUM_FEATURES, *self.hidden, NUM_CLASSES)
+
+    def init(self, key: Array) -> PyTree:
+        """Fresh float32 params (a nested dict of arrays)."""
+        _, params, _ = split_module(MLP(self._sizes, rngs=nnx.Rngs(params=key)))
+        return params
+
+    def logical_axes(self, params: PyTree | None = None) -> PyTree:
+        """Logical axis names per leaf ("embed", "mlp", "classes")."""
+        _, _, axes = split_module(nnx.eval_shape(lambda: MLP(self._sizes, rngs=nnx.Rngs(0))))
+        return axes
+
+    def apply(self, params: PyTree, inputs: Array, *, train: bool = False, key: Array | None = None) -> Array:
+        """Logits (B, 10) in the params' dtype."""
+        model = nnx.merge(self._graphdef, params)
+        x = inputs.astype(param_dtype(params))
+        rate = self.dropout if train else 0.0
+        return model(x, dropout=rate, key=key)
+
+    def loss(self, params: PyTree, batch: Batch, key: Array | None = None) -> Array:
+        """Mean cross entropy (float32) over the batch rows (``batch["mask"]`` when present)."""
+        logits = self.apply(params, batch["x"], train=key is not None, key=key)
+        return masked_mean(cross_entropy(logits, batch["y"]), batch.get("mask"))
+
+    def metrics(self, params: PyTree, batch: Batch) -> dict[str, Array]:
+        """``{"loss", "accuracy"}`` as float32 scalars."""
+        logits = self.apply(params, batch["x"])
+        mask = batch.get("mask")
+        correct = (jnp.argmax(logits, axis=-1) == batch["y"]).astype(jnp.float32)
+        loss = masked_mean(cross_entropy(logits, batch["y"]), mask)
+        return {"loss": loss, "accuracy": masked_mean(correct, mask)}
+
+    def flip_labels(self, batch: Batch) -> Batch:
+        """Label flipping attack: y -> 9 - y."""
+        out = dict(batch)
+        out["y"] = (NUM_CLASSES - 1 - batch["y"]).astype(batch["y"].dtype)
+        return out
+
+    def splits(
+        self,
+        num_nodes: int,
+        *,
+        seed: int = 0,
+        alpha: float = 0.5,
+        process_index: int = 0,
+        process_count: int = 1,
+    ) -> TaskData:
+        """Train / held-out / test splits and the Dirichlet(alpha) node shards.
+
+        The partition depends on ``seed`` and ``alpha`` only (every process
+        computes the same one from the labels); a process keeps the pixels of
+        its hosted nodes' shards. With ``num_nodes=1`` the single shard is the
+        whole training split.
+        """
+        from sklearn.model_selection import train_test_split
+
+        hosted = hosted_nodes(num_nodes, process_index, process_count)
+        x, y = _load()
+        idx = np.arange(len(y))
+        rest, test = train_test_split(
+            idx, test_size=self.test_fraction, random_state=self.split_seed, stratify=y
+        )
+        held_share = self.heldout_fraction / (1.0 - self.test_fraction)
+        train, held = train_test_split(
+            rest, test_size=held_share, random_state=self.split_seed + 1, stratify=y[rest]
+        )
+        train = np.sort(train)
+        rng = np.random.default_rng(seed)
+        if num_nodes == 1:
+            shards = [np.arange(len(train))]
+        else:
+            shards = dirichlet_partition(y[train], num_nodes, alpha, rng, min_size=8)
+        local = [train[shards[i]] for i in hosted]
+        size = max(len(s) for s in shards)  # the same padded size on every process
+        groups = np.stack([dominant_groups(y[r], NUM_CLASSES, mass=self.dominant_mass) for r in local])
+        train_groups = pad_stack([y[r] for r in local], size)
+        counts = np.array([len(r) for r in local], np.int32)
+        # Global ids (rows of the bundled data set) of each hosted node's examples, -1 on padding:
+        # lets callers check that processes hold disjoint shards.
+        example_ids = pad_stack([r.astype(np.int64) for r in local], size)
+        for i, c in enumerate(counts):
+            train_groups[i, c:] = -1
+            example_ids[i, c:] = -1
+        return TaskData(
+            num_nodes=num_nodes,
+            node_ids=hosted,
+            train={"x": pad_stack([x[r] for r in local], size), "y": pad_stack([y[r] for r in local], size)},
+            train_count=counts,
+            train_groups=train_groups,
+            general={"x": x[train], "y": y[train]},
+            general_groups=y[train],
+            heldout={"x": x[held], "y": y[held]},
+            test={"x": x[test], "y": y[test]},
+            node_groups=groups,
+            group_names=tuple(str(c) for c in range(NUM_CLASSES)),
+            process_index=process_index,
+            process_count=process_count,
+            meta={"example_ids": example_ids, "alpha": alpha, "seed": seed},
+        )

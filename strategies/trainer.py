@@ -1,0 +1,576 @@
+"""Node trainer: n copies of a task's model trained by one jitted, vmapped step.
+
+The n nodes' params, optimizer states, PRNG keys and step counters are stacked
+on a leading node axis (:class:`TrainState`). One call to :meth:`NodeTrainer.fit`
+runs ``steps`` steps of ``jit(scan(vmap(node_step)))``: every node samples its
+own minibatch from its own data with its own key (the gather happens on
+device), takes a gradient of the task's loss and an optax step with its own
+hyperparameters. On a mesh the node axis lies on the mesh's "node" axis and
+the model dimensions follow the task's logical axis names (tensor parallel
+over "model", FSDP over "data"); XLA partitions the same program, so a
+sharded run gives the unsharded run's params up to float32 rounding.
+
+Per-node hyperparameters are plain (n,) arrays passed to an optimizer
+*factory* (``optax.adam``, ``optax.sgd``, ...) inside the vmapped step, so one
+compiled step serves every node and any learning rate; a (n, L) array gives
+one value per hierarchical level. Options, all per node and all in the same
+step (so honest, Byzantine, proximal and hierarchical nodes train together):
+
+* ``schedule``: which data level each node draws from at each step, and
+  whether it trains at all (:mod:`strategies.hierarchical` builds these);
+* ``flip_labels``: label-flipping Byzantine nodes (the task's ``flip_labels``);
+* ``proximal``: proximal pull towards an anchor, ``mu/2 ||theta - a||^2``,
+  and projection onto the L2 ball of radius r around it after each update
+  (the convexity strategy, :mod:`strategies.convexity`).
+
+Mixed precision (``compute_dtype=jnp.bfloat16``) keeps float32 params and
+optimizer state and computes the loss on bfloat16 copies; gradient
+accumulation wraps the optimizer in ``optax.MultiSteps`` (one update every
+``grad_accum`` micro-steps); ``remat`` recomputes the loss's activations in
+the backward pass instead of storing them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from consensus import mesh as mesh_lib
+from strategies.convexity import project_l2_ball, proximal_step
+from strategies.tasks.base import Batch, NodeData, PyTree, Task, cast_floating
+
+OptimizerFactory = Callable[..., optax.GradientTransformation]
+
+
+class TrainState(NamedTuple):
+    """Stacked state of n nodes.
+
+    Attributes:
+      params: stacked params, leaves (n, ...) float32.
+      opt_state: stacked optimizer state.
+      key: (n,) PRNG keys, one per node, fixed: the node's s-th step draws
+        with ``fold_in(key, s)``.
+      step: (n,) int32 number of steps each node has trained (micro-steps
+        with gradient accumulation; steps where a node sat idle do not count).
+    """
+
+    params: PyTree
+    opt_state: PyTree
+    key: jax.Array
+    step: jax.Array
+
+
+class Proximal(NamedTuple):
+    """Per-node convexity options, applied after every optimizer update.
+
+    Attributes:
+      anchor: single (unstacked) tree, usually the last consensus.
+      mu: (n,) proximal strength; 0 disables the proximal step for a node.
+      radius: (n,) radius of the L2 ball around the anchor; ``inf`` disables
+        the projection for a node.
+    """
+
+    anchor: PyTree
+    mu: jax.Array
+    radius: jax.Array
+
+
+class Schedule(NamedTuple):
+    """Which data level each node uses at each step, and whether it trains.
+
+    Attributes:
+      level: (n, steps) int32 index into the ``data`` sequence passed to fit.
+      active: (n, steps) bool; an inactive node keeps its params, optimizer
+        state and step count for that step.
+    """
+
+    level: Any
+    active: Any
+
+
+class FitLog(NamedTuple):
+    """What one fit call reports, per step and node.
+
+    Attributes:
+      loss: (steps, n) float32 training loss of each node's minibatch (before
+        its update).
+      level: (steps, n) int32 data level used.
+      rows: (steps, n, batch) int32 pool rows drawn, or None unless
+        ``record=True``.
+    """
+
+    loss: jax.Array
+    level: jax.Array
+    rows: jax.Array | None
+
+
+def _standard_promotion(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Run an optax transform's init/update under standard dtype promotion.
+
+    optax mixes Python floats and int32 step counts (``b1 ** count`` in Adam's
+    bias correction), which ``jax_numpy_dtype_promotion="strict"`` rejects;
+    the results are float32 either way, so the trainer's own code stays strict.
+    """
+
+    def init(params):
+        with jax.numpy_dtype_promotion("standard"):
+            return tx.init(params)
+
+    def update(updates, state, params=None):
+        with jax.numpy_dtype_promotion("standard"):
+            return tx.update(updates, state, params)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _squeezed(fn: Callable, in_axes: tuple) -> Callable:
+    """``vmap(fn, in_axes)`` for a node axis of size 1, without batching: index 0 in, add the axis out."""
+
+    def run(*args):
+        inner = [_take_tree(axes, arg) for axes, arg in zip(in_axes, args, strict=True)]
+        return jax.tree.map(lambda x: jnp.expand_dims(x, 0), fn(*inner))
+
+    return run
+
+
+def _take_tree(axes: Any, arg: Any) -> Any:
+    # in_axes entries are 0, None, or tuples mirroring tuple arguments (the per-level pools).
+    if axes is None:
+        return arg
+    if axes == 0:
+        return jax.tree.map(lambda x: x[0], arg)
+    return type(arg)(_take_tree(a, x) for a, x in zip(axes, arg, strict=True))
+
+
+@functools.lru_cache(maxsize=32)
+def _evaluator(task: Task) -> Callable:
+    # One compiled evaluator per task (tasks are frozen, hashable dataclasses), shared by trainers.
+    return jax.jit(jax.vmap(task.metrics, in_axes=(0, None)))
+
+
+def _as_level_table(name: str, value: Any, n: int, num_levels: int) -> np.ndarray:
+    """A hyperparameter as an (n, L) float32 table: scalar, (n,) or (n, L)."""
+    v = np.asarray(value, np.float32)
+    if v.ndim == 0:
+        return np.full((n, num_levels), v, np.float32)
+    if v.shape == (n,):
+        return np.repeat(v[:, None], num_levels, axis=1)
+    if v.shape == (n, num_levels):
+        return v
+    raise ValueError(
+        f"hyperparameter {name!r}: need a scalar, ({n},) or ({n}, {num_levels}) values, got {v.shape}"
+    )
+
+
+def _per_node(name: str, value: Any, n: int, dtype: Any) -> np.ndarray:
+    v = np.asarray(value, dtype)
+    if v.ndim == 0:
+        v = np.full((n,), v, dtype)
+    if v.shape != (n,):
+        raise ValueError(f"{name}: need a scalar or ({n},) values, got shape {v.shape}")
+    return v
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NodeTrainer:
+    """Trains n nodes of one task in one jitted, vmapped step.
+
+    Args:
+      task: the :class:`~strategies.tasks.base.Task`.
+      optimizer: optax factory called as ``optimizer(**hyperparams)`` inside
+        the vmapped step with each node's scalars (default ``optax.adam``);
+        the optimizer state's structure must not depend on their values.
+      hyperparams: defaults, each a scalar, an (n,) or an (n, L) array (one
+        value per node and data level), e.g. ``{"learning_rate": 1e-3}``.
+        ``learning_rate`` is also the step size of the proximal step.
+      batch_size: rows each node draws per micro-step.
+      mesh: optional ("node", "data", "model") mesh (:func:`consensus.mesh.make_mesh`), or a
+        :class:`~consensus.mesh.MeshConfig` (its mesh is built and its rules used).
+      rules: logical axis rules or a MeshConfig (see :mod:`consensus.mesh`).
+      compute_dtype: float32, or bfloat16 for mixed precision (params and
+        optimizer state stay float32; gradients arrive in float32).
+      grad_accum: micro-steps per optimizer update (``optax.MultiSteps``).
+      remat: recompute activations in the backward pass (``jax.checkpoint`` of
+        the loss keeping only matmul outputs).
+      unroll: ``lax.scan`` unroll factor over the steps of one fit call.
+
+    Example:
+      >>> task = DigitsTask()
+      >>> data = task.splits(4, seed=0)
+      >>> trainer = NodeTrainer(task, optax.adam, {"learning_rate": 3e-3}, batch_size=32)
+      >>> state = trainer.init(jax.random.key(0), task.init(jax.random.key(1)), 4)
+      >>> state, log = trainer.fit(state, data.own(), 200)
+      >>> trainer.evaluate(state.params, data.test)["accuracy"]  # (4,) numpy accuracies
+    """
+
+    task: Task
+    optimizer: OptimizerFactory = optax.adam
+    hyperparams: Mapping[str, Any] = dataclasses.field(default_factory=lambda: {"learning_rate": 1e-3})
+    batch_size: int = 32
+    mesh: jax.sharding.Mesh | mesh_lib.MeshConfig | None = None
+    rules: Any = mesh_lib.DEFAULT_RULES
+    compute_dtype: Any = jnp.float32
+    grad_accum: int = 1
+    remat: bool = False
+    unroll: int = 1
+
+    def __post_init__(self):
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
+        if jnp.dtype(self.compute_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+            raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype}")
+        if not self.hyperparams:
+            raise ValueError("hyperparams must hold at least the optimizer's learning_rate")
+        if isinstance(self.mesh, mesh_lib.MeshConfig):
+            # A config builds its mesh and brings its logical axis rules.
+            object.__setattr__(self, "rules", self.mesh)
+            object.__setattr__(self, "mesh", mesh_lib.make_mesh(self.mesh))
+        if self.mesh is not None and tuple(self.mesh.axis_names) != mesh_lib.AXES:
+            raise ValueError(f"mesh axes must be {mesh_lib.AXES}, got {tuple(self.mesh.axis_names)}")
+        # Compiled functions, built once per trainer (jit caches per static args and shapes).
+        object.__setattr__(self, "_fit_jit", jax.jit(self._fit_impl, static_argnames=("static",)))
+        object.__setattr__(self, "_eval_jit", _evaluator(self.task))
+        object.__setattr__(self, "_init_cache", {})
+
+    # ------------------------------------------------------------------ optimizer
+
+    def _tx(self, hp: Mapping[str, Any]) -> optax.GradientTransformation:
+        tx = self.optimizer(**hp)
+        if self.grad_accum > 1:
+            tx = optax.MultiSteps(tx, every_k_schedule=self.grad_accum)
+        return _standard_promotion(tx)
+
+    def _init_hp(self) -> dict[str, jax.Array]:
+        # Any values do for init: the state's structure does not depend on them.
+        return {k: jnp.asarray(np.asarray(v, np.float32).reshape(-1)[0]) for k, v in self.hyperparams.items()}
+
+    # ------------------------------------------------------------------ placement
+
+    def _put(self, x: Any, sharding: Any, *, per_node: bool) -> jax.Array:
+        if self.mesh is None:
+            return jnp.asarray(x)
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            return x
+        if per_node and jax.process_count() > 1:
+            # x holds this process's block of nodes only.
+            x = np.asarray(x)
+            return mesh_lib.global_from_local(x, sharding, (x.shape[0] * jax.process_count(), *x.shape[1:]))
+        return mesh_lib.global_from_local(np.asarray(x) if not isinstance(x, jax.Array) else x, sharding)
+
+    def _node_sh(self) -> Any:
+        return None if self.mesh is None else mesh_lib.node_sharding(self.mesh)
+
+    def _rep_sh(self) -> Any:
+        return None if self.mesh is None else mesh_lib.replicated(self.mesh)
+
+    def place(self, data: NodeData) -> NodeData:
+        """Put a NodeData on the device(s): per-node arrays on the "node" axis, shared pools replicated.
+
+        In a multi-process run, ``data`` holds the hosted nodes only (as
+        returned by ``TaskData`` of ``splits(process_index=...)``). Placing once
+        and reusing the result avoids a host-to-device copy per fit call.
+        """
+        pool_sh = self._rep_sh() if data.shared else self._node_sh()
+        pool = {k: self._put(v, pool_sh, per_node=not data.shared) for k, v in data.pool.items()}
+        index = self._put(
+            np.asarray(data.index, np.int32) if not isinstance(data.index, jax.Array) else data.index,
+            self._node_sh(),
+            per_node=True,
+        )
+        count = self._put(
+            np.asarray(data.count, np.int32) if not isinstance(data.count, jax.Array) else data.count,
+            self._node_sh(),
+            per_node=True,
+        )
+        return NodeData(pool, index, count, data.shared, data.name, data.identity)
+
+    def shardings(self, stacked_params: PyTree) -> TrainState | None:
+        """NamedShardings of a TrainState for stacked params (arrays or ShapeDtypeStructs), or None."""
+        if self.mesh is None:
+            return None
+        single = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked_params)
+        axes = self.task.logical_axes(single)
+        p_sh = mesh_lib.stacked_sharding(stacked_params, axes, self.mesh, self.rules)
+        opt_abs = jax.eval_shape(jax.vmap(self._tx(self._init_hp()).init), stacked_params)
+        o_sh = mesh_lib.opt_state_sharding(opt_abs, stacked_params, p_sh, self.mesh)
+        node = mesh_lib.node_sharding(self.mesh)
+        return TrainState(p_sh, o_sh, node, node)
+
+    # ------------------------------------------------------------------ init
+
+    def init(self, key: jax.Array, params: PyTree | None, num_nodes: int) -> TrainState:
+        """A stacked TrainState: n copies of ``params`` (or n fresh inits when None).
+
+        Args:
+          key: PRNG key (the same on every process); node i's init key is
+            ``split(key, n)[i]`` and its training stream is derived from it.
+          params: one params tree, copied to every node, or None.
+          num_nodes: n over all processes (a multiple of the mesh's "node" size).
+        Returns:
+          TrainState with float32 params and ``step == 0``, sharded on the mesh.
+        """
+        if not isinstance(num_nodes, int | np.integer) or num_nodes < 1:
+            raise ValueError(f"num_nodes must be a positive int, got {num_nodes!r}")
+        if self.mesh is not None and num_nodes % self.mesh.shape["node"]:
+            raise ValueError(
+                f"num_nodes={num_nodes} is not a multiple of the mesh's node axis ({self.mesh.shape['node']})"
+            )
+        if params is not None:
+            for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+                if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+                    raise TypeError(f"params leaf {jax.tree_util.keystr(path)} is not floating point")
+        typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+        # Raw key data travels as a plain uint32 array (placeable on any mesh, across processes).
+        key_data = jax.random.key_data(key) if typed else key
+        impl = jax.random.key_impl(key) if typed else None
+        signature = (
+            None if params is None else [(jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(params)]
+        )
+        cache_key = (num_nodes, str(impl), str(jax.tree.structure(params)), str(signature))
+        if cache_key not in self._init_cache:
+            # One compiled init per node count and params signature (tests and rounds call it often).
+            build = self._build_init(num_nodes, params is None, impl)
+            abstract = jax.eval_shape(build, key_data, params)
+            self._init_cache[cache_key] = jax.jit(build, out_shardings=self.shardings(abstract.params))
+        key_data = self._put(key_data, self._rep_sh(), per_node=False)
+        if params is not None:
+            params = jax.tree.map(lambda p: self._put(p, self._rep_sh(), per_node=False), params)
+        return self._init_cache[cache_key](key_data, params)
+
+    def _build_init(self, num_nodes: int, fresh: bool, impl: Any) -> Callable:
+        def build(key_data, params):
+            k = jax.random.wrap_key_data(key_data, impl=impl) if impl is not None else key_data
+            keys = jax.random.split(k, num_nodes)
+            if fresh:
+                stacked = jax.vmap(self.task.init)(keys)
+            else:
+                stacked = jax.tree.map(lambda p: jnp.broadcast_to(p, (num_nodes, *p.shape)), params)
+            stacked = cast_floating(stacked, jnp.float32)
+            opt = jax.vmap(self._tx(self._init_hp()).init)(stacked)
+            stream = jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys)
+            return TrainState(stacked, opt, stream, jnp.zeros((num_nodes,), jnp.int32))
+
+        return build
+
+    # ------------------------------------------------------------------ fit
+
+    def fit(
+        self,
+        state: TrainState,
+        data: NodeData | Sequence[NodeData],
+        steps: int,
+        *,
+        schedule: Schedule | None = None,
+        hyperparams: Mapping[str, Any] | None = None,
+        flip_labels: Any = None,
+        proximal: Proximal | None = None,
+        record: bool = False,
+    ) -> tuple[TrainState, FitLog]:
+        """Run ``steps`` training steps of every node in one jitted call.
+
+        Args:
+          state: the stacked TrainState (from :meth:`init` or a previous fit).
+          data: one NodeData, or a sequence of them (data levels) indexed by
+            ``schedule.level``. Per-node pools must have the state's node count
+            (this process's block in a multi-process run).
+          steps: number of (micro-)steps, static (one compile per value).
+          schedule: per node and step, the data level and whether to train
+            (default: level 0, every node active).
+          hyperparams: overrides of the trainer's defaults (scalar, (n,) or
+            (n, L) each, over all n nodes).
+          flip_labels: optional (n,) bool, nodes that train on the task's
+            flipped labels (label-flipping Byzantine nodes).
+          proximal: optional :class:`Proximal` options (anchor, mu, radius).
+          record: also return the pool rows every node drew at every step.
+        Returns:
+          ``(state, log)`` with a :class:`FitLog`.
+        """
+        levels = (data,) if isinstance(data, NodeData) else tuple(data)
+        if not levels or not all(isinstance(d, NodeData) for d in levels):
+            raise TypeError("data must be a NodeData or a non-empty sequence of NodeData")
+        if not isinstance(steps, int | np.integer) or steps < 1:
+            raise ValueError(f"steps must be a positive int, got {steps!r}")
+        n = int(state.step.shape[0])
+        n_local = n // jax.process_count() if self.mesh is not None else n
+        for d in levels:
+            if d.num_nodes != n_local:
+                raise ValueError(f"data {d.name!r} has {d.num_nodes} nodes, the state has {n_local} (hosted)")
+        num_levels = len(levels)
+        if schedule is None:
+            level = np.zeros((n, steps), np.int32)
+            active = np.ones((n, steps), bool)
+        else:
+            level = np.asarray(schedule.level, np.int32)
+            active = np.broadcast_to(np.asarray(schedule.active, bool), level.shape)
+            if level.shape != (n, steps):
+                raise ValueError(f"schedule.level must be (n={n}, steps={steps}), got {level.shape}")
+            if level.min() < 0 or level.max() >= num_levels:
+                raise ValueError(f"schedule.level refers to levels outside 0..{num_levels - 1}")
+        hp_all = {**self.hyperparams, **(hyperparams or {})}
+        hp = {k: _as_level_table(k, v, n, num_levels) for k, v in hp_all.items()}
+        use_prox = proximal is not None
+        if use_prox:
+            if "learning_rate" not in hp:
+                raise ValueError(
+                    "proximal training needs a 'learning_rate' hyperparameter (the prox step size)"
+                )
+            prox = (
+                proximal.anchor,
+                _per_node("proximal.mu", proximal.mu, n, np.float32),
+                _per_node("proximal.radius", proximal.radius, n, np.float32),
+            )
+            if np.any(prox[1] < 0) or np.any(prox[2] < 0) or np.any(np.isnan(prox[2])):
+                raise ValueError("proximal.mu and proximal.radius must be >= 0")
+        else:
+            prox = None
+        use_flip = flip_labels is not None and bool(np.any(np.asarray(flip_labels)))
+        flip = _per_node("flip_labels", flip_labels if use_flip else False, n, bool)
+        gate = not bool(np.all(active))
+        static = (
+            steps,
+            bool(record),
+            tuple((d.shared, d.identity) for d in levels),
+            use_flip,
+            use_prox,
+            gate,
+        )
+
+        rep = self._rep_sh()
+        put_small = functools.partial(self._put, sharding=rep, per_node=False)
+        levels = tuple(self.place(d) for d in levels)
+        args = (
+            put_small(level.T.copy()),
+            put_small(active.T.copy()),
+            {k: put_small(v) for k, v in hp.items()},
+            put_small(flip),
+            None
+            if prox is None
+            else (jax.tree.map(put_small, prox[0]), put_small(prox[1]), put_small(prox[2])),
+        )
+        pools = tuple((dict(d.pool), d.index, d.count) for d in levels)
+        return self._fit_jit(state, pools, *args, static=static)
+
+    def _loss_fn(self) -> Callable:
+        def loss(params, batch, key):
+            if jnp.dtype(self.compute_dtype) != jnp.dtype(jnp.float32):
+                params = cast_floating(params, self.compute_dtype)
+            return self.task.loss(params, batch, key).astype(jnp.float32)
+
+        if self.remat:
+            loss = jax.checkpoint(loss, policy=jax.checkpoint_policies.dots_saveable)
+        return loss
+
+    def _fit_impl(self, state, pools, level_t, active_t, hp, flip, prox, *, static):
+        steps, record, shared, use_flip, use_prox, gate = static
+        loss_fn = self._loss_fn()
+        accum = self.grad_accum > 1
+        batch_sh = None
+        if (
+            self.mesh is not None
+            and self.mesh.shape["data"] > 1
+            and self.batch_size % self.mesh.shape["data"] == 0
+        ):
+            batch_sh = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("data"))
+
+        def node_step(params, opt, step, lvl, act, k_sample, k_loss, hp_i, flip_i, mu_i, r_i, anchor, pools):
+            batches, rows_l = [], []
+            for (pool, index, count), (_, identity) in zip(pools, shared, strict=True):
+                u = jax.random.randint(k_sample, (self.batch_size,), 0, count)
+                rows = u if identity else index[u]
+                batches.append({k: v[rows] for k, v in pool.items()})
+                rows_l.append(rows)
+            if len(batches) == 1:
+                batch, rows = batches[0], rows_l[0]
+            else:
+                batch = jax.tree.map(lambda *bs: jnp.stack(bs)[lvl], *batches)
+                rows = jnp.stack(rows_l)[lvl]
+            if use_flip:
+                flipped = self.task.flip_labels(batch)
+                batch = jax.tree.map(lambda a, b: jnp.where(flip_i, a, b), flipped, batch)
+            if batch_sh is not None:
+                batch = jax.lax.with_sharding_constraint(batch, batch_sh)
+            hp_l = {k: v[lvl] for k, v in hp_i.items()}
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch, k_loss)
+            updates, new_opt = self._tx(hp_l).update(grads, opt, params)
+            new_params = optax.apply_updates(params, updates)
+            if use_prox:
+                moved = proximal_step(new_params, anchor, mu_i, hp_l["learning_rate"])
+                moved = project_l2_ball(moved, anchor, r_i)
+                if accum:
+                    # Only after real updates: MultiSteps emits zeros on accumulation micro-steps.
+                    moved = jax.tree.map(
+                        lambda a, b: jnp.where(optax.MultiSteps.has_updated(new_opt), a, b), moved, new_params
+                    )
+                new_params = moved
+            new_step = step + 1
+            if gate:
+                keep = functools.partial(jax.tree.map, lambda a, b: jnp.where(act, a, b))
+                new_params, new_opt = keep(new_params, params), keep(new_opt, opt)
+                new_step = jnp.where(act, new_step, step)
+            # Unused scan outputs are not always pruned by XLA: emit the drawn rows only on request.
+            return (new_params, new_opt, new_step), ((loss, rows) if record else loss)
+
+        pool_axes = tuple((None if sh else 0, 0, 0) for sh, _ in shared)
+        if use_prox:
+            anchor, mu, radius = prox
+            prox_axes = (0, 0, None)
+        else:
+            anchor, mu, radius = None, jnp.zeros_like(flip, jnp.float32), jnp.zeros_like(flip, jnp.float32)
+            prox_axes = (0, 0, None)
+        spmd = "node" if self.mesh is not None else None
+        in_axes = (0, 0, 0, 0, 0, 0, 0, 0, 0, *prox_axes, pool_axes)
+        if self.mesh is None and flip.shape[0] == 1:
+            # One node: run the unbatched step. vmap of size 1 turns every matmul into a batched
+            # dot_general, which XLA:CPU runs measurably slower than a plain GEMM.
+            vstep = _squeezed(node_step, in_axes)
+        else:
+            vstep = jax.vmap(node_step, in_axes=in_axes, spmd_axis_name=spmd)
+
+        # Node i's s-th training step uses fold_in(key_i, s) (s = its step count), split into a
+        # sampling and a loss key. Derived for all steps at once, outside the loop (one vectorised
+        # hash instead of a split per step); idle steps do not consume keys, and a fit split into
+        # several calls draws exactly what one call draws.
+        act_int = active_t.astype(jnp.int32)
+        counts = state.step[None, :] + jnp.cumsum(act_int, axis=0) - act_int
+        step_keys = jax.vmap(jax.vmap(jax.random.fold_in), in_axes=(None, 0))(state.key, counts)
+        pairs = jax.vmap(jax.vmap(jax.random.split))(step_keys)
+
+        def body(carry, xs):
+            lvl, act, k_sample, k_loss = xs
+            params, opt, step = carry
+            args = (params, opt, step, lvl, act, k_sample, k_loss, hp, flip, mu, radius, anchor, pools)
+            return vstep(*args)
+
+        carry0 = (state.params, state.opt_state, state.step)
+        xs = (level_t, active_t, pairs[:, :, 0], pairs[:, :, 1])
+        carry, outs = jax.lax.scan(body, carry0, xs, length=steps, unroll=self.unroll)
+        loss, rows = outs if record else (outs, None)
+        new_state = TrainState(carry[0], carry[1], state.key, carry[2])
+        sh = self.shardings(new_state.params)
+        if sh is not None:
+            new_state = jax.lax.with_sharding_constraint(new_state, sh)
+        return new_state, FitLog(loss=loss, level=level_t, rows=rows)
+
+    # ------------------------------------------------------------------ evaluate
+
+    def evaluate(self, stacked_params: PyTree, batch: Batch) -> dict[str, np.ndarray]:
+        """Per-node metrics of every node on one shared batch, in one vmapped call.
+
+        Returns:
+          ``{metric: (n,) float64 numpy}`` gathered on the host (every process).
+        """
+        batch = {
+            k: self._put(np.asarray(v) if not isinstance(v, jax.Array) else v, self._rep_sh(), per_node=False)
+            for k, v in batch.items()
+        }
+        out = self._eval_jit(stacked_params, batch)
+        return {k: np.asarray(v, np.float64) for k, v in mesh_lib.to_host(out).items()}
