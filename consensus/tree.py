@@ -216,8 +216,7 @@ def combine(
     rest = total - jnp.sum(weights)
 
     def leaf(x, r):
-        s = row_kernels.weighted_sum(x, weights)
-        return (s + rest * r.astype(jnp.float32)).astype(x.dtype)
+        return row_kernels.weighted_sum(x, weights, r, rest).astype(x.dtype)
 
     return jax.tree.map(leaf, stacked, ref)
 

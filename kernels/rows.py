@@ -35,15 +35,22 @@ def _tree_sum(terms: list[jax.Array]) -> jax.Array:
 
 
 @jax.jit
-def weighted_sum(x: jax.Array, w: jax.Array) -> jax.Array:
-    """sum_i w[i] * x[i] over the leading axis, computed in float32.
+def weighted_sum(
+    x: jax.Array, w: jax.Array, ref: jax.Array | None = None, ref_weight: jax.Array | float = 0.0
+) -> jax.Array:
+    """sum_i w[i] * x[i] (+ ref_weight * ref) over the leading axis, in float32, one pass.
 
     Rows with ``w[i] == 0`` contribute exactly 0 even when they hold NaN or Inf,
-    so excluded (for example non-finite) nodes never poison the result.
+    so excluded (for example non-finite) nodes never poison the result. The
+    optional ``ref`` term is fused into the same loop: added afterwards as a
+    separate op it would cost a fresh d-sized allocation, which on XLA:CPU is
+    page faults worth most of a pass.
 
     Args:
       x: (n, ...) array.
       w: (n,) weights.
+      ref: optional (...) array.
+      ref_weight: its coefficient.
     Returns:
       (...) float32 array.
     """
@@ -51,10 +58,15 @@ def weighted_sum(x: jax.Array, w: jax.Array) -> jax.Array:
     w = w.astype(jnp.float32)
     if n <= UNROLL_MAX:
         terms = [jnp.where(w[i] != 0, w[i] * x[i].astype(jnp.float32), 0.0) for i in range(n)]
+        if ref is not None:
+            terms.append(jnp.asarray(ref_weight, jnp.float32) * ref.astype(jnp.float32))
         return _tree_sum(terms)
     keep = (w != 0).reshape((n,) + (1,) * (x.ndim - 1))
     safe = jnp.where(keep, x.astype(jnp.float32), 0.0)
-    return jnp.tensordot(w, safe, axes=1, precision=jax.lax.Precision.HIGHEST)
+    out = jnp.tensordot(w, safe, axes=1, precision=jax.lax.Precision.HIGHEST)
+    if ref is not None:
+        out = out + jnp.asarray(ref_weight, jnp.float32) * ref.astype(jnp.float32)
+    return out
 
 
 @jax.jit
@@ -158,3 +170,30 @@ def view_rows(
             for i in range(n)
         ]
     return out if c is None else [c + v for v in out]
+
+
+@functools.partial(jax.jit, static_argnames=("diagonal",))
+def materialise_view(
+    x: jax.Array, mixing: jax.Array, centre: jax.Array | None, valid: jax.Array | None, *, diagonal: bool
+) -> jax.Array:
+    """The rows ``c + A (x - c)`` written out as an (n, ...) array in x's dtype; invalid rows NaN.
+
+    A diagonal A is one broadcast multiply-add over the stack (the fastest form
+    XLA:CPU has for an n -> n map); a dense A streams through :func:`mix`.
+    """
+    n = x.shape[0]
+    shape = (n,) + (1,) * (x.ndim - 1)
+    xf = x.astype(jnp.float32)
+    c = None if centre is None else centre.astype(jnp.float32)
+    if diagonal:
+        scale = jnp.diagonal(mixing).reshape(shape)
+        d = xf if c is None else xf - c
+        y = jnp.where(scale != 0, scale * d, 0.0)
+    else:
+        d = xf if c is None else xf - c
+        y = mix(d, mixing)
+    if c is not None:
+        y = y + c
+    if valid is not None:
+        y = jnp.where(valid.reshape(shape), y, jnp.nan)
+    return y.astype(x.dtype)

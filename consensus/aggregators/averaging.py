@@ -12,8 +12,10 @@ from consensus.aggregators import view as views
 from consensus.aggregators._common import (
     RuleState,
     accepts_views,
+    allowed,
     check_stacked,
     init_rule_state,
+    is_concrete,
     static_count,
     uniform_over,
     valid_nodes,
@@ -21,6 +23,28 @@ from consensus.aggregators._common import (
 from consensus.base import AggregationInfo, Aggregator, ByzantineToleranceError
 
 PyTree = Any
+
+
+def _optimistic_sum(stacked, mask, n: int, weights_for):
+    """One pass in the common case: weigh every allowed node, then check the result.
+
+    NaN and +-Inf always survive a weighted sum with non-zero weights (Inf - Inf
+    is NaN), so a finite result proves every allowed node was finite and the
+    separate finiteness pass can be skipped. Only when the result is not finite
+    (or under an outer jit, where the check cannot run) does the rule pay for
+    the finiteness pass and a second sum. Returns (merged, valid, weights) or
+    None when the fast path does not apply.
+    """
+    leaves = jax.tree_util.tree_leaves(views.base_of(stacked))
+    if not all(is_concrete(x) for x in leaves) or (mask is not None and not is_concrete(mask)):
+        return None
+    if views.is_view(stacked) and stacked.valid is not None:
+        return None
+    valid = allowed(mask, n)
+    w = weights_for(valid)
+    merged = views.weighted_sum(stacked, w)
+    finite = all(bool(jnp.isfinite(y).all()) for y in jax.tree_util.tree_leaves(merged))
+    return (merged, valid, w) if finite else None
 
 
 def _require_some(rule: str, valid: jax.Array, n: int) -> None:
@@ -47,6 +71,10 @@ def mean() -> Aggregator:
     def update(stacked, state, params=None, *, mask=None, assume_finite=False, **extra):
         del state, extra
         n = check_stacked(stacked, params)
+        fast = None if assume_finite else _optimistic_sum(stacked, mask, n, uniform_over)
+        if fast is not None and static_count(fast[1]) != 0:
+            merged, valid, w = fast
+            return merged, RuleState(AggregationInfo(valid, valid, w, True))
         valid = valid_nodes(stacked, mask, assume_finite)
         _require_some("mean", valid, n)
         w = uniform_over(valid)
@@ -78,6 +106,17 @@ def weighted_mean(weights: jax.Array | np.ndarray | None = None) -> Aggregator:
             raise ValueError(f"weighted_mean: weights must have shape ({n},), got {alpha.shape}")
         if static_count(alpha < 0) not in (None, 0):
             raise ValueError("weighted_mean: weights must be non-negative")
+
+        def normalised(ok):
+            a = jnp.where(ok, alpha, 0.0)
+            return a / jnp.sum(a)
+
+        # The one-pass check only sees nodes with a positive weight: use it when all have one.
+        if not assume_finite and static_count(alpha <= 0) == 0:
+            fast = _optimistic_sum(stacked, mask, n, normalised)
+            if fast is not None and static_count(fast[1]) != 0:
+                merged, valid, w = fast
+                return merged, RuleState(AggregationInfo(valid, valid & (w > 0), w, True))
         valid = valid_nodes(stacked, mask, assume_finite)
         a = jnp.where(valid, alpha, 0.0)
         if static_count(a > 0) == 0:

@@ -106,17 +106,15 @@ def leaf_inputs(x: PyTree | NodeView) -> tuple[list, list, jax.Array | None, boo
 
 def materialise(x: PyTree | NodeView) -> PyTree:
     """The rows of y as an ordinary stacked tree (one copy of the stack); invalid rows NaN."""
-    if not is_view(x):
-        return x
+    if not is_view(x) or (x.mixing is None and x.valid is None):
+        return base_of(x)
     from kernels import rows as row_kernels
 
     leaves, centres, mixing, diagonal = leaf_inputs(x)
-    treedef = jax.tree_util.tree_structure(x.base)
-    out = []
-    for leaf, c in zip(leaves, centres, strict=True):
-        r = row_kernels.view_rows(leaf, mixing, c, diagonal=diagonal)
-        y = jnp.stack(r).astype(leaf.dtype)
-        if x.valid is not None:
-            y = jnp.where(x.valid.reshape((-1,) + (1,) * (y.ndim - 1)), y, jnp.nan).astype(leaf.dtype)
-        out.append(y)
-    return jax.tree_util.tree_unflatten(treedef, out)
+    n = leaves[0].shape[0]
+    mixing = jnp.eye(n, dtype=jnp.float32) if mixing is None else mixing
+    out = [
+        row_kernels.materialise_view(leaf, mixing, c, x.valid, diagonal=diagonal)
+        for leaf, c in zip(leaves, centres, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(x.base), out)

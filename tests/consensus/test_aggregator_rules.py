@@ -218,3 +218,21 @@ def test_lazy_pipeline_equals_materialised_composition():
     got, _ = pipe.update(stacked, pipe.init(params), params)
     want, _ = consensus.median().update(step2, consensus.median().init(params), params)
     np.testing.assert_allclose(np.asarray(got["w"]), np.asarray(want["w"]), rtol=1e-5, atol=1e-5)
+
+
+def test_mean_one_pass_path_still_excludes_every_nonfinite_node():
+    """mean() checks its result instead of every node; +Inf and -Inf at one coordinate cancel to NaN."""
+    params, stacked = _nodes(6, seed=8)
+    w = jnp.asarray(stacked["w"]).at[1, 0].set(jnp.inf).at[4, 0].set(-jnp.inf)
+    for agg in (consensus.mean(), consensus.weighted_mean(np.arange(1.0, 7.0))):
+        merged, state = agg.update({"w": w}, agg.init(params), params)
+        valid = np.asarray(consensus.get_info(state).valid)
+        np.testing.assert_array_equal(valid, [True, False, True, True, False, True])
+        x = np.asarray(stacked["w"], np.float64)[valid]
+        alpha = np.arange(1.0, 7.0)[valid] if agg.name == "weighted_mean" else np.ones(4)
+        np.testing.assert_allclose(np.asarray(merged["w"]), alpha @ x / alpha.sum(), rtol=1e-6)
+    # Large finite values whose sum overflows are not mistaken for non-finite nodes.
+    big = jnp.full((3, 4), 2e38, jnp.float32)
+    merged, state = consensus.mean().update({"w": big}, consensus.mean().init(None))
+    assert np.asarray(consensus.get_info(state).valid).all()
+    np.testing.assert_allclose(np.asarray(merged["w"]), 2e38, rtol=1e-6)
