@@ -13,7 +13,7 @@ writes a clipped copy of the stack; inside a pipeline (``clip+mean``, as DP and
 robust pipelines use it) it stays a lazy view and writes nothing.
 
     python -m benchmarks.aggregators            # n in {8, 16, 32}, d in {1e5, 1e6, 1e7}
-    python -m benchmarks.aggregators --quick    # a subset, under a minute
+    python -m benchmarks.aggregators --quick    # n = 16, d in {1e6, 1e7}: under a minute
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ TARGETS = {
     "bulyan": 4.0,
 }
 GM_ITERS = 10
+TARGET_SIZE = (16, 10_000_000)
 
 
 def byzantine_count(n: int) -> int:
@@ -108,10 +109,12 @@ def bench_one(n: int, d: int, repeats: int, with_memory: bool, numpy_baselines: 
         state = agg.init(params)
         t = best_time(lambda agg=agg, state=state: agg.update(stacked, state, params)[0], repeats)
         row = dict(n=n, d=d, f=f, rule=name, seconds=t, ratio=t / floor)
-        if name in TARGETS:
-            row["target"] = TARGETS[name]
-        if name == "geometric_median":
-            row["target"] = GM_ITERS + 2.0
+        # The targets are stated for n = 16, d = 1e7; at small d fixed per-call costs dominate.
+        if (n, d) == TARGET_SIZE:
+            if name in TARGETS:
+                row["target"] = TARGETS[name]
+            if name == "geometric_median":
+                row["target"] = GM_ITERS + 2.0
         if with_memory:
             row["extra_memory"] = extra_memory_ratio(agg, stacked, params)
         rows.append(row)
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--nodes", type=str, default=None, help="comma list of n, e.g. 8,16")
     args = parser.parse_args(argv)
     if args.quick:
-        nodes, sizes, repeats = [16], [100_000, 1_000_000], 3
+        nodes, sizes, repeats = [16], [1_000_000, 10_000_000], 2
     else:
         nodes, sizes, repeats = [8, 16, 32], [100_000, 1_000_000, 10_000_000], 3
     if args.nodes:

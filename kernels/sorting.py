@@ -86,6 +86,7 @@ def exclude(
     mixing: jax.Array | None = None,
     centre: jax.Array | None = None,
     diagonal: bool = True,
+    poison: bool = False,
 ) -> list[jax.Array]:
     """The rows (float32) with rows where ``keep`` is False replaced by +inf.
 
@@ -95,6 +96,11 @@ def exclude(
     broadcast mask stops XLA from fusing the network and costs ~6x.
     """
     r = view_rows(x, mixing, centre, diagonal=diagonal)
+    if poison:
+        # +-Inf -> NaN: NaN propagates through every comparator it meets, and every
+        # input reaches every output of a sorting network, so any non-finite value
+        # in a kept row makes the result at that coordinate NaN (a cheap check).
+        r = [jnp.where(jnp.isinf(v), jnp.nan, v) for v in r]
     if keep is None:
         return r
     return [jnp.where(keep[i], v, jnp.inf) for i, v in enumerate(r)]
@@ -123,7 +129,7 @@ def _sorted(r: list[jax.Array]) -> list[jax.Array]:
     return rows(jnp.sort(jnp.stack(r), axis=0))
 
 
-@functools.partial(jax.jit, static_argnames=("m", "diagonal"))
+@functools.partial(jax.jit, static_argnames=("m", "diagonal", "poison"))
 def median(
     x: jax.Array,
     keep: jax.Array | None = None,
@@ -131,16 +137,19 @@ def median(
     mixing: jax.Array | None = None,
     centre: jax.Array | None = None,
     diagonal: bool = True,
+    poison: bool = False,
 ) -> jax.Array:
     """Coordinate-wise median over the kept rows (mean of the two middle values when m is even).
 
-    ``m``, if given, must equal the number of True entries of ``keep``.
+    ``m``, if given, must equal the number of True entries of ``keep``. With
+    ``poison``, a NaN or Inf in any kept row makes the result NaN at that
+    coordinate, so a finite result certifies that every kept row was finite.
     """
     m = count(keep, x.shape[0], m)
-    return _median_of_sorted(_sorted(exclude(x, keep, mixing, centre, diagonal)), m)
+    return _median_of_sorted(_sorted(exclude(x, keep, mixing, centre, diagonal, poison)), m)
 
 
-@functools.partial(jax.jit, static_argnames=("f", "m", "diagonal"))
+@functools.partial(jax.jit, static_argnames=("f", "m", "diagonal", "poison"))
 def trimmed_mean(
     x: jax.Array,
     f: int,
@@ -149,13 +158,15 @@ def trimmed_mean(
     mixing: jax.Array | None = None,
     centre: jax.Array | None = None,
     diagonal: bool = True,
+    poison: bool = False,
 ) -> jax.Array:
     """Coordinate-wise mean after removing the f smallest and f largest kept values.
 
     Needs m > 2f kept rows; with fewer the result is NaN (callers check first).
+    ``poison`` as in :func:`median`.
     """
     m = count(keep, x.shape[0], m)
-    s = _sorted(exclude(x, keep, mixing, centre, diagonal))
+    s = _sorted(exclude(x, keep, mixing, centre, diagonal, poison))
     total = window_sum(s, f, m - 2 * f)
     denom = m - 2 * f
     if _is_static(denom):

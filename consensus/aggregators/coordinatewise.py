@@ -7,14 +7,18 @@ the stack once; rules over a (16, 1e7) stack cost about one pass over memory.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
+from consensus.aggregators import view as views
 from consensus.aggregators._common import (
     RuleState,
     accepts_views,
+    allowed,
     check_f,
     check_stacked,
     coordinatewise,
     init_rule_state,
+    is_concrete,
     require_count,
     static_count,
     uniform_over,
@@ -22,6 +26,28 @@ from consensus.aggregators._common import (
 )
 from consensus.base import AggregationInfo, Aggregator, require
 from kernels import sorting
+
+
+def _optimistic(kernel, stacked, mask, n: int, **kwargs):
+    """One pass in the common case: run the rule on every allowed node, then check the result.
+
+    With ``poison`` the kernels turn any NaN/Inf of a kept row into NaN at that
+    coordinate of the output, so a finite output proves every allowed node was
+    finite and the separate finiteness pass is not needed. Returns
+    (merged, valid) or None (non-finite output, an outer jit, or a view whose
+    validity is already known).
+    """
+    leaves = jax.tree_util.tree_leaves(views.base_of(stacked))
+    if not all(is_concrete(x) for x in leaves) or (mask is not None and not is_concrete(mask)):
+        return None
+    if views.is_view(stacked) and (stacked.valid is not None or stacked.mixing is not None):
+        return None
+    valid = allowed(mask, n)
+    keep, m = _keep_args(valid, n)
+    merged = coordinatewise(kernel, stacked, keep=keep, m=m, poison=True, **kwargs)
+    if all(bool(jnp.isfinite(y).all()) for y in jax.tree_util.tree_leaves(merged)):
+        return merged, valid
+    return None
 
 
 def _keep_args(valid: jax.Array, n: int):
@@ -47,6 +73,10 @@ def median() -> Aggregator:
     def update(stacked, state, params=None, *, mask=None, assume_finite=False, **extra):
         del state, extra
         n = check_stacked(stacked, params)
+        fast = None if assume_finite else _optimistic(sorting.median, stacked, mask, n)
+        if fast is not None and static_count(fast[1]) != 0:
+            merged, valid = fast
+            return merged, RuleState(AggregationInfo(valid, valid, uniform_over(valid), False))
         valid = valid_nodes(stacked, mask, assume_finite)
         require_count("median", static_count(valid), 0, static_count(valid) != 0, "at least 1 valid node")
         keep, m = _keep_args(valid, n)
@@ -71,6 +101,10 @@ def trimmed_mean(num_byzantine: int) -> Aggregator:
         del state, extra
         n = check_stacked(stacked, params)
         require("trimmed_mean", n, f, n > 2 * f, f"n > 2f = {2 * f}")
+        fast = None if assume_finite else _optimistic(sorting.trimmed_mean, stacked, mask, n, f=f)
+        if fast is not None and static_count(fast[1]) > 2 * f:
+            merged, valid = fast
+            return merged, RuleState(AggregationInfo(valid, valid, uniform_over(valid), False))
         valid = valid_nodes(stacked, mask, assume_finite)
         m_now = static_count(valid)
         require_count("trimmed_mean", m_now, f, m_now is not None and m_now > 2 * f, f"n > 2f = {2 * f}")

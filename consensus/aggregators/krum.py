@@ -60,7 +60,13 @@ def krum(num_byzantine: int) -> Aggregator:
         require_count("krum", m, f, m is not None and m > 2 * f + 2, f"n > 2f + 2 = {2 * f + 2}")
         chosen = krum_kernels.krum_select(stats.sq_dists, f, stats.valid)
         w = chosen.astype(jnp.float32)
-        merged = views.weighted_sum(stacked, w)
+        if views.is_view(stacked) and stacked.mixing is not None:
+            merged = views.weighted_sum(stacked, w)
+        else:
+            # The winner's row itself: reads 1/n of the stack, where a one-hot
+            # weighted sum would read all of it.
+            winner = jnp.argmax(chosen)
+            merged = jax.tree.map(lambda x: x[winner], views.base_of(stacked))
         bad = None if m is not None else jnp.sum(stats.valid) <= 2 * f + 2
         return _finish_nan_if(bad, merged), RuleState(AggregationInfo(stats.valid, chosen, w, True))
 

@@ -236,3 +236,17 @@ def test_mean_one_pass_path_still_excludes_every_nonfinite_node():
     merged, state = consensus.mean().update({"w": big}, consensus.mean().init(None))
     assert np.asarray(consensus.get_info(state).valid).all()
     np.testing.assert_allclose(np.asarray(merged["w"]), 2e38, rtol=1e-6)
+
+
+@pytest.mark.parametrize("make", [consensus.median, lambda: consensus.trimmed_mean(1)])
+def test_coordinatewise_one_pass_path_excludes_a_lone_inf(make):
+    """A single +Inf would sort to the end and vanish from a median; it must still exclude its node."""
+    params, stacked = _nodes(7, seed=9)
+    w = jnp.asarray(stacked["w"]).at[5, 2].set(jnp.inf)
+    agg = make()
+    merged, state = agg.update({"w": w}, agg.init(params), params)
+    valid = np.asarray(consensus.get_info(state).valid)
+    np.testing.assert_array_equal(valid, np.arange(7) != 5)
+    x = np.asarray(stacked["w"], np.float64)
+    want = ref.median(x, valid) if agg.name == "median" else ref.trimmed_mean(x, 1, valid)
+    np.testing.assert_allclose(np.asarray(merged["w"]), want, rtol=1e-6, atol=1e-6)
