@@ -45,8 +45,10 @@ from consensus import tree
 from consensus.convex import problems
 from consensus.convex.curvature import empirical_fisher, softmax_gauss_newton
 from consensus.convex.merge import convex_merge, quadratic_weigher
+from consensus.convex.mixture import mixture_nll_weights
 from consensus.convex.problems import ProblemCache
-from consensus.convex.weights import anchor_weights, mixture_nll_weights, solve_qp_weights
+from consensus.convex.qp import solve_qp_weights
+from consensus.convex.weights import anchor_weights
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -13,6 +13,7 @@ from consensus.convex.merge import (
     mixture_nll_weigher,
     quadratic_weigher,
 )
+from consensus.convex.mixture import mixture_nll_weights
 from consensus.convex.problems import (
     DEFAULT_CACHE,
     DEFAULT_SOLVER,
@@ -22,13 +23,11 @@ from consensus.convex.problems import (
     project_capped_simplex,
     weight_bounds,
 )
+from consensus.convex.qp import ConvexWeights, solve_qp_weights
 from consensus.convex.weights import (
-    ConvexWeights,
     anchor_weights,
-    mixture_nll_weights,
     quadratic_statistics,
     quadratic_weights,
-    solve_qp_weights,
     trust_region_quadratic_weights,
 )
 

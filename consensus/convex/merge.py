@@ -1,7 +1,7 @@
 """Convex merge weights as an aggregator: solve for w on the host, merge in one pass.
 
 :func:`convex_merge` wraps a *weigher*, a host-side function that returns
-:class:`~consensus.convex.weights.ConvexWeights` for a stacked tree, into a
+:class:`~consensus.convex.qp.ConvexWeights` for a stacked tree, into a
 :class:`~consensus.base.Aggregator`. The weigher runs cvxpy (not jittable;
 the problem is compiled once and re-solved each round), then the merge is one
 streaming :func:`consensus.tree.weighted_sum` pass. Ready-made weighers:
@@ -20,14 +20,10 @@ import numpy as np
 from consensus import tree
 from consensus.base import AggregationInfo, Aggregator, empty_info, get_info
 from consensus.convex.curvature import LossModel
-from consensus.convex.weights import (
-    ConvexWeights,
-    accepted_mask,
-    anchor_weights,
-    mixture_nll_weights,
-    quadratic_weights,
-    trust_region_quadratic_weights,
-)
+from consensus.convex.mixture import mixture_nll_weights
+from consensus.convex.problems import accepted_mask
+from consensus.convex.qp import ConvexWeights
+from consensus.convex.weights import anchor_weights, quadratic_weights, trust_region_quadratic_weights
 
 PyTree = Any
 
@@ -52,7 +48,7 @@ class ConvexMergeState(NamedTuple):
     Attributes:
       info: the round's :class:`~consensus.base.AggregationInfo`; ``selected``
         is the set of nodes the weigher accepted (allowed a positive weight).
-      result: the round's :class:`~consensus.convex.weights.ConvexWeights`
+      result: the round's :class:`~consensus.convex.qp.ConvexWeights`
         (status, objective, solve time, fallback and its reason), None before
         the first update.
     """
@@ -216,7 +212,7 @@ def quadratic_weigher(
 
 
 def mixture_nll_weigher(prob_fn: Callable[..., jax.Array], **options: Any) -> Weigher:
-    """Weigher for :func:`~consensus.convex.weights.mixture_nll_weights` (stacking).
+    """Weigher for :func:`~consensus.convex.mixture.mixture_nll_weights` (stacking).
 
     ``prob_fn(node_params, **extra) -> (m,)`` gives one node's probability of
     the true label of each held-out example; it is vmapped over the node axis

@@ -13,8 +13,8 @@ from consensus.aggregators import geometric_median, trimmed_mean
 from consensus.base import get_info
 from consensus.convex.curvature import LossModel
 from consensus.convex.merge import anchor_weigher, convex_merge, mixture_nll_weigher, quadratic_weigher
+from consensus.convex.mixture import mixture_nll_weights
 from consensus.convex.problems import ProblemCache
-from consensus.convex.weights import mixture_nll_weights
 
 N = 6
 SHAPES = {"w": (4, 3), "b": (3,)}

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from consensus.convex import problems
+from consensus.convex.mixture import mixture_nll_weights
 from consensus.convex.problems import ProblemCache, ProblemKey
-from consensus.convex.weights import mixture_nll_weights, solve_qp_weights
+from consensus.convex.qp import solve_qp_weights
 
 
 def random_qp(seed, n):

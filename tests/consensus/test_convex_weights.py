@@ -8,15 +8,11 @@ import numpy as np
 import pytest
 from scipy import optimize
 
-from consensus.convex import problems, weights
+from consensus.convex import problems
+from consensus.convex.mixture import mixture_nll_weights
 from consensus.convex.problems import project_capped_simplex, weight_bounds
-from consensus.convex.weights import (
-    anchor_weights,
-    mixture_nll_weights,
-    quadratic_statistics,
-    quadratic_weights,
-    solve_qp_weights,
-)
+from consensus.convex.qp import ConvexWeights, solve_qp_weights
+from consensus.convex.weights import anchor_weights, quadratic_statistics, quadratic_weights
 
 # ----------------------------------------------------------------------------- references
 
@@ -370,7 +366,7 @@ def test_result_has_no_nan_and_same_type_for_every_objective():
         mixture_nll_weights(np.full((6, 5), 0.5)),
     ]
     for r in outs:
-        assert isinstance(r, weights.ConvexWeights)
+        assert isinstance(r, ConvexWeights)
         assert np.all(np.isfinite(r.weights)) and r.solve_time > 0 and isinstance(r.status, str)
     assert [r.objective_name for r in outs] == ["quadratic", "anchor", "mixture_nll"]
 

@@ -1,0 +1,215 @@
+"""Mixture-NLL (stacking) weights: the NLL of the mixture of the nodes' predictions.
+
+Convex in w (minus the log of an affine function). Solved through cvxpy's exponential
+cone when the Parameter fits in memory, else by damped Newton steps that each
+re-solve the cached simplex QP of :mod:`consensus.convex.qp`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from consensus.convex import problems
+from consensus.convex.problems import (
+    DEFAULT_SOLVER,
+    ProblemCache,
+    accepted_mask,
+    check_options,
+    factor_psd,
+    polish_qp,
+    project_capped_simplex,
+    uniform_weights,
+    weight_bounds,
+)
+from consensus.convex.qp import ConvexWeights, _fallback, _single_threaded_blas
+
+PyTree = Any
+# Probabilities are floored here before the log: a node that gives a held-out
+# example probability 0 would otherwise make the objective infinite for any
+# weight vector that relies on it alone.
+PROB_FLOOR = 1e-12
+
+
+def _mixture_objective(pt: np.ndarray, lam: float, u: np.ndarray, w: np.ndarray) -> float:
+    z = pt @ w
+    return float(-np.mean(np.log(z)) + lam * np.sum((w - u) ** 2))
+
+
+@_single_threaded_blas
+def mixture_nll_weights(
+    probs: Any,
+    lambda_reg: float = 0.0,
+    max_weight: float | None = None,
+    mask: Any = None,
+    *,
+    min_weight: float = 0.0,
+    solver: str = DEFAULT_SOLVER,
+    method: str = "auto",
+    floor: float = PROB_FLOOR,
+    cache: ProblemCache | None = None,
+    solver_options: dict[str, Any] | None = None,
+    tol: float = 1e-10,
+    max_iter: int = 50,
+) -> ConvexWeights:
+    """Stacking weights: minimise the held-out NLL of the mixture of the nodes.
+
+    .. math:: \\min_{w \\in W} -\\frac1m \\sum_{j=1}^m \\log\\Big(\\sum_i w_i P_{ij}\\Big)
+              + \\lambda \\|w - u\\|^2
+
+    ``P[i, j]`` is node i's predicted probability of the true label of held-out
+    example j. Convex in w (minus the log of an affine function). Entries are
+    floored at ``floor`` (1e-12) so the objective stays finite.
+
+    Two exact methods:
+
+    * ``"conic"``: the problem above in cvxpy with P as an (m, n) Parameter
+      (m exponential cones), compiled once and re-solved. cvxpy's DPP map for
+      it needs index space ~ n*m*(n+m), so it is used up to
+      ``problems.MAX_DPP_MIXTURE_SIZE``.
+    * ``"newton"``: damped Newton steps, each a DPP QP over W (the same
+      compiled ``qp`` problem as :func:`quadratic_weights`) with the exact
+      gradient and Hessian ``(1/m) P diag(1/z^2) P^T`` (z = P^T w), and a
+      backtracking line search; -log of an affine function is self-concordant,
+      so this converges globally and quadratically near the optimum. Stops when
+      the Newton decrement ``-g^T d`` is below ``tol``. Scales to any m.
+
+    ``"auto"`` picks conic when it fits, else Newton.
+
+    Args:
+      probs: (n, m) probabilities in [0, 1]. Rows with NaN/Inf reject the node.
+      lambda_reg, max_weight, mask, min_weight, solver, cache, solver_options:
+        see :func:`solve_qp_weights`.
+      method: "auto", "conic" or "newton".
+      floor: probability floor (> 0).
+      tol, max_iter: Newton stopping rule.
+
+    Returns:
+      :class:`ConvexWeights`; ``objective`` is the mean NLL (plus the ridge).
+
+    Example:
+      >>> res = mixture_nll_weights(probs, max_weight=0.5)
+      >>> mixture_probs = res.weights @ probs
+
+    References:
+      Wolpert, "Stacked generalization", 1992; Breiman, "Stacked regressions", 1996;
+      Cover, "An algorithm for maximizing expected log investment return", 1984.
+    """
+    check_options(lambda_reg, max_weight, min_weight)
+    if method not in ("auto", "conic", "newton"):
+        raise ValueError(f"method must be 'auto', 'conic' or 'newton', got {method!r}")
+    if not (0 < floor < 1):
+        raise ValueError(f"floor must be in (0, 1), got {floor!r}")
+    p = np.asarray(probs, np.float64)
+    if p.ndim != 2 or p.shape[0] < 1 or p.shape[1] < 1:
+        raise ValueError(f"probs must be (n nodes, m examples) with n, m >= 1, got shape {p.shape}")
+    n, m = p.shape
+    acc = accepted_mask(mask, n) & np.all(np.isfinite(p), axis=1)
+    lb, ub = weight_bounds(acc, max_weight, min_weight)
+    pa = p[acc]
+    if pa.min() < -1e-6 or pa.max() > 1 + 1e-6:
+        raise ValueError(
+            f"probs must be probabilities in [0, 1]; found values in [{pa.min():g}, {pa.max():g}]"
+        )
+    # Rejected rows get the floor: their weight is 0, any finite value works.
+    pt = np.where(acc[:, None], np.clip(p, floor, 1.0), floor).T.copy()
+    lam = float(lambda_reg)
+    u = uniform_weights(acc)
+    floored = bool(np.any(lb > 0))
+    if method == "auto":
+        method = "conic" if n * m * (n + m) <= problems.MAX_DPP_MIXTURE_SIZE else "newton"
+
+    def objective(w: np.ndarray) -> float:
+        return _mixture_objective(pt, lam, u, w)
+
+    if method == "conic":
+        compiled, built = problems.get_problem(
+            "mixture_nll", n, m=m, solver=solver, ridge=lam > 0, floored=floored, cache=cache
+        )
+        values: dict[str, Any] = {"P": pt, "ub": ub}
+        if lam > 0:
+            values.update(r=math.sqrt(lam), s=-2.0 * lam * u, c=lam * float(u @ u))
+        if floored:
+            values["lb"] = lb
+        out = problems.solve(compiled, values, solver_options=solver_options)
+        if out.w is None:
+            return _fallback(
+                acc, lb, ub, "mixture_nll", compiled, built, out.status, out.solve_time, out.error, objective
+            )
+        w = project_capped_simplex(out.w, lb, ub)
+        return ConvexWeights(
+            w,
+            objective(w),
+            out.status,
+            out.solve_time,
+            False,
+            "",
+            acc,
+            "mixture_nll",
+            compiled.key.solver,
+            built,
+        )
+    return _mixture_newton(pt, acc, lb, ub, lam, u, solver, cache, solver_options, tol, max_iter, objective)
+
+
+def _mixture_newton(pt, acc, lb, ub, lam, u, solver, cache, solver_options, tol, max_iter, objective):
+    n = pt.shape[1]
+    m = pt.shape[0]
+    floored = bool(np.any(lb > 0))
+    compiled, built = problems.get_problem("qp", n, solver=solver, ridge=False, floored=floored, cache=cache)
+    w = project_capped_simplex(u, lb, ub)
+    f = objective(w)
+    total = 0.0
+    status, note = "optimal_inaccurate", f"Newton did not reach decrement {tol:g} in {max_iter} steps"
+    it = 0
+    for it in range(1, max_iter + 1):  # noqa: B007 - the count is reported
+        z = pt @ w
+        a = pt / z[:, None]  # (m, n): P_ji / z_j
+        g = -a.mean(axis=0) + 2.0 * lam * (w - u)
+        h = a.T @ a / m + 2.0 * lam * np.eye(n)
+        h = np.where(np.outer(acc, acc), h, 0.0)
+        g = np.where(acc, g, 0.0)
+        # The QP in the new point v: 1/2 v^T H v + (g - H w)^T v, scaled for the solver.
+        lin = g - h @ w
+        scale = max(float(np.max(np.abs(h))), float(np.max(np.abs(lin))), 1e-300)
+        values: dict[str, Any] = {"Lt": factor_psd(h / scale), "q": lin / scale, "c": 0.0, "ub": ub}
+        if floored:
+            values["lb"] = lb
+        out = problems.solve(compiled, values, solver_options=solver_options)
+        total += out.solve_time
+        if out.w is None:
+            return _fallback(
+                acc,
+                lb,
+                ub,
+                "mixture_nll",
+                compiled,
+                built,
+                out.status,
+                total,
+                f"Newton step {it}: {out.error}",
+                objective,
+            )
+        v = project_capped_simplex(out.w, lb, ub)
+        polished = polish_qp(h, lin, v, lb, ub)
+        d = (v if polished is None else polished) - w
+        dec = float(-g @ d)
+        if dec <= tol:
+            status, note = "optimal", ""
+            break
+        t = 1.0
+        while t > 1e-12:
+            f_new = objective(w + t * d)
+            if f_new <= f - 0.25 * t * dec:
+                break
+            t *= 0.5
+        else:
+            status, note = "optimal", "line search made no progress (at the optimum to rounding)"
+            break
+        w, f = w + t * d, f_new
+    w = project_capped_simplex(w, lb, ub)
+    return ConvexWeights(
+        w, objective(w), status, total, False, note, acc, "mixture_nll", compiled.key.solver, built, it
+    )
