@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         nodes, sizes, repeats = [16], [1_000_000, 10_000_000], 2
     else:
-        nodes, sizes, repeats = [8, 16, 32], [100_000, 1_000_000, 10_000_000], 3
+        nodes, sizes, repeats = [8, 16, 32], [100_000, 1_000_000, 10_000_000], 5
     if args.nodes:
         nodes = [int(v) for v in args.nodes.split(",")]
     if args.sizes:
