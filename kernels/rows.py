@@ -88,13 +88,6 @@ def finite_rows(x: jax.Array) -> jax.Array:
     return jnp.isfinite(probe)
 
 
-@functools.partial(jax.jit, static_argnames=("unroll",))
-def masked_mean(x: jax.Array, mask: jax.Array, unroll: bool = True) -> jax.Array:
-    """Mean of the rows where ``mask`` is True (NaN rows elsewhere are ignored)."""
-    m = jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
-    return weighted_sum(x, mask.astype(jnp.float32) / m)
-
-
 MIX_CHUNK = 16384
 
 
@@ -133,17 +126,6 @@ def mix(x: jax.Array, mixing: jax.Array) -> jax.Array:
     if d % MIX_CHUNK:
         out = out.at[:, k * MIX_CHUNK :].set(block(x[:, k * MIX_CHUNK :]))
     return out.reshape(shape)
-
-
-@jax.jit
-def scale_rows(x: jax.Array, scale: jax.Array, ref: jax.Array | None = None) -> jax.Array:
-    """ref + scale[i] * (x[i] - ref) for every row (ref = 0 when None), float32."""
-    n = x.shape[0]
-    out = []
-    for i in range(n):
-        xi = x[i].astype(jnp.float32)
-        out.append(xi * scale[i] if ref is None else ref + scale[i] * (xi - ref.astype(jnp.float32)))
-    return jnp.stack(out)
 
 
 def view_rows(
