@@ -1,0 +1,188 @@
+"""Checkpoints of a whole run with orbax's CheckpointManager (atomic, the last K kept, no pickle).
+
+One checkpoint per saved round, ``<run>/checkpoints/<round>/``, with two items:
+
+* ``arrays`` (orbax StandardSave): the consensus, the nodes' TrainState
+  (params, optimizer states, key data, step counts) and the FedAvg baseline's.
+  Restored against the shapes, dtypes and shardings of a freshly initialised
+  state, so a sharded run restores sharded arrays, collectively on every process.
+* ``meta`` (JSON): the round counter, the root key, the aggregator state (small
+  arrays: DP key and clip norm, vote diagnostics; stored as raw bytes so they
+  come back bit for bit), the privacy ledger, the history of every round and a
+  fingerprint of the config, which must match on resume.
+
+orbax writes each checkpoint to a temporary directory and renames it when
+complete, so a run killed while saving leaves the previous checkpoints intact.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from consensus.mesh import to_host
+from consensus.privacy import PrivacyLedger
+from consensus.system.config import Config, dumps
+from consensus.system.coordinator import CoordinatorState, RoundInfo
+from strategies.trainer import TrainState
+
+PyTree = Any
+
+
+def fingerprint(cfg: Config) -> str:
+    """Hash of everything that changes the run's numbers (name, paths and the round count excluded)."""
+    d = cfg.replace(name="_", output_dir="_", rounds=1, checkpoint_every=0, keep_checkpoints=1)
+    return hashlib.sha256(dumps(d).encode()).hexdigest()[:16]
+
+
+def _is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _nodes_dict(s: TrainState | None) -> dict[str, Any] | None:
+    if s is None:
+        return None
+    key = jax.random.key_data(s.key) if _is_key(s.key) else s.key
+    return {"params": s.params, "opt_state": s.opt_state, "key": key, "step": s.step}
+
+
+def _encode(x: Any) -> dict[str, Any]:
+    a = np.asarray(jax.random.key_data(x) if _is_key(x) else x)
+    return {"dtype": a.dtype.str, "shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode()}
+
+
+def _decode(d: dict[str, Any]) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(d["data"]), np.dtype(d["dtype"])).reshape(d["shape"]).copy()
+
+
+def _abstract(tree: PyTree) -> PyTree:
+    def leaf(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+    return jax.tree.map(leaf, tree)
+
+
+class RunCheckpoints:
+    """Save and restore :class:`CoordinatorState` + history under ``<run_dir>/checkpoints``."""
+
+    def __init__(self, run_dir: Path, cfg: Config):
+        import orbax.checkpoint as ocp
+
+        self._ocp = ocp
+        self.cfg = cfg
+        self.directory = (Path(run_dir) / "checkpoints").absolute()
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=cfg.keep_checkpoints, enable_async_checkpointing=False, create=True
+            ),
+        )
+
+    def latest(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, state: CoordinatorState, history: list[RoundInfo]) -> None:
+        ocp = self._ocp
+        arrays = {
+            "consensus": state.consensus,
+            "nodes": _nodes_dict(state.nodes),
+            "fedavg": state.fedavg,
+            "fedavg_nodes": _nodes_dict(state.fedavg_nodes),
+        }
+        arrays = {k: v for k, v in arrays.items() if v is not None}
+        agg_leaves = jax.tree.leaves(state.aggregator)
+        meta = {
+            "round": int(state.round),
+            "fingerprint": fingerprint(self.cfg),
+            "key": _encode(to_host(state.key)),
+            "aggregator": [_encode(to_host(x) if isinstance(x, jax.Array) else x) for x in agg_leaves],
+            "ledger": None if state.ledger is None else state.ledger.to_dict(),
+            "history": [h.to_json() for h in history],
+        }
+        self.manager.save(
+            int(state.round),
+            args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)),
+            force=True,
+        )
+        self.manager.wait_until_finished()
+
+    def restore(
+        self, template: CoordinatorState, step: int | None = None
+    ) -> tuple[CoordinatorState, list[RoundInfo]]:
+        """The checkpoint at ``step`` (default: the latest) against a freshly initialised state."""
+        ocp = self._ocp
+        step = self.latest() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint under {self.directory}")
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        if meta["fingerprint"] != fingerprint(self.cfg):
+            raise ValueError(
+                f"checkpoint {self.directory}/{step} was written by a different config "
+                f"(fingerprint {meta['fingerprint']} != {fingerprint(self.cfg)}); resume with the config "
+                "saved in the run directory (config.toml) or start a new run name"
+            )
+        target = {
+            "consensus": template.consensus,
+            "nodes": _nodes_dict(template.nodes),
+            "fedavg": template.fedavg,
+            "fedavg_nodes": _nodes_dict(template.fedavg_nodes),
+        }
+        target = {k: _abstract(v) for k, v in target.items() if v is not None}
+        arrays = self.manager.restore(step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(target)))[
+            "arrays"
+        ]
+
+        def nodes(d: dict[str, Any] | None, like: TrainState | None) -> TrainState | None:
+            if d is None or like is None:
+                return None
+            key = d["key"]
+            if _is_key(like.key):
+                key = jax.random.wrap_key_data(key, impl=jax.random.key_impl(like.key))
+            return TrainState(d["params"], d["opt_state"], key, d["step"])
+
+        leaves, treedef = jax.tree.flatten(template.aggregator)
+        saved = meta["aggregator"]
+        if len(saved) != len(leaves):
+            raise ValueError(
+                f"checkpoint aggregator state has {len(saved)} arrays, this config's has {len(leaves)}"
+            )
+        restored = []
+        for like, enc in zip(leaves, saved, strict=True):
+            a = _decode(enc)
+            if _is_key(like):
+                restored.append(jax.random.wrap_key_data(jnp.asarray(a), impl=jax.random.key_impl(like)))
+            elif isinstance(like, jax.Array | np.ndarray | np.generic):
+                restored.append(jnp.asarray(a))
+            else:  # Python scalars (a rule's ``linear`` flag)
+                restored.append(type(like)(a.item()))
+        state = CoordinatorState(
+            round=int(meta["round"]),
+            consensus=arrays["consensus"],
+            nodes=nodes(arrays.get("nodes"), template.nodes),
+            aggregator=jax.tree.unflatten(treedef, restored),
+            fedavg=arrays.get("fedavg"),
+            fedavg_nodes=nodes(arrays.get("fedavg_nodes"), template.fedavg_nodes),
+            ledger=None if meta["ledger"] is None else PrivacyLedger.from_dict(meta["ledger"]),
+            key=jnp.asarray(_decode(meta["key"])),
+        )
+        history = [RoundInfo.from_json(h) for h in meta["history"]]
+        return state, history
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def load_history(path: Path) -> list[RoundInfo]:
+    """The rounds of a metrics.jsonl file."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            out.append(RoundInfo.from_json(json.loads(line)))
+    return out

@@ -1,0 +1,379 @@
+"""The round: broadcast -> node fit -> validate -> vote -> weigh -> privatise -> new consensus -> evaluate.
+
+``Coordinator(cfg).init(key) -> state`` and ``round(state) -> (state, info)``.
+The state is a :class:`CoordinatorState` of arrays (and the privacy ledger);
+``round`` never mutates it, so a failed round hands back the same state and a
+:class:`RoundInfo` saying why. Randomness is a pure function of the root key,
+the round index and the attempt: node fits, attacks, faults and DP noise of
+round r, attempt a all come from ``fold_in(fold_in(key, r), a)``, which makes a
+resumed run draw exactly what an uninterrupted one draws.
+
+A round fails, keeping the previous consensus, node states and aggregator
+state, when too few nodes answered with a valid candidate (``min_answers``),
+the vote accepted too few (``consensus_threshold``), the convex solver failed
+(``weights.on_solver_failure = "fail"``) or the new consensus is not finite.
+A DP step that ran is charged to the privacy ledger even when the round then
+fails (it touched the data); its noise key is fresh for every attempt.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from consensus import tree
+from consensus.base import get_info
+from consensus.dp import privacy_event
+from consensus.dp.state import DPState
+from consensus.mesh import to_host
+from consensus.privacy import PrivacyLedger, calibrate_noise, pld_epsilon, rdp_epsilon
+from consensus.system.config import Config
+from consensus.system.fleet import Fleet
+from consensus.system.pipeline import MergePipeline, RoundFailure
+from strategies.trainer import TrainState
+
+PyTree = Any
+
+
+class CoordinatorState(NamedTuple):
+    """Everything a run needs to continue (checkpointed whole).
+
+    Attributes:
+      round: rounds completed (failed rounds included).
+      consensus: the consensus params tree.
+      nodes: the nodes' stacked TrainState (optimizer states, keys, step counts).
+      aggregator: the merge pipeline's state (DP state included).
+      fedavg: the plain FedAvg baseline's params (None when disabled).
+      fedavg_nodes: the baseline's nodes (None when disabled).
+      ledger: the privacy ledger (None without DP); never mutated, copied when spent.
+      key: the root key (raw uint32 data).
+    """
+
+    round: int
+    consensus: PyTree
+    nodes: TrainState
+    aggregator: Any
+    fedavg: PyTree | None
+    fedavg_nodes: TrainState | None
+    ledger: PrivacyLedger | None
+    key: jax.Array
+
+
+@dataclasses.dataclass
+class RoundInfo:
+    """What happened in one round (one line of metrics.jsonl).
+
+    Per-node arrays have length n; accuracies are on the shared test set.
+    """
+
+    round: int
+    attempt: int
+    ok: bool
+    reason: str
+    answered: list[bool]
+    valid: list[bool]
+    accepted: list[bool]
+    weights: list[float]
+    errors: dict[str, str]
+    node_accuracy: list[float]
+    node_loss: list[float]
+    train_loss: list[float]
+    consensus_accuracy: float
+    consensus_loss: float
+    heldout_accuracy: float
+    fedavg_accuracy: float
+    epsilon: float
+    epsilon_rdp: float
+    epsilon_pld: float
+    clip_norm: float
+    noise_std: float
+    solve_ms: float
+    weight_cap: float
+    seconds: dict[str, float]
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        return {k: _json_safe(v) for k, v in d.items()}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> RoundInfo:
+        names = {f.name for f in dataclasses.fields(RoundInfo)}
+        return RoundInfo(**{k: _from_json(v) for k, v in d.items() if k in names})
+
+
+def _json_safe(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(v, list):
+        return [_json_safe(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _json_safe(x) for k, x in v.items()}
+    return v
+
+
+def _from_json(v: Any) -> Any:
+    if v in ("nan", "inf", "-inf"):
+        return float(v)
+    if isinstance(v, list):
+        return [_from_json(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _from_json(x) for k, x in v.items()}
+    return v
+
+
+def _floats(x: Any) -> list[float]:
+    return [float(v) for v in np.asarray(x, np.float64).reshape(-1)]
+
+
+def _bools(x: Any) -> list[bool]:
+    return [bool(v) for v in np.asarray(x).reshape(-1)]
+
+
+class Coordinator:
+    """The round lifecycle of a config (see the module docstring).
+
+    Args:
+      cfg: the run config.
+      process_index, process_count: this process in a ``jax.distributed`` run.
+    """
+
+    def __init__(self, cfg: Config, *, process_index: int = 0, process_count: int = 1):
+        self.cfg = cfg
+        self.fleet = Fleet(cfg, process_index=process_index, process_count=process_count)
+        self.noise_multiplier = self._noise_multiplier()
+        self.pipeline = MergePipeline(cfg, self.fleet.task, self.fleet.data.heldout, self.noise_multiplier)
+        self.aggregator = self.pipeline.aggregator
+        self.dp = cfg.dp.enabled
+
+    def _noise_multiplier(self) -> float | None:
+        d = self.cfg.dp
+        if not d.enabled:
+            return None
+        if d.noise_multiplier is not None:
+            return float(d.noise_multiplier)
+        return calibrate_noise(d.epsilon, d.delta, 1.0, self.cfg.rounds, d.accountant)
+
+    # ------------------------------------------------------------------ init
+
+    def init(self, key: jax.Array | int | None = None) -> CoordinatorState:
+        """Initial consensus (the task's init), node states and aggregator state."""
+        key = jax.random.key(self.cfg.seed if key is None else key) if not isinstance(key, jax.Array) else key
+        k_params, k_nodes = jax.random.split(key)
+        params = self.fleet.initial_params(k_params)
+        nodes = self.fleet.init(k_nodes, params)
+        agg_state = self.aggregator.init(params)
+        self._check_vote(params)
+        baseline = self.cfg.baseline_fedavg
+        ledger = (
+            PrivacyLedger(self.cfg.dp.delta, self.cfg.dp.budget, self.cfg.dp.accountant) if self.dp else None
+        )
+        return CoordinatorState(
+            round=0,
+            consensus=params,
+            nodes=nodes,
+            aggregator=agg_state,
+            fedavg=params if baseline else None,
+            fedavg_nodes=nodes if baseline else None,
+            ledger=ledger,
+            key=jax.random.key_data(key),
+        )
+
+    def _check_vote(self, params: PyTree) -> None:
+        """Fail at start, not in round 1, when f is too large for the rule (ValueError names both)."""
+        zeros = jax.tree.map(lambda p: jnp.zeros((self.cfg.nodes.count, *p.shape), p.dtype), params)
+        self.pipeline.vote.update(zeros, self.pipeline.vote.init(params), params)
+
+    # ------------------------------------------------------------------ the round
+
+    def round_key(self, state: CoordinatorState, attempt: int) -> jax.Array:
+        root = jax.random.wrap_key_data(jnp.asarray(state.key))
+        return jax.random.fold_in(jax.random.fold_in(root, state.round), attempt)
+
+    def round(
+        self, state: CoordinatorState, *, attempt: int = 0, evaluate: bool = True
+    ) -> tuple[CoordinatorState, RoundInfo]:
+        """Run one round; on failure return ``state`` unchanged (round counter aside) and say why.
+
+        The returned state's ``round`` is ``state.round + 1`` when the round succeeded;
+        a failed attempt returns ``state`` itself (retry it with ``attempt + 1``, or
+        :meth:`skip` it).
+        """
+        n = self.cfg.nodes.count
+        key = self.round_key(state, attempt)
+        k_fit, k_dp = jax.random.split(key)
+        secs: dict[str, float] = {}
+
+        # 1-2. broadcast + node fit (each node with its strategy; Byzantine nodes attack)
+        out = self.fleet.fit(state.nodes, state.consensus, k_fit)
+        secs["fit"] = out.seconds
+
+        # 3. validate: structure and dtype, finiteness, quality gate on held-out data
+        t = time.perf_counter()
+        tree.check_stacked_against(out.submitted, state.consensus)
+        finite = np.asarray(to_host(tree.finite_mask(out.submitted)), bool)
+        valid = out.answered & finite
+        errors = {str(i): e for i, e in out.errors.items()}
+        for i in np.flatnonzero(out.answered & ~finite):
+            errors[str(i)] = "non-finite candidate"
+        node_test = self.fleet.evaluate_nodes(out.submitted, "test") if evaluate else None
+        if self.cfg.quality_threshold is not None:
+            held = self.fleet.evaluate_nodes(out.submitted, "heldout")["accuracy"]
+            low = valid & ~(held >= self.cfg.quality_threshold)
+            for i in np.flatnonzero(low):
+                errors[str(i)] = f"held-out accuracy {held[i]:.3f} below quality_threshold"
+            valid &= ~low
+        secs["validate"] = time.perf_counter() - t
+
+        info = self._info(state, attempt, n, out, valid, errors, node_test, secs)
+        need = math.ceil(self.cfg.min_answers * n)
+        if valid.sum() < need:
+            return state, self._fail(info, f"too few valid answers: {int(valid.sum())} of {n}, need {need}")
+
+        # 4-6. vote -> weights -> DP
+        t = time.perf_counter()
+        agg_state = state.aggregator
+        ledger = state.ledger
+        event = None
+        extra: dict[str, Any] = {}
+        if isinstance(agg_state, DPState):
+            # A fresh noise key for every (round, attempt): a retry never reuses noise.
+            agg_state = agg_state._replace(key=jax.random.key_data(k_dp))
+            event = privacy_event(agg_state)
+            if not ledger.can_spend(event):
+                raise PrivacyBudgetStop(
+                    f"round {state.round}: epsilon would reach {ledger.epsilon_after(event):.3g}, "
+                    f"over the budget {ledger.budget}"
+                )
+            if not self.pipeline.plain_fedavg:
+                extra["post_clip"] = agg_state.clip_norm
+        try:
+            merged, new_agg = self.aggregator.update(
+                out.submitted, agg_state, state.consensus, mask=jnp.asarray(valid), **extra
+            )
+            jax.block_until_ready(merged)
+        except RoundFailure as e:
+            secs["merge"] = time.perf_counter() - t
+            return state, self._fail(info, str(e))
+        finally:
+            if event is not None:
+                ledger = copy.deepcopy(ledger)
+                ledger.spend(event)
+        secs["merge"] = time.perf_counter() - t
+        self._merge_info(info, new_agg, ledger)
+
+        accepted = np.asarray(info.accepted, bool)
+        need = math.ceil(self.cfg.consensus_threshold * n)
+        if accepted.sum() < need:
+            return state._replace(ledger=ledger), self._fail(
+                info,
+                f"the vote accepted {int(accepted.sum())} of {n} nodes, consensus_threshold needs {need}",
+            )
+        if not bool(np.all(to_host(tree.finite_mask(tree.stack([merged]))))):
+            return state._replace(ledger=ledger), self._fail(info, "the new consensus is not finite")
+
+        # 7. the plain FedAvg baseline (same nodes, same keys, uniform mean of the valid answers)
+        fedavg, fedavg_nodes = state.fedavg, state.fedavg_nodes
+        if fedavg is not None:
+            t = time.perf_counter()
+            b = self.fleet.fit(fedavg_nodes, fedavg, k_fit)
+            ok = b.answered & np.asarray(to_host(tree.finite_mask(b.submitted)), bool)
+            if ok.any():
+                fedavg = tree.weighted_sum(b.submitted, jnp.asarray(ok / ok.sum(), jnp.float32))
+                fedavg = jax.tree.map(lambda a, p: a.astype(p.dtype), fedavg, state.fedavg)
+            fedavg_nodes = b.state
+            secs["baseline"] = time.perf_counter() - t
+
+        # 8. evaluate
+        if evaluate:
+            t = time.perf_counter()
+            test = self.fleet.evaluate(merged, "test")
+            info.consensus_accuracy, info.consensus_loss = test["accuracy"], test["loss"]
+            info.heldout_accuracy = self.fleet.evaluate(merged, "heldout")["accuracy"]
+            if fedavg is not None:
+                info.fedavg_accuracy = self.fleet.evaluate(fedavg, "test")["accuracy"]
+            secs["evaluate"] = time.perf_counter() - t
+        merged = jax.tree.map(lambda a, p: a.astype(p.dtype), merged, state.consensus)
+        new_state = CoordinatorState(
+            state.round + 1, merged, out.state, new_agg, fedavg, fedavg_nodes, ledger, state.key
+        )
+        return new_state, info
+
+    def skip(self, state: CoordinatorState) -> CoordinatorState:
+        """Give up on the current round: the previous consensus carries over to the next one."""
+        return state._replace(round=state.round + 1)
+
+    # ------------------------------------------------------------------ info
+
+    def _info(self, state, attempt, n, out, valid, errors, node_test, secs) -> RoundInfo:
+        nan = math.nan
+        eps = state.ledger.epsilon() if state.ledger is not None else 0.0
+        return RoundInfo(
+            round=state.round,
+            attempt=attempt,
+            ok=True,
+            reason="",
+            answered=_bools(out.answered),
+            valid=_bools(valid),
+            accepted=[False] * n,
+            weights=[0.0] * n,
+            errors=errors,
+            node_accuracy=_floats(node_test["accuracy"]) if node_test is not None else [nan] * n,
+            node_loss=_floats(node_test["loss"]) if node_test is not None else [nan] * n,
+            train_loss=_floats(out.loss),
+            consensus_accuracy=nan,
+            consensus_loss=nan,
+            heldout_accuracy=nan,
+            fedavg_accuracy=nan,
+            epsilon=eps,
+            epsilon_rdp=eps if self.dp else 0.0,
+            epsilon_pld=eps if self.dp else 0.0,
+            clip_norm=nan,
+            noise_std=nan,
+            solve_ms=0.0,
+            weight_cap=nan,
+            seconds=secs,
+        )
+
+    def _merge_info(self, info: RoundInfo, agg_state: Any, ledger: PrivacyLedger | None) -> None:
+        ainfo = get_info(agg_state)
+        info.accepted = _bools(to_host(ainfo.selected & ainfo.valid))
+        info.weights = _floats(to_host(ainfo.weights))
+        inner = agg_state.inner if isinstance(agg_state, DPState) else agg_state
+        if hasattr(inner, "solve_ms"):
+            info.solve_ms = float(inner.solve_ms)
+            info.weight_cap = float(inner.cap)
+        if isinstance(agg_state, DPState):
+            info.clip_norm = float(agg_state.dp.clip_norm)
+            info.noise_std = float(agg_state.dp.noise_std)
+            rounds = ledger.rounds
+            z, q, delta = self.noise_multiplier, agg_state.config.sampling_rate, self.cfg.dp.delta
+            info.epsilon = ledger.epsilon()
+            info.epsilon_rdp = rdp_epsilon(z, q, rounds, delta) if z > 0 else math.inf
+            info.epsilon_pld = _pld(z, q, rounds, delta) if z > 0 else math.inf
+
+    @staticmethod
+    def _fail(info: RoundInfo, reason: str) -> RoundInfo:
+        info.ok = False
+        info.reason = reason
+        return info
+
+
+def _pld(z: float, q: float, rounds: int, delta: float) -> float:
+    """PLD epsilon, on a coarser grid when the losses are too spread for the default one (tiny z)."""
+    for h in (1e-4, 1e-2, 1.0, 100.0):
+        try:
+            return pld_epsilon(z, q, rounds, delta, discretisation=h)
+        except ValueError:
+            continue
+    return math.nan
+
+
+class PrivacyBudgetStop(RuntimeError):
+    """The next round would exceed the privacy budget: the run stops with the consensus it has."""

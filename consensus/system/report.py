@@ -1,0 +1,190 @@
+"""What a run writes and shows: metrics.jsonl, TensorBoard events, PNG plots and the final table.
+
+Everything here reads a history (a list of :class:`RoundInfo`), so
+``meta-consensus report runs/<name>`` redraws the table and the plots from the
+files of a finished (or interrupted) run exactly as the run drew them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from consensus.system.config import Config, plain_fedavg
+from consensus.system.coordinator import RoundInfo
+
+
+def _last_ok(history: Sequence[RoundInfo]) -> RoundInfo | None:
+    for h in reversed(history):
+        if h.ok and not math.isnan(h.consensus_accuracy):
+            return h
+    return None
+
+
+def roles(cfg: Config) -> list[str]:
+    """Each node's strategy, and its attack when Byzantine."""
+    strategies = cfg.nodes.strategy_of()
+    byz = set(cfg.byzantine.nodes)
+    return [f"{s} + {cfg.byzantine.attack} (Byzantine)" if i in byz else s for i, s in enumerate(strategies)]
+
+
+def table(cfg: Config, history: Sequence[RoundInfo], seconds: float | None = None) -> str:
+    """The end-of-run table: every node, plain FedAvg and the consensus, epsilon and time."""
+    last = _last_ok(history)
+    lines = []
+    ok = sum(h.ok for h in history)
+    lines.append(f"run {cfg.name!r}: {len(history)} rounds logged, {ok} succeeded")
+    if last is None:
+        lines.append("no successful round: nothing to report")
+        return "\n".join(lines)
+    weights = np.array([h.weights for h in history if h.ok], np.float64)
+    accepted = np.array([h.accepted for h in history if h.ok], bool)
+    w = f"{'node':>6}  {'strategy':<34}{'test acc':>9}{'accepted':>10}{'mean weight':>13}"
+    lines += [w, "-" * len(w)]
+    for i, role in enumerate(roles(cfg)):
+        lines.append(
+            f"{i:>6}  {role:<34}{last.node_accuracy[i]:>9.3f}{accepted[:, i].mean():>10.0%}"
+            f"{weights[:, i].mean():>13.3f}"
+        )
+    lines.append("-" * len(w))
+    if not math.isnan(last.fedavg_accuracy):
+        lines.append(f"{'':>6}  {'plain FedAvg':<34}{last.fedavg_accuracy:>9.3f}")
+    lines.append(f"{'':>6}  {'meta-consensus':<34}{last.consensus_accuracy:>9.3f}")
+    if cfg.dp.enabled:
+        lines.append(
+            f"privacy: epsilon = {last.epsilon:.4g} at delta = {cfg.dp.delta:g} ({cfg.dp.accountant}); "
+            f"RDP {last.epsilon_rdp:.4g}, PLD {last.epsilon_pld:.4g}; node-level, sensitivity "
+            f"{'C / n (DP-FedAvg)' if plain_fedavg(cfg) else '2C'}"
+        )
+    else:
+        lines.append("privacy: no DP step")
+    total = sum(sum(h.seconds.values()) for h in history) if seconds is None else seconds
+    fails = [h for h in history if not h.ok]
+    lines.append(f"time: {total:.1f} s; test accuracy after round {last.round + 1}")
+    for h in fails[-3:]:
+        lines.append(f"round {h.round + 1} (attempt {h.attempt}) failed: {h.reason}")
+    return "\n".join(lines)
+
+
+def plot(cfg: Config, history: Sequence[RoundInfo], run_dir: Path) -> list[Path]:
+    """accuracy.png (nodes, FedAvg, consensus per round) and weights.png (weight of each node per round)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    done = [h for h in history if h.ok]
+    if not done:
+        return []
+    rounds = np.array([h.round + 1 for h in done])
+    node_acc = np.array([h.node_accuracy for h in done])
+    byz = set(cfg.byzantine.nodes)
+    labels = roles(cfg)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i in range(node_acc.shape[1]):
+        style = {"color": "tab:red", "ls": ":"} if i in byz else {"color": "0.6", "ls": "-"}
+        ax.plot(rounds, node_acc[:, i], lw=0.9, alpha=0.8, label="nodes" if i == 0 else None, **style)
+    if byz:
+        ax.plot([], [], color="tab:red", ls=":", label="Byzantine nodes (submitted)")
+    fedavg = np.array([h.fedavg_accuracy for h in done])
+    if not np.all(np.isnan(fedavg)):
+        ax.plot(rounds, fedavg, color="tab:orange", lw=2, label="plain FedAvg")
+    ax.plot(rounds, [h.consensus_accuracy for h in done], color="tab:blue", lw=2.5, label="meta-consensus")
+    ax.set(xlabel="round", ylabel="test accuracy", title=f"{cfg.name}: test accuracy per round", ylim=(0, 1))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    paths = [run_dir / "accuracy.png"]
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+
+    weights = np.array([h.weights for h in done])
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    bottom = np.zeros(len(done))
+    cmap = plt.get_cmap("tab10")
+    for i in range(weights.shape[1]):
+        ax.bar(
+            rounds,
+            weights[:, i],
+            bottom=bottom,
+            color=cmap(i % 10),
+            label=f"{i}: {labels[i]}",
+            hatch="//" if i in byz else None,
+            edgecolor="white",
+            lw=0.3,
+        )
+        bottom += weights[:, i]
+    ax.set(
+        xlabel="round",
+        ylabel="weight in the consensus",
+        title="weight of each node per round",
+        ylim=(0, 1.05),
+    )
+    ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    paths.append(run_dir / "weights.png")
+    fig.savefig(paths[1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+class RunLog:
+    """Appends rounds to metrics.jsonl and TensorBoard; writes nothing when ``enabled`` is False."""
+
+    def __init__(self, run_dir: Path, enabled: bool = True):
+        self.run_dir = Path(run_dir)
+        self.enabled = enabled
+        self._tb = None
+        if enabled:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    def restart(self, history: Sequence[RoundInfo]) -> None:
+        """Rewrite metrics.jsonl to exactly ``history`` (rounds logged after the checkpoint are dropped)."""
+        if not self.enabled:
+            return
+        tmp = self.run_dir / "metrics.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(h.to_json()) + "\n" for h in history))
+        tmp.replace(self.run_dir / "metrics.jsonl")
+
+    def _writer(self):
+        if self._tb is None:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), flush_secs=5)
+        return self._tb
+
+    def log(self, info: RoundInfo) -> None:
+        if not self.enabled:
+            return
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(info.to_json()) + "\n")
+        if not info.ok:
+            return
+        tb, step = self._writer(), info.round + 1
+        scalars = {
+            "accuracy/consensus": info.consensus_accuracy,
+            "accuracy/fedavg": info.fedavg_accuracy,
+            "accuracy/heldout_consensus": info.heldout_accuracy,
+            "loss/consensus": info.consensus_loss,
+            "privacy/epsilon": info.epsilon,
+            "privacy/clip_norm": info.clip_norm,
+            "vote/accepted": float(sum(info.accepted)),
+            "time/round_s": float(sum(info.seconds.values())),
+        }
+        for k, v in scalars.items():
+            if v is not None and math.isfinite(v):
+                tb.add_scalar(k, v, step)
+        for i, (a, w) in enumerate(zip(info.node_accuracy, info.weights, strict=True)):
+            if math.isfinite(a):
+                tb.add_scalar(f"accuracy/node_{i}", a, step)
+            tb.add_scalar(f"weights/node_{i}", w, step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
