@@ -112,6 +112,14 @@ def build_vote(cfg: Config) -> Aggregator:
     return hierarchical_vote(inner, top, groups)
 
 
+class HierarchicalVoteState(NamedTuple):
+    """State of :func:`hierarchical_vote`: each group's rule state, the top rule's, the node-level info."""
+
+    groups: tuple
+    top: Any
+    info: AggregationInfo
+
+
 def hierarchical_vote(inner: Aggregator, top: Aggregator, groups: int) -> Aggregator:
     """Vote in each of ``groups`` contiguous node blocks with ``inner``, then over the results with ``top``.
 
@@ -120,7 +128,9 @@ def hierarchical_vote(inner: Aggregator, top: Aggregator, groups: int) -> Aggreg
     """
 
     def init(params):
-        return (tuple(inner.init(params) for _ in range(groups)), top.init(params), empty_info())
+        return HierarchicalVoteState(
+            tuple(inner.init(params) for _ in range(groups)), top.init(params), empty_info()
+        )
 
     def update(stacked, state, params=None, *, mask=None, **extra):
         n = tree.num_nodes(stacked)
@@ -130,20 +140,20 @@ def hierarchical_vote(inner: Aggregator, top: Aggregator, groups: int) -> Aggreg
         for g in range(groups):
             rows = slice(g * size, (g + 1) * size)
             sub = jax.tree.map(lambda x, rows=rows: x[rows], stacked)
-            merged, st = inner.update(sub, state[0][g], params, mask=mask[rows], **extra)
+            merged, st = inner.update(sub, state.groups[g], params, mask=mask[rows], **extra)
             results.append(merged)
             states.append(st)
             infos.append(get_info(st))
         group_stack = tree.stack(results)
         group_ok = jnp.stack([jnp.any(i.selected) for i in infos])
-        merged, top_state = top.update(group_stack, state[1], params, mask=group_ok, **extra)
+        merged, top_state = top.update(group_stack, state.top, params, mask=group_ok, **extra)
         top_info = get_info(top_state)
         valid = jnp.concatenate([i.valid for i in infos])
         selected = jnp.concatenate([i.selected & top_info.selected[g] for g, i in enumerate(infos)])
         weights = jnp.concatenate([i.weights * top_info.weights[g] for g, i in enumerate(infos)])
         linear = bool(top_info.linear) and all(bool(i.linear) for i in infos)
         info = AggregationInfo(valid, selected, weights, linear)
-        return merged, (tuple(states), top_state, info)
+        return merged, HierarchicalVoteState(tuple(states), top_state, info)
 
     return Aggregator(init, update, f"hierarchical({inner.name}->{top.name})", None)
 

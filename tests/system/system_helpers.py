@@ -1,0 +1,32 @@
+"""A small config of the whole system for the tests: 6 digits nodes, every strategy, one ALIE attacker."""
+
+from __future__ import annotations
+
+from consensus.system import config
+
+SMALL = [
+    "rounds=3",
+    "seed=3",
+    "checkpoint_every=1",
+    "keep_checkpoints=5",
+    "task.hidden=[16]",
+    "nodes.count=6",
+    "nodes.strategies=['hierarchical', 'convexity', 'soup', 'local', 'local', 'local']",
+    "nodes.local_steps=12",
+    "nodes.learning_rate=0.01",
+    "nodes.soup_snapshots=2",
+    "byzantine.nodes=[5]",
+    "byzantine.attack=alie",
+    "byzantine.options={z = 3.0}",
+    "vote.rule=multi_krum",
+    "vote.num_byzantine=1",
+    "weights.objective=mixture_nll",
+    "weights.max_weight=0.5",
+    "dp.enabled=true",
+    "dp.clip_norm=1.0",
+    "dp.noise_multiplier=0.5",
+]
+
+
+def small_config(tmp_path, *overrides: str) -> config.Config:
+    return config.load(None, [*SMALL, f"output_dir={tmp_path}", "name=small", *overrides])

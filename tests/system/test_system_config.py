@@ -1,0 +1,83 @@
+"""The run config: TOML round trip, overrides, and errors that name the key and the valid choices."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from consensus.system import config
+from consensus.system.config import ConfigError
+
+
+def test_default_is_valid_and_shows_the_whole_idea():
+    cfg = config.load(None)
+    assert cfg.nodes.count == 8 and len(set(cfg.nodes.strategy_of())) >= 3  # mixed strategies
+    assert cfg.byzantine.nodes == (6, 7) and cfg.byzantine.attack == "alie"
+    assert cfg.vote.rule != "mean" and cfg.weights.objective not in ("vote", "uniform")
+    assert cfg.dp.enabled
+
+
+def test_toml_round_trip_gives_an_equal_config(tmp_path):
+    cfg = config.load(None, ["weights.max_weight=none", "nodes.proximal_radius=inf", "vote.num_byzantine=1"])
+    assert cfg.weights.max_weight is None and math.isinf(cfg.nodes.proximal_radius)
+    path = tmp_path / "c.toml"
+    path.write_text(config.dumps(cfg))
+    assert config.load(path) == cfg
+
+
+def test_overrides_parse_toml_values():
+    cfg = config.load(
+        None, ["rounds=3", "vote.rule=median", "byzantine.nodes=[1, 2]", "dp.enabled=false", "task.alpha=0.1"]
+    )
+    assert (cfg.rounds, cfg.vote.rule, cfg.byzantine.nodes, cfg.dp.enabled, cfg.task.alpha) == (
+        3,
+        "median",
+        (1, 2),
+        False,
+        0.1,
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("vote.rulez=krum", "unknown key(s) ['rulez'] in [vote]; valid keys: ['rule'"),
+        ("colour=red", "unknown key(s) ['colour'] in the top level"),
+        ("vote.rule=kruum", "vote.rule = 'kruum' is not valid; choose one of ['mean', 'median'"),
+        (
+            "weights.objective=entropy",
+            "choose one of ['vote', 'uniform', 'quadratic', 'mixture_nll', 'anchor']",
+        ),
+        ("byzantine.attack=dance", "byzantine.attack = 'dance' is not valid"),
+        ("nodes.strategies=['local', 'soup']", "nodes.strategies"),
+        ("nodes.strategies=yoga", "nodes.strategies = 'yoga' is not valid; choose one of ['local'"),
+        ("rounds=0", "rounds = 0 is not valid: need >= 1"),
+        ("rounds=2.5", "rounds = 2.5 must be an integer"),
+        ("byzantine.nodes=[9]", "distinct node indices in 0..7"),
+        ("dp.accountant=moments", "dp.accountant"),
+        ("vote.groups=3", "a divisor of nodes.count = 8"),
+        ("on_failure=panic", "choose one of ['continue', 'stop']"),
+    ],
+)
+def test_bad_values_are_named_with_their_choices(override, needle):
+    with pytest.raises(ConfigError) as e:
+        config.load(None, [override])
+    assert needle in str(e.value)
+
+
+def test_missing_file_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        config.load(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("rounds = = 3")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        config.load(bad)
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        config.load(None, ["rounds"])
+
+
+def test_fault_tolerance_is_a_fraction_of_n():
+    cfg = config.load(None, ["vote.fault_tolerance=0.3"])
+    assert cfg.vote.f(8) == 2 and cfg.vote.f(10) == 3
+    assert config.load(None, ["vote.num_byzantine=1"]).vote.f(8) == 1
