@@ -276,7 +276,17 @@ def to_host(tree: PyTree) -> PyTree:
         return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
     from jax.experimental import multihost_utils
 
-    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+    def one(x: Any) -> np.ndarray:
+        # Only arrays spread over other processes' devices need a collective gather: process-local
+        # values (numpy, single-device arrays) are already whole here, and a replicated global array
+        # has a full copy on this process. Every process must call this on the same tree.
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return np.asarray(x)
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(one, tree)
 
 
 def shard_stacked(stacked: PyTree, shardings: PyTree) -> PyTree:

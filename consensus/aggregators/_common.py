@@ -36,8 +36,17 @@ def is_concrete(x: Any) -> bool:
 def static_count(valid: jax.Array) -> int | None:
     """Number of valid nodes as a Python int, or None under an outer jit."""
     if is_concrete(valid):
-        return int(np.sum(np.asarray(valid)))
+        return int(np.sum(host_value(valid)))
     return None
+
+
+def host_value(x: Any) -> np.ndarray:
+    """A numpy copy of x, gathered from every process when x spans several (multi-host meshes)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def check_stacked(stacked: PyTree, params: PyTree | None) -> int:

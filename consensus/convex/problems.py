@@ -266,7 +266,10 @@ def solve(
         with warnings.catch_warnings():
             # "Solution may be inaccurate": reported through the status instead.
             warnings.simplefilter("ignore", UserWarning)
-            compiled.problem.solve(solver=compiled.key.solver, warm_start=True, **(solver_options or {}))
+            # warm_start=True reuses the solver's workspace between rounds; pass
+            # solver_options={"warm_start": False} when results must not depend on earlier solves.
+            options = {"warm_start": True, **(solver_options or {})}
+            compiled.problem.solve(solver=compiled.key.solver, **options)
     except (cp.error.SolverError, ArithmeticError, ValueError) as err:
         elapsed = time.perf_counter() - start
         return SolveOutcome(

@@ -239,7 +239,14 @@ class MergePipeline:
         if cfg.objective == "uniform":
             return accepted / k, 0.0, math.nan
         cap = None if cfg.max_weight is None else max(cfg.max_weight, 1.0 / k)
-        opts = {"lambda_reg": cfg.lambda_reg, "max_weight": cap, "mask": accepted, "cache": self.cache}
+        # No solver warm start: a resumed run must solve exactly as an uninterrupted one.
+        opts = {
+            "lambda_reg": cfg.lambda_reg,
+            "max_weight": cap,
+            "mask": accepted,
+            "cache": self.cache,
+            "solver_options": {"warm_start": False},
+        }
         if cfg.objective == "mixture_nll":
             probs = to_host(self._probs(stacked, self.heldout))
             res = mixture_nll_weights(np.asarray(probs, np.float64), **opts)
