@@ -1,0 +1,222 @@
+"""Shared helpers of the quality benchmarks (soups, convex_quality, privacy_quality).
+
+Training n nodes from one global tree, evaluating single and stacked params trees on a
+batch, the predictive probabilities the convex weights need, and the result-file and
+plot conventions of :mod:`benchmarks.common` (``<name>.json`` + ``<name>.md``, a ``_quick``
+suffix with ``--quick``, PNG plots beside them).
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from benchmarks.common import RESULTS, machine, write_results
+from strategies import NodeData, NodeTrainer, TaskData
+from strategies.tasks import Task, pad_index_table
+
+PyTree = Any
+Batch = Mapping[str, Any]
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def shared_pool(data: TaskData, num_nodes: int) -> NodeData:
+    """Every one of ``num_nodes`` nodes draws from the whole general (training) pool.
+
+    ``TaskData.everything`` has one row per *hosted* node of the split; this gives any
+    node count, for fine-tuning many copies of one model on the same data.
+    """
+    n_g = len(data.general_groups)
+    index = np.broadcast_to(np.arange(n_g, dtype=np.int32), (num_nodes, n_g)).copy()
+    return NodeData(dict(data.general), index, np.full((num_nodes,), n_g, np.int32), shared=True)
+
+
+def iid_clients(data: TaskData, num_clients: int, rng: np.random.Generator) -> NodeData:
+    """The general pool cut into ``num_clients`` disjoint random shards of (almost) equal size.
+
+    Each client may only draw its own rows (a shared pool plus an index table, so the
+    pixels are stored once however many clients there are).
+    """
+    n_g = len(data.general_groups)
+    if num_clients > n_g:
+        raise ValueError(f"{num_clients} clients but only {n_g} training examples")
+    parts = np.array_split(rng.permutation(n_g), num_clients)
+    index, count = pad_index_table(parts)
+    return NodeData(dict(data.general), index, count, shared=True, name="clients")
+
+
+def subset(batch: Batch, rows: np.ndarray) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v)[rows] for k, v in batch.items()}
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@functools.lru_cache(maxsize=16)
+def trainer_for(task: Task, optimizer: str, batch_size: int, **defaults: float) -> NodeTrainer:
+    """One NodeTrainer per (task, optimizer, batch size), so repeated runs reuse its compiled steps.
+
+    ``optimizer`` names an optax factory ("adam", "adamw", "sgd"); hyperparameters that vary
+    between runs go to ``fit(..., hyperparams=...)`` (they are arguments, not constants).
+    """
+    return NodeTrainer(task, getattr(optax, optimizer), dict(defaults) or {"learning_rate": 1e-3}, batch_size)
+
+
+def pretrain(
+    task: Task, data: NodeData, key: jax.Array, steps: int, learning_rate: float, batch_size: int = 32
+) -> PyTree:
+    """One model trained from a fresh init with Adam on ``data`` (a one-node NodeData)."""
+    trainer = trainer_for(task, "adam", batch_size)
+    k_init, k_train = jax.random.split(key)
+    state = trainer.init(k_train, task.init(k_init), 1)
+    state, _ = trainer.fit(state, data, steps, hyperparams={"learning_rate": learning_rate})
+    return unstack(state.params)[0]
+
+
+def unstack(stacked: PyTree) -> list[PyTree]:
+    """The n single trees of a stacked tree."""
+    n = int(jax.tree_util.tree_leaves(stacked)[0].shape[0])
+    return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+@functools.lru_cache(maxsize=16)
+def _metrics_jit(task: Task):
+    return jax.jit(task.metrics)
+
+
+def metrics(task: Task, params: PyTree, batch: Batch) -> dict[str, float]:
+    """``task.metrics`` of one params tree on one batch, as Python floats."""
+    out = _metrics_jit(task)(params, {k: jnp.asarray(v) for k, v in batch.items()})
+    return {k: float(v) for k, v in out.items()}
+
+
+@functools.lru_cache(maxsize=16)
+def _stacked_metrics_jit(task: Task):
+    return jax.jit(jax.vmap(task.metrics, in_axes=(0, None)))
+
+
+def stacked_metrics(task: Task, stacked: PyTree, batch: Batch) -> dict[str, np.ndarray]:
+    """``task.metrics`` of every node of a stacked tree on one batch: ``{metric: (n,) float64}``."""
+    out = _stacked_metrics_jit(task)(stacked, {k: jnp.asarray(v) for k, v in batch.items()})
+    return {k: np.asarray(v, np.float64) for k, v in out.items()}
+
+
+@functools.lru_cache(maxsize=16)
+def _class_probs_jit(task: Task):
+    def probs(stacked, x):
+        return jax.vmap(lambda p: jax.nn.softmax(task.apply(p, x).astype(jnp.float32), axis=-1))(stacked)
+
+    return jax.jit(probs)
+
+
+def class_probs(task: Task, stacked: PyTree, x: Any) -> np.ndarray:
+    """(n, m, C) float64 predictive distribution of every node on the inputs ``x``."""
+    return np.asarray(_class_probs_jit(task)(stacked, jnp.asarray(x)), np.float64)
+
+
+def true_label_probs(probs: np.ndarray, y: Any) -> np.ndarray:
+    """(n, m): each node's probability of the true label (the mixture-NLL weights' input)."""
+    y = np.asarray(y)
+    return probs[:, np.arange(len(y)), y]
+
+
+def mixture_metrics(weights: np.ndarray, probs: np.ndarray, y: Any) -> dict[str, float]:
+    """Loss and accuracy of the mixture of the nodes' predictions, ``sum_i w_i p_i(. | x)``."""
+    y = np.asarray(y)
+    mix = np.tensordot(np.asarray(weights, np.float64), probs, axes=1)
+    loss = -np.mean(np.log(np.maximum(mix[np.arange(len(y)), y], 1e-12)))
+    return {"loss": float(loss), "accuracy": float(np.mean(mix.argmax(-1) == y))}
+
+
+@functools.lru_cache(maxsize=16)
+def single_logits(task: Task):
+    """``logits_fn(params, x) -> (C,)`` for one input, one object per task (a static jit argument)."""
+
+    def logits_fn(params, x):
+        return task.apply(params, x[None])[0]
+
+    return logits_fn
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
+    vals = [float(v) for v in values]
+    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
+
+
+def pm(values: Sequence[float], digits: int = 3) -> str:
+    """``mean ± std`` over seeds (just the value for one seed)."""
+    m, s = mean_std(values)
+    return f"{m:.{digits}f}" if len(values) == 1 else f"{m:.{digits}f} ± {s:.{digits}f}"
+
+
+def command(name: str, quick: bool) -> str:
+    return f"python -m benchmarks.{name}" + (" --quick" if quick else "")
+
+
+def stem(name: str, quick: bool) -> str:
+    return f"{name}_quick" if quick else name
+
+
+def header(title: str, name: str, quick: bool, settings: Mapping[str, Any]) -> list[str]:
+    """Top of a result markdown: title, command, machine and settings."""
+    m = machine()
+    lines = [f"# {title}", "", f"Command: `{command(name, quick)}`", ""]
+    lines.append(
+        f"Machine: {m['processor']}, {m['cpu_count']} cores, {m['platform']}, python {m['python']}, "
+        f"jax {m['jax']} ({m['backend']})."
+    )
+    lines.append("")
+    lines.append("Settings: " + "; ".join(f"{k} = {v}" for k, v in settings.items()) + ".")
+    lines.append("")
+    return lines
+
+
+def save(name: str, quick: bool, payload: dict[str, Any], markdown: str) -> tuple[Path, Path]:
+    """Write ``<name>[_quick].json`` / ``.md`` with the machine and command added to the payload."""
+    payload = {"command": command(name, quick), "argv": sys.argv, "machine": machine(), **payload}
+    return write_results(stem(name, quick), _strict_json(payload), markdown)
+
+
+def _strict_json(x: Any) -> Any:
+    """Non-finite floats as the strings "inf", "-inf", "nan": json.dumps would write Infinity/NaN,
+    which is not JSON and which strict readers (jq, JavaScript) reject."""
+    if isinstance(x, Mapping):
+        return {str(k): _strict_json(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_strict_json(v) for v in x]
+    if isinstance(x, float | np.floating) and not np.isfinite(x):
+        return str(float(x))
+    return x
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (no display on the benchmark machines)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_path(name: str, quick: bool, suffix: str = "") -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    return RESULTS / f"{stem(name, quick)}{suffix}.png"
