@@ -253,6 +253,7 @@ class Coordinator:
                 )
             if not self.pipeline.plain_fedavg:
                 extra["post_clip"] = agg_state.clip_norm
+        self.pipeline.timing = {}
         try:
             merged, new_agg = self.aggregator.update(
                 out.submitted, agg_state, state.consensus, mask=jnp.asarray(valid), **extra
@@ -265,7 +266,9 @@ class Coordinator:
             if event is not None:
                 ledger = copy.deepcopy(ledger)
                 ledger.spend(event)
-        secs["merge"] = time.perf_counter() - t
+        merge = time.perf_counter() - t
+        vote, weights = self.pipeline.timing.get("vote", 0.0), self.pipeline.timing.get("weights", 0.0)
+        secs.update(vote=vote, weights=weights, dp=max(merge - vote - weights, 0.0))
         self._merge_info(info, new_agg, ledger)
 
         accepted = np.asarray(info.accepted, bool)
@@ -356,7 +359,7 @@ class Coordinator:
             z, q, delta = self.noise_multiplier, agg_state.config.sampling_rate, self.cfg.dp.delta
             info.epsilon = ledger.epsilon()
             info.epsilon_rdp = rdp_epsilon(z, q, rounds, delta) if z > 0 else math.inf
-            info.epsilon_pld = _pld(z, q, rounds, delta) if z > 0 else math.inf
+            info.epsilon_pld = _pld(z, q, rounds, delta, info.epsilon_rdp) if z > 0 else math.inf
 
     @staticmethod
     def _fail(info: RoundInfo, reason: str) -> RoundInfo:
@@ -365,11 +368,16 @@ class Coordinator:
         return info
 
 
-def _pld(z: float, q: float, rounds: int, delta: float) -> float:
-    """PLD epsilon, on a coarser grid when the losses are too spread for the default one (tiny z)."""
-    for h in (1e-4, 1e-2, 1.0, 100.0):
+def _pld(z: float, q: float, rounds: int, delta: float, eps_rdp: float) -> float:
+    """PLD epsilon on a grid scaled to the epsilon (RDP's, an upper bound) so it costs milliseconds.
+
+    The grid step bounds PLD's discretisation error; 1e-4 is the default, but at tiny noise
+    multipliers (epsilon in the thousands) that grid needs millions of points per round.
+    """
+    h = min(1.0, max(1e-4, eps_rdp / 1e5)) if math.isfinite(eps_rdp) else 1.0
+    for step in (h, 1.0):
         try:
-            return pld_epsilon(z, q, rounds, delta, discretisation=h)
+            return pld_epsilon(z, q, rounds, delta, discretisation=step)
         except ValueError:
             continue
     return math.nan

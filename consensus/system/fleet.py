@@ -90,17 +90,9 @@ class Fleet:
             process_count=process_count,
         )
         mesh = (
-            mesh_lib.MeshConfig(node=cfg.mesh.node, data=cfg.mesh.data, model=cfg.mesh.model)
-            if cfg.mesh.enabled or process_count > 1
-            else None
+            (cfg.mesh.node, cfg.mesh.data, cfg.mesh.model) if cfg.mesh.enabled or process_count > 1 else None
         )
-        self.trainer = NodeTrainer(
-            self.task,
-            optax.adam,
-            {"learning_rate": cfg.nodes.learning_rate},
-            batch_size=cfg.nodes.batch_size,
-            mesh=mesh,
-        )
+        self.trainer = _trainer(self.task, cfg.nodes.learning_rate, cfg.nodes.batch_size, mesh)
         self.strategies = cfg.nodes.strategy_of()
         self.byzantine = byz_lib.Byzantine(
             mask=np.isin(np.arange(n), np.asarray(cfg.byzantine.nodes, np.int64)),
@@ -123,7 +115,7 @@ class Fleet:
         self._segments = np.array_split(
             np.arange(cfg.nodes.local_steps), cfg.nodes.soup_snapshots if self.soup_nodes.size else 1
         )
-        self._metrics = jax.jit(self.task.metrics)
+        self._metrics = _metrics(self.task)
         self._broadcast_jit = None
 
     # ------------------------------------------------------------------ setup
@@ -269,6 +261,23 @@ class Fleet:
         """Metrics of one params tree on the test (or held-out) set."""
         out = mesh_lib.to_host(self._metrics(params, getattr(self.data, split)))
         return {k: float(v) for k, v in out.items()}
+
+
+@functools.lru_cache(maxsize=16)
+def _trainer(
+    task: Task, learning_rate: float, batch_size: int, mesh: tuple[int, int, int] | None
+) -> NodeTrainer:
+    # Trainers are immutable and carry their compiled steps: runs of the same task and
+    # optimizer settings (tests, benchmark sweeps, notebooks) share them instead of recompiling.
+    mesh_cfg = None if mesh is None else mesh_lib.MeshConfig(node=mesh[0], data=mesh[1], model=mesh[2])
+    return NodeTrainer(
+        task, optax.adam, {"learning_rate": learning_rate}, batch_size=batch_size, mesh=mesh_cfg
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _metrics(task: Task):
+    return jax.jit(task.metrics)
 
 
 def _row(x: jax.Array, i: int) -> jax.Array:

@@ -31,7 +31,9 @@ batch) -> (consensus, state)``):
 
 from __future__ import annotations
 
+import functools
 import math
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -158,6 +160,7 @@ def hierarchical_vote(inner: Aggregator, top: Aggregator, groups: int) -> Aggreg
     return Aggregator(init, update, f"hierarchical({inner.name}->{top.name})", None)
 
 
+@functools.lru_cache(maxsize=16)
 def _true_label_probs(task: Task):
     @jax.jit
     def probs(stacked, batch):
@@ -173,6 +176,11 @@ def _true_label_probs(task: Task):
     return probs
 
 
+@functools.lru_cache(maxsize=16)
+def _task_metrics(task: Task):
+    return jax.jit(task.metrics)
+
+
 class MergePipeline:
     """Builds the vote -> weights -> DP aggregator of a config (see the module docstring)."""
 
@@ -184,8 +192,9 @@ class MergePipeline:
         self.heldout = heldout
         self.vote = build_vote(cfg)
         self.cache = ProblemCache()
+        self.timing: dict[str, float] = {}
         self._probs = _true_label_probs(task)
-        self._metrics = jax.jit(task.metrics)
+        self._metrics = _task_metrics(task)
         self.plain_fedavg = plain_fedavg(cfg)
         if cfg.weights.objective == "quadratic" and cfg.task.name != "digits":
             raise ConfigError(
@@ -213,10 +222,11 @@ class MergePipeline:
 
     def _update(self, stacked, state: PipelineState, params=None, *, mask=None, post_clip=None, **extra):
         del extra
-        n = tree.num_nodes(stacked)
+        t0 = time.perf_counter()
         voted, vote_state = self.vote.update(stacked, state.vote, params, mask=mask)
         vinfo = get_info(vote_state)
-        accepted = np.asarray(to_host(vinfo.selected & vinfo.valid), bool)
+        accepted = np.asarray(to_host(vinfo.selected & vinfo.valid), bool)  # waits for the vote
+        t1 = time.perf_counter()
         objective = self.cfg.weights.objective
         solve_ms, cap = 0.0, math.nan
         if objective == "vote":
@@ -226,11 +236,12 @@ class MergePipeline:
                 raise RoundFailure("the vote accepted no node")
             w, solve_ms, cap = self._weights(stacked, params, voted, accepted)
             wj = jnp.asarray(w, jnp.float32)
-            merged = tree.weighted_sum(stacked, wj)
+            merged = jax.block_until_ready(tree.weighted_sum(stacked, wj))
             info = AggregationInfo(vinfo.valid, jnp.asarray(accepted), wj, True)
+        # Host-side telemetry of the last update (wall seconds), read by the coordinator's round info.
+        self.timing = {"vote": t1 - t0, "weights": time.perf_counter() - t1}
         if post_clip is not None:
             merged = _clip_delta(merged, params, post_clip)
-        del n
         return merged, PipelineState(vote_state, info, jnp.float32(solve_ms), jnp.float32(cap))
 
     def _weights(self, stacked, params, voted, accepted: np.ndarray) -> tuple[np.ndarray, float, float]:

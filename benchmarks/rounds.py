@@ -1,0 +1,149 @@
+"""Where a round's time goes: node fit against the coordinator's own work.
+
+Run ``python -m benchmarks.rounds [--quick]``. Writes benchmarks/results/rounds.json and
+rounds.md (``rounds_quick.*`` with --quick).
+
+For each setting, one round of the system is split into:
+
+* **fit**: the nodes' training with their strategies (hierarchical schedules, proximal
+  steps, soups of snapshots, attacks) - the work the nodes do, not the coordinator;
+* **validate**: structure and finiteness checks of the candidates, and their test
+  metrics for the history;
+* **vote**, **weights** (the convex solve and the merge pass), **dp** (clipping, noise,
+  server step; with DP off: what remains of the merge);
+* **bookkeeping**: evaluation of the new consensus, the metrics.jsonl / TensorBoard line
+  and, every ``checkpoint_every`` rounds, the orbax checkpoint (amortised per round).
+
+The coordinator's share is everything but fit, over the whole round. Settings: the
+embedded default (digits, 8 nodes, Multi-Krum, mixture-NLL weights, DP) and the text task
+(byte-level transformer) with the same pipeline. The FedAvg baseline that the default
+runs alongside is switched off here: it is a second fleet, not part of the round.
+Warm-up rounds (compilation) are excluded; the remaining rounds are averaged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import machine, markdown_table, write_results
+from consensus.system import config
+from consensus.system.checkpoint import RunCheckpoints
+from consensus.system.coordinator import Coordinator
+from consensus.system.report import RunLog
+
+PHASES = ("fit", "validate", "vote", "weights", "dp", "bookkeeping")
+TARGET_SHARE = 0.10
+
+SETTINGS = {
+    "digits (default)": ["baseline_fedavg=false"],
+    "text": [
+        "baseline_fedavg=false",
+        "task.name=text",
+        "nodes.count=4",
+        "nodes.strategies=['hierarchical', 'convexity', 'soup', 'local']",
+        "nodes.local_steps=20",
+        "nodes.soup_snapshots=2",
+        "byzantine.nodes=[3]",
+        "vote.rule=median",
+        "vote.fault_tolerance=0.25",
+    ],
+}
+
+
+def measure(overrides: list[str], rounds: int, warmup: int, out_dir: Path) -> dict:
+    cfg = config.load(
+        None, [*overrides, f"rounds={rounds + warmup}", f"output_dir={out_dir}", "checkpoint_every=2"]
+    )
+    co = Coordinator(cfg)
+    state = co.init(cfg.seed)
+    log = RunLog(cfg.run_dir)
+    ckpt = RunCheckpoints(cfg.run_dir, cfg)
+    rows, history = [], []
+    for r in range(rounds + warmup):
+        t0 = time.perf_counter()
+        state, info = co.round(state)
+        t1 = time.perf_counter()
+        history.append(info)
+        log.log(info)
+        if state.round % cfg.checkpoint_every == 0:
+            ckpt.save(state, history)
+        t2 = time.perf_counter()
+        if not info.ok:
+            raise RuntimeError(f"round {r} failed: {info.reason}")
+        s = info.seconds
+        row = {k: s.get(k, 0.0) for k in ("fit", "validate", "vote", "weights", "dp")}
+        # Evaluation of the new consensus, the log line and the (amortised) checkpoint.
+        row["bookkeeping"] = s.get("evaluate", 0.0) + (t2 - t1)
+        row["total"] = (t1 - t0) + (t2 - t1)
+        if r >= warmup:
+            rows.append(row)
+    log.close()
+    ckpt.close()
+    mean = {k: statistics.fmean(r[k] for r in rows) for k in (*PHASES, "total")}
+    coord = mean["total"] - mean["fit"]
+    return {
+        "overrides": overrides,
+        "rounds_timed": rounds,
+        "warmup": warmup,
+        "ms": {k: 1e3 * v for k, v in mean.items()},
+        "coordinator_share": coord / mean["total"],
+        "consensus_accuracy": history[-1].consensus_accuracy,
+        "solve_ms": history[-1].solve_ms,
+    }
+
+
+def _machine_line() -> str:
+    m = machine()
+    return f"{m['processor']}, {m['cpu_count']} cores, jax {m['jax']} ({m['backend']})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds")
+    args = ap.parse_args()
+    rounds, warmup = (3, 2) if args.quick else (8, 2)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, overrides in SETTINGS.items():
+            results[name] = measure(overrides, rounds, warmup, Path(tmp) / name.split()[0])
+            r = results[name]
+            print(f"{name}: round {r['ms']['total']:.0f} ms, coordinator share {r['coordinator_share']:.1%}")
+    rows = []
+    for name, r in results.items():
+        ms = r["ms"]
+        rows.append(
+            [name, f"{ms['total']:.0f}"]
+            + [f"{ms[p]:.1f}" for p in PHASES]
+            + [f"{r['coordinator_share']:.1%}", "yes" if r["coordinator_share"] < TARGET_SHARE else "**no**"]
+        )
+    cmd = "python -m benchmarks.rounds" + (" --quick" if args.quick else "")
+    md = "\n".join(
+        [
+            "# Where a round's time goes",
+            "",
+            f"Command: `{cmd}`. Machine: {_machine_line()}. Mean of {rounds} rounds after {warmup} warm-up",
+            "rounds; milliseconds per round. The coordinator's share is everything but the nodes' fit.",
+            "",
+            markdown_table(
+                [
+                    "setting",
+                    "round ms",
+                    *[f"{p} ms" for p in PHASES],
+                    "coordinator share",
+                    f"< {TARGET_SHARE:.0%}",
+                ],
+                rows,
+            ),
+            "",
+        ]
+    )
+    write_results("rounds_quick" if args.quick else "rounds", {"machine": machine(), "results": results}, md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Two processes under ``jax.distributed`` (loopback, gloo) run the system and match one process.
+
+Each process hosts one CPU device and half of the nodes (its data only); the
+nodes' mesh axis spans both processes. The single-process reference runs the
+same mesh shape on two local devices, so the programs are the same and the
+consensus must agree exactly. Only process 0 writes logs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from system_helpers import SMALL
+
+from consensus.system import Coordinator, config
+from consensus.system.checkpoint import RunCheckpoints
+
+TIMEOUT_S = 300
+SETS = [
+    *[s for s in SMALL if not s.startswith("nodes.strategies")],
+    "nodes.strategies=['hierarchical', 'convexity', 'local', 'hierarchical', 'convexity', 'local']",
+    "rounds=2",
+    "checkpoint_every=1",
+    "mesh.node=2",
+]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cmd(out, name, *extra):
+    args = [sys.executable, "-m", "consensus", "run", "--quiet", *extra]
+    for s in [*SETS, f"output_dir={out}", f"name={name}"]:
+        args += ["--set", s]
+    return args
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = os.getcwd()
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _wait(procs):
+    deadline = time.monotonic() + TIMEOUT_S
+    outs = {}
+    try:
+        for name, p in procs.items():
+            try:
+                outs[name] = p.communicate(timeout=max(deadline - time.monotonic(), 1))[0]
+            except subprocess.TimeoutExpired:
+                p.kill()
+                pytest.fail(f"{name} did not finish in {TIMEOUT_S}s:\n{p.communicate()[0][-3000:]}")
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for name, p in procs.items():
+        assert p.returncode == 0, f"{name} exited with {p.returncode}:\n{outs[name][-4000:]}"
+    return outs
+
+
+def _final(run_dir):
+    cfg = config.load(run_dir / "config.toml")
+    ckpt = RunCheckpoints(run_dir, cfg)
+    # The reference restores on this (8-device) test process without a mesh: same values.
+    state, history = ckpt.restore(Coordinator(cfg.replace(mesh=cfg.mesh.__class__())).init(cfg.seed))
+    ckpt.close()
+    return state, history
+
+
+def test_two_processes_equal_one(tmp_path):
+    port = _free_port()
+    dist = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--local-devices", "1"]
+    procs = {
+        f"process {i}": subprocess.Popen(
+            _cmd(tmp_path, "multi", *dist, "--process-id", str(i)),
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    }
+    procs["single"] = subprocess.Popen(
+        _cmd(tmp_path, "single", "--local-devices", "2"),
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    outs = _wait(procs)
+    # only process 0 logs (gloo's own connection line aside)
+    assert "meta-consensus" in outs["process 0"] and "meta-consensus" not in outs["process 1"]
+    assert not (tmp_path / "multi" / "metrics.jsonl.tmp").exists()
+    multi, hist_m = _final(tmp_path / "multi")
+    single, hist_s = _final(tmp_path / "single")
+    for a, b in zip(jax.tree.leaves(multi.consensus), jax.tree.leaves(single.consensus), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert [h.weights for h in hist_m] == [h.weights for h in hist_s]
+    assert [h.node_accuracy for h in hist_m] == [h.node_accuracy for h in hist_s]
