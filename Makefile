@@ -1,5 +1,5 @@
 # Two commands that work on a fresh machine with Python 3.11+:
-#   make run   - the main job on its embedded default
+#   make run   - the main job on its embedded default (meta-consensus run: digits, 8 nodes, ~1 min)
 #   make test  - ruff and the whole pytest suite
 PYTHON ?= python3
 VENV := .venv
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python -m benchmarks.aggregators --quick
+	$(BIN)/meta-consensus run
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

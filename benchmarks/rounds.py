@@ -50,6 +50,8 @@ SETTINGS = {
         "byzantine.nodes=[3]",
         "vote.rule=median",
         "vote.fault_tolerance=0.25",
+        "weights.max_examples=32",
+        "eval_every=5",
     ],
 }
 

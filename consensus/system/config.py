@@ -172,12 +172,16 @@ class WeightsConfig:
       max_weight: cap on any node's weight (None: no cap); must be >= 1 / accepted nodes.
       lambda_reg: ridge towards uniform weights.
       on_solver_failure: "fail" the round, or fall back to "uniform" weights.
+      max_examples: held-out rows the objective uses (the first ones; None: all). The
+        weights need far fewer examples than evaluation: a forward pass of every node over
+        them is the objective's main cost on larger models.
     """
 
     objective: str = "mixture_nll"
     max_weight: float | None = 0.4
     lambda_reg: float = 0.0
     on_solver_failure: Literal["fail", "uniform"] = "fail"
+    max_examples: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +257,8 @@ class Config:
       checkpoint_every: save a checkpoint every k rounds (0: never).
       keep_checkpoints: how many checkpoints to keep.
       baseline_fedavg: also run plain FedAvg (same nodes and attackers, uniform mean) alongside.
-      log_every: evaluate and log every k rounds (and always at the last round).
+      eval_every: evaluate every node and the consensus on the test set (and compute the second
+        accountant's epsilon) every k rounds and at the last round; other rounds log NaN there.
     """
 
     name: str = "run"
@@ -268,6 +273,7 @@ class Config:
     checkpoint_every: int = 2
     keep_checkpoints: int = 2
     baseline_fedavg: bool = True
+    eval_every: int = 1
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
     nodes: NodesConfig = dataclasses.field(default_factory=NodesConfig)
     byzantine: ByzantineConfig = dataclasses.field(default_factory=ByzantineConfig)
@@ -288,12 +294,16 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
-# The embedded default of `meta-consensus run`: the whole idea in about two minutes on two cores.
+# The embedded default of `meta-consensus run`: the whole idea in well under two minutes on two cores.
+# ALIE's shift is mu - z sigma per coordinate; the stealthy z_max for n = 8, f = 2 (0.32) does no
+# measurable harm to FedAvg on digits in 20 rounds, z = 10 breaks it, and the pipeline still holds.
+# The DP noise is small: node-level DP over 8 nodes is nominal at any useful accuracy (the table says
+# so); benchmarks/privacy_quality.py shows epsilon <= 8 with 400 clients.
 DEFAULT = {
     "name": "default",
-    "rounds": 12,
+    "rounds": 20,
     "seed": 0,
-    "checkpoint_every": 3,
+    "checkpoint_every": 5,
     "nodes": {
         "count": 8,
         "strategies": [
@@ -308,10 +318,10 @@ DEFAULT = {
         ],
         "local_steps": 40,
     },
-    "byzantine": {"nodes": [6, 7], "attack": "alie", "options": {"z": 1.5}},
+    "byzantine": {"nodes": [6, 7], "attack": "alie", "options": {"z": 10.0}},
     "vote": {"rule": "multi_krum", "fault_tolerance": 0.25},
     "weights": {"objective": "mixture_nll", "max_weight": 0.4},
-    "dp": {"enabled": True, "clip_norm": 3.0, "noise_multiplier": 0.005},
+    "dp": {"enabled": True, "clip_norm": 1.0, "noise_multiplier": 0.01},
 }
 
 
@@ -350,6 +360,7 @@ def validate(cfg: Config) -> None:
     _check(0.0 < cfg.min_answers <= 1.0, "min_answers", cfg.min_answers, "need (0, 1]")
     _check(cfg.max_retries >= 0, "max_retries", cfg.max_retries, "need >= 0")
     _check(cfg.checkpoint_every >= 0, "checkpoint_every", cfg.checkpoint_every, "need >= 0")
+    _check(cfg.eval_every >= 1, "eval_every", cfg.eval_every, "need >= 1")
     _check(cfg.keep_checkpoints >= 1, "keep_checkpoints", cfg.keep_checkpoints, "need >= 1")
     _choices("on_failure", cfg.on_failure, ("continue", "stop"))
     if cfg.quality_threshold is not None:
@@ -427,6 +438,8 @@ def validate(cfg: Config) -> None:
         _check(0.0 < w.max_weight <= 1.0, "weights.max_weight", w.max_weight, "need (0, 1]")
     _check(w.lambda_reg >= 0, "weights.lambda_reg", w.lambda_reg, "need >= 0")
     _choices("weights.on_solver_failure", w.on_solver_failure, ("fail", "uniform"))
+    if w.max_examples is not None:
+        _check(w.max_examples >= 1, "weights.max_examples", w.max_examples, "need >= 1 (or none: all)")
     # dp
     d = cfg.dp
     _choices("dp.accountant", d.accountant, ("rdp", "pld"))

@@ -197,7 +197,7 @@ class Coordinator:
         return jax.random.fold_in(jax.random.fold_in(root, state.round), attempt)
 
     def round(
-        self, state: CoordinatorState, *, attempt: int = 0, evaluate: bool = True
+        self, state: CoordinatorState, *, attempt: int = 0, evaluate: bool | None = None
     ) -> tuple[CoordinatorState, RoundInfo]:
         """Run one round; on failure return ``state`` unchanged (round counter aside) and say why.
 
@@ -206,6 +206,8 @@ class Coordinator:
         :meth:`skip` it).
         """
         n = self.cfg.nodes.count
+        if evaluate is None:  # every eval_every rounds, and the last one
+            evaluate = state.round + 1 >= self.cfg.rounds or (state.round + 1) % self.cfg.eval_every == 0
         key = self.round_key(state, attempt)
         k_fit, k_dp = jax.random.split(key)
         secs: dict[str, float] = {}
@@ -269,7 +271,7 @@ class Coordinator:
         merge = time.perf_counter() - t
         vote, weights = self.pipeline.timing.get("vote", 0.0), self.pipeline.timing.get("weights", 0.0)
         secs.update(vote=vote, weights=weights, dp=max(merge - vote - weights, 0.0))
-        self._merge_info(info, new_agg, ledger)
+        self._merge_info(info, new_agg, ledger, second_accountant=evaluate)
 
         accepted = np.asarray(info.accepted, bool)
         need = math.ceil(self.cfg.consensus_threshold * n)
@@ -344,7 +346,9 @@ class Coordinator:
             seconds=secs,
         )
 
-    def _merge_info(self, info: RoundInfo, agg_state: Any, ledger: PrivacyLedger | None) -> None:
+    def _merge_info(
+        self, info: RoundInfo, agg_state: Any, ledger: PrivacyLedger | None, *, second_accountant: bool
+    ) -> None:
         ainfo = get_info(agg_state)
         info.accepted = _bools(to_host(ainfo.selected & ainfo.valid))
         info.weights = _floats(to_host(ainfo.weights))
@@ -358,8 +362,21 @@ class Coordinator:
             rounds = ledger.rounds
             z, q, delta = self.noise_multiplier, agg_state.config.sampling_rate, self.cfg.dp.delta
             info.epsilon = ledger.epsilon()
-            info.epsilon_rdp = rdp_epsilon(z, q, rounds, delta) if z > 0 else math.inf
-            info.epsilon_pld = _pld(z, q, rounds, delta, info.epsilon_rdp) if z > 0 else math.inf
+            # The ledger's own accountant every round; the other one (a comparison) on evaluated rounds.
+            own, other = (
+                ("epsilon_rdp", "epsilon_pld")
+                if self.cfg.dp.accountant == "rdp"
+                else ("epsilon_pld", "epsilon_rdp")
+            )
+            setattr(info, own, info.epsilon)
+            if z == 0:
+                setattr(info, other, math.inf)
+            elif not second_accountant:
+                setattr(info, other, math.nan)
+            elif other == "epsilon_pld":
+                info.epsilon_pld = _pld(z, q, rounds, delta, info.epsilon)
+            else:
+                info.epsilon_rdp = rdp_epsilon(z, q, rounds, delta)
 
     @staticmethod
     def _fail(info: RoundInfo, reason: str) -> RoundInfo:

@@ -189,7 +189,8 @@ class MergePipeline:
     ):
         self.cfg = cfg
         self.task = task
-        self.heldout = heldout
+        k = cfg.weights.max_examples
+        self.heldout = heldout if k is None else {name: v[:k] for name, v in heldout.items()}
         self.vote = build_vote(cfg)
         self.cache = ProblemCache()
         self.timing: dict[str, float] = {}

@@ -60,6 +60,11 @@ def table(cfg: Config, history: Sequence[RoundInfo], seconds: float | None = Non
             f"RDP {last.epsilon_rdp:.4g}, PLD {last.epsilon_pld:.4g}; node-level, sensitivity "
             f"{'C / n (DP-FedAvg)' if plain_fedavg(cfg) else '2C'}"
         )
+        if last.epsilon > 100:
+            lines.append(
+                "         (nominal: node-level DP over this few nodes needs far more noise for a useful"
+                " epsilon; see benchmarks/privacy_quality.md)"
+            )
     else:
         lines.append("privacy: no DP step")
     total = sum(sum(h.seconds.values()) for h in history) if seconds is None else seconds
@@ -76,13 +81,15 @@ def plot(cfg: Config, history: Sequence[RoundInfo], run_dir: Path) -> list[Path]
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     run_dir = Path(run_dir)
     done = [h for h in history if h.ok]
     if not done:
         return []
-    rounds = np.array([h.round + 1 for h in done])
-    node_acc = np.array([h.node_accuracy for h in done])
+    evaluated = [h for h in done if not math.isnan(h.consensus_accuracy)]  # eval_every > 1 skips rounds
+    rounds = np.array([h.round + 1 for h in evaluated])
+    node_acc = np.array([h.node_accuracy for h in evaluated])
     byz = set(cfg.byzantine.nodes)
     labels = roles(cfg)
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -91,12 +98,14 @@ def plot(cfg: Config, history: Sequence[RoundInfo], run_dir: Path) -> list[Path]
         ax.plot(rounds, node_acc[:, i], lw=0.9, alpha=0.8, label="nodes" if i == 0 else None, **style)
     if byz:
         ax.plot([], [], color="tab:red", ls=":", label="Byzantine nodes (submitted)")
-    fedavg = np.array([h.fedavg_accuracy for h in done])
+    fedavg = np.array([h.fedavg_accuracy for h in evaluated])
     if not np.all(np.isnan(fedavg)):
         ax.plot(rounds, fedavg, color="tab:orange", lw=2, label="plain FedAvg")
-    ax.plot(rounds, [h.consensus_accuracy for h in done], color="tab:blue", lw=2.5, label="meta-consensus")
+    consensus = [h.consensus_accuracy for h in evaluated]
+    ax.plot(rounds, consensus, color="tab:blue", lw=2.5, label="meta-consensus")
     ax.set(xlabel="round", ylabel="test accuracy", title=f"{cfg.name}: test accuracy per round", ylim=(0, 1))
     ax.grid(alpha=0.3)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     paths = [run_dir / "accuracy.png"]
@@ -104,6 +113,7 @@ def plot(cfg: Config, history: Sequence[RoundInfo], run_dir: Path) -> list[Path]
     plt.close(fig)
 
     weights = np.array([h.weights for h in done])
+    rounds = np.array([h.round + 1 for h in done])
     fig, ax = plt.subplots(figsize=(7, 4.2))
     bottom = np.zeros(len(done))
     cmap = plt.get_cmap("tab10")
@@ -125,6 +135,7 @@ def plot(cfg: Config, history: Sequence[RoundInfo], run_dir: Path) -> list[Path]
         title="weight of each node per round",
         ylim=(0, 1.05),
     )
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     paths.append(run_dir / "weights.png")
