@@ -45,8 +45,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import cvxpy as cp
 import numpy as np
+
+
+class _Lazy:
+    """cvxpy, imported on first use: it takes over a second to import, and most runs
+    (and every ``import consensus``) never build a convex problem."""
+
+    def __getattr__(self, name: str) -> Any:
+        import cvxpy
+
+        globals()["cp"] = cvxpy  # later lookups skip this proxy
+        return getattr(cvxpy, name)
+
+
+cp: Any = _Lazy()
 
 DEFAULT_SOLVER = "CLARABEL"
 # cvxpy statuses whose primal point we accept (after projecting it onto the
