@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench bench-quick clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "meta-consensus needs Python 3.11 or newer")'
@@ -24,8 +24,13 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
+BENCHMARKS := aggregators privacy convex trainers rounds robustness soups convex_quality privacy_quality meta_consensus
+
 bench: $(STAMP)
-	$(BIN)/python -m benchmarks.aggregators
+	for b in $(BENCHMARKS); do $(BIN)/python -m benchmarks.$$b || exit 1; done
+
+bench-quick: $(STAMP)
+	for b in $(BENCHMARKS); do $(BIN)/python -m benchmarks.$$b --quick || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
