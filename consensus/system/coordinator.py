@@ -12,8 +12,9 @@ A round fails, keeping the previous consensus, node states and aggregator
 state, when too few nodes answered with a valid candidate (``min_answers``),
 the vote accepted too few (``consensus_threshold``), the convex solver failed
 (``weights.on_solver_failure = "fail"``) or the new consensus is not finite.
-A DP step that ran is charged to the privacy ledger even when the round then
-fails (it touched the data); its noise key is fresh for every attempt.
+A DP step that ran is charged to the privacy ledger even when the round is
+then rejected (the noised release was computed from the data); its noise key
+is fresh for every attempt.
 """
 
 from __future__ import annotations
@@ -262,12 +263,13 @@ class Coordinator:
             )
             jax.block_until_ready(merged)
         except RoundFailure as e:
+            # The pipeline stopped before the noise was drawn: nothing was released, nothing is charged.
             secs["merge"] = time.perf_counter() - t
             return state, self._fail(info, str(e))
-        finally:
-            if event is not None:
-                ledger = copy.deepcopy(ledger)
-                ledger.spend(event)
+        if event is not None:
+            # The DP release happened: it is charged even if the round is rejected below.
+            ledger = copy.deepcopy(ledger)
+            ledger.spend(event)
         merge = time.perf_counter() - t
         vote, weights = self.pipeline.timing.get("vote", 0.0), self.pipeline.timing.get("weights", 0.0)
         secs.update(vote=vote, weights=weights, dp=max(merge - vote - weights, 0.0))

@@ -71,12 +71,12 @@ def test_same_seed_gives_bit_identical_results(tmp_path, small_run):
     for a, b in zip(_leaves(first.consensus_params), _leaves(again.consensus_params), strict=True):
         np.testing.assert_array_equal(a, b)
     assert [h.weights for h in again.history] == [h.weights for h in first.history]
+    one = MetaConsensus(cfg, write=False, progress=False).train(max_rounds=1)
     other = MetaConsensus(cfg.replace(seed=4), write=False, progress=False).train(max_rounds=1)
+    assert one.history[0].weights == first.history[0].weights  # the seed fixes round 1
     assert not all(
         np.array_equal(a, b)
-        for a, b in zip(
-            _leaves(first.history and other.consensus_params), _leaves(again.consensus_params), strict=True
-        )
+        for a, b in zip(_leaves(one.consensus_params), _leaves(other.consensus_params), strict=True)
     )
 
 
@@ -225,3 +225,14 @@ def test_cli_reports_bad_configs(capsys, tmp_path):
     assert "vote.rule = 'kruum' is not valid" in capsys.readouterr().err
     assert cli.main(["report", str(tmp_path / "missing")]) == 2
     assert math.isfinite(1.0)
+
+
+def test_a_rejected_round_after_the_dp_release_is_still_charged(tmp_path):
+    cfg = small_config(tmp_path, "consensus_threshold=1.0")
+    co = Coordinator(cfg)
+    state = co.init(cfg.seed)
+    new, info = co.round(state)
+    assert not info.ok and "consensus_threshold" in info.reason
+    assert new.consensus is state.consensus and new.round == state.round
+    assert state.ledger.rounds == 0 and new.ledger.rounds == 1  # the caller's ledger is not mutated
+    assert new.ledger.epsilon() == pytest.approx(rdp_epsilon(0.5, 1.0, 1, cfg.dp.delta), rel=1e-9)
