@@ -163,11 +163,21 @@ class Coordinator:
 
     # ------------------------------------------------------------------ init
 
-    def init(self, key: jax.Array | int | None = None) -> CoordinatorState:
-        """Initial consensus (the task's init), node states and aggregator state."""
+    def init(self, key: jax.Array | int | None = None, params: PyTree | None = None) -> CoordinatorState:
+        """Initial consensus, node states and aggregator state.
+
+        Args:
+          key: root PRNG key or seed (default: the config's seed).
+          params: the initial consensus, e.g. a pretrained model (default: the task's init).
+            Its structure, shapes and dtypes must match the task's params.
+        """
         key = jax.random.key(self.cfg.seed if key is None else key) if not isinstance(key, jax.Array) else key
         k_params, k_nodes = jax.random.split(key)
-        params = self.fleet.initial_params(k_params)
+        fresh = self.fleet.initial_params(k_params)
+        if params is None:
+            params = fresh
+        else:
+            tree.check_same_structure([params], reference=fresh)
         nodes = self.fleet.init(k_nodes, params)
         agg_state = self.aggregator.init(params)
         self._check_vote(params)

@@ -81,17 +81,20 @@ class MetaConsensus:
         self.progress = progress and self.is_main
         self.run_dir = Path(config.run_dir)
 
-    def train(self, *, resume: bool = False, max_rounds: int | None = None) -> RunResult:
+    def train(
+        self, *, resume: bool = False, max_rounds: int | None = None, initial_params: PyTree | None = None
+    ) -> RunResult:
         """Run the rounds (all of them, or up to ``max_rounds`` more).
 
         Args:
           resume: continue from the latest checkpoint of ``runs/<name>`` (a fresh start when
             there is none).
           max_rounds: stop after this many rounds of this call (for tests and notebooks).
+          initial_params: the first consensus (default: the task's init from the seed).
         """
         cfg = self.cfg
         co = self.coordinator
-        state = co.init(cfg.seed)
+        state = co.init(cfg.seed, initial_params)
         history: list[RoundInfo] = []
         ckpt = RunCheckpoints(self.run_dir, cfg) if self.write and cfg.checkpoint_every > 0 else None
         log = report.RunLog(self.run_dir, enabled=self.write and self.is_main)

@@ -236,3 +236,18 @@ def test_a_rejected_round_after_the_dp_release_is_still_charged(tmp_path):
     assert new.consensus is state.consensus and new.round == state.round
     assert state.ledger.rounds == 0 and new.ledger.rounds == 1  # the caller's ledger is not mutated
     assert new.ledger.epsilon() == pytest.approx(rdp_epsilon(0.5, 1.0, 1, cfg.dp.delta), rel=1e-9)
+
+
+def test_initial_params_are_checked_and_used(tmp_path):
+    cfg = small_config(tmp_path, "dp.enabled=false")
+    co = Coordinator(cfg)
+    fresh = co.init(cfg.seed).consensus
+    start = jax.tree.map(lambda x: x + 1.0, fresh)
+    state = co.init(cfg.seed, start)
+    for a, b in zip(_leaves(state.consensus), _leaves(start), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(_leaves(state.nodes.params)[0][2], _leaves(start)[0])
+    bad = dict(fresh)
+    bad.pop(sorted(bad)[0])
+    with pytest.raises(Exception, match="structure"):
+        co.init(cfg.seed, bad)
