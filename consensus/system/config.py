@@ -25,6 +25,7 @@ taken as a string.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import tomllib
 import types
@@ -344,6 +345,23 @@ def _check(cond: bool, key: str, value: Any, need: str) -> None:
         raise ConfigError(f"{key} = {value!r} is not valid: {need}")
 
 
+def _check_attack_options(attack: str, options: Mapping[str, Any]) -> None:
+    """The attack's keyword arguments must be ones its function takes (checked before any round runs)."""
+    if attack == "label_flip":
+        valid: list[str] = []
+    else:
+        from strategies.attacks import ATTACKS as FUNCTIONS
+
+        params = list(inspect.signature(FUNCTIONS[attack]).parameters)[3:]  # after key, honest, f
+        valid = [p for p in params if p != "num_nodes"]  # the system passes n itself
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ConfigError(
+            f"byzantine.options {unknown} are not options of the {attack!r} attack; valid options: {valid} "
+            "(set byzantine.options={} to use its defaults)"
+        )
+
+
 def validate(cfg: Config) -> None:
     """Check every value of a config (ConfigError names the key and what is valid)."""
     n = cfg.nodes.count
@@ -407,6 +425,7 @@ def validate(cfg: Config) -> None:
     # byzantine
     byz = cfg.byzantine
     _choices("byzantine.attack", byz.attack, ATTACKS)
+    _check_attack_options(byz.attack, byz.options)
     _check(
         all(0 <= i < n for i in byz.nodes) and len(set(byz.nodes)) == len(byz.nodes),
         "byzantine.nodes",

@@ -261,7 +261,9 @@ class MergePipeline:
         }
         if cfg.objective == "mixture_nll":
             probs = to_host(self._probs(stacked, self.heldout))
-            res = mixture_nll_weights(np.asarray(probs, np.float64), **opts)
+            # Damped Newton on the cached QP: as fast as the exponential-cone form at this size, and
+            # on near-degenerate probabilities it solved rounds where the conic form failed in Clarabel.
+            res = mixture_nll_weights(np.asarray(probs, np.float64), method="newton", **opts)
         elif cfg.objective == "anchor":
             res = anchor_weights(stacked, voted, **opts)
         else:  # quadratic, with the trust region on the true held-out loss
@@ -285,7 +287,8 @@ class MergePipeline:
 
     def _check(self, res: ConvexWeights) -> np.ndarray:
         if res.fallback and self.cfg.weights.on_solver_failure == "fail":
-            raise RoundFailure(f"convex weights: solver failure ({res.status}): {res.message}")
+            cause = res.message.split("; fell back")[0]  # the library's fallback is not taken here
+            raise RoundFailure(f"convex weights: solver failure ({res.status}): {cause}")
         return np.asarray(res.weights, np.float64)
 
 

@@ -58,6 +58,11 @@ def test_overrides_parse_toml_values():
         ("dp.accountant=moments", "dp.accountant"),
         ("vote.groups=3", "a divisor of nodes.count = 8"),
         ("on_failure=panic", "choose one of ['continue', 'stop']"),
+        (
+            "byzantine.attack=sign_flip",
+            "byzantine.options ['z'] are not options of the 'sign_flip' attack; valid options: ['scale']",
+        ),
+        ("byzantine.options={zz = 1.0}", "valid options: ['z']"),
     ],
 )
 def test_bad_values_are_named_with_their_choices(override, needle):
