@@ -9,7 +9,8 @@ round r, attempt a all come from ``fold_in(fold_in(key, r), a)``, which makes a
 resumed run draw exactly what an uninterrupted one draws.
 
 A round fails, keeping the previous consensus, node states and aggregator
-state, when too few nodes answered with a valid candidate (``min_answers``),
+state, when too few nodes answered with a valid candidate (``min_answers``, or
+fewer than the vote's rule needs),
 the vote accepted too few (``consensus_threshold``), the convex solver failed
 (``weights.on_solver_failure = "fail"``) or the new consensus is not finite.
 A DP step that ran is charged to the privacy ledger even when the round is
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from consensus import tree
-from consensus.base import get_info
+from consensus.base import ByzantineToleranceError, get_info
 from consensus.dp import privacy_event
 from consensus.dp.state import DPState
 from consensus.mesh import to_host
@@ -272,8 +273,10 @@ class Coordinator:
                 out.submitted, agg_state, state.consensus, mask=jnp.asarray(valid), **extra
             )
             jax.block_until_ready(merged)
-        except RoundFailure as e:
-            # The pipeline stopped before the noise was drawn: nothing was released, nothing is charged.
+        except (RoundFailure, ByzantineToleranceError) as e:
+            # Solver failure, or too few valid nodes left for the rule's precondition (Krum needs
+            # m > 2f + 2 of the nodes that answered). The pipeline stopped before the noise was
+            # drawn: nothing was released, nothing is charged.
             secs["merge"] = time.perf_counter() - t
             return state, self._fail(info, str(e))
         if event is not None:

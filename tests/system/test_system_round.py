@@ -251,3 +251,14 @@ def test_initial_params_are_checked_and_used(tmp_path):
     bad.pop(sorted(bad)[0])
     with pytest.raises(Exception, match="structure"):
         co.init(cfg.seed, bad)
+
+
+def test_too_few_answers_for_the_rule_fail_the_round_not_the_run(tmp_path):
+    # Multi-Krum with f = 1 needs m > 4 valid nodes; 2 crashed nodes leave 4 (min_answers allows it).
+    cfg = small_config(tmp_path, "faults.crash_nodes=[0, 1]", "min_answers=0.5")
+    co = Coordinator(cfg)
+    state = co.init(cfg.seed)
+    new, info = co.round(state)
+    assert not info.ok
+    assert info.reason.startswith("multi_krum: cannot tolerate f=1 Byzantine nodes with n=4 valid")
+    assert new.consensus is state.consensus and new.ledger.rounds == 0
