@@ -19,9 +19,11 @@ run: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
 BENCHMARKS := aggregators privacy convex trainers rounds robustness soups convex_quality privacy_quality meta_consensus

@@ -37,7 +37,7 @@ import numpy as np
 
 from benchmarks.common import markdown_table
 from benchmarks.quality_common import header, mean_std, plot_path, pm, pyplot, save
-from consensus.system import MetaConsensus, RoundInfo, config
+from meta_consensus import MetaConsensus, RoundInfo, config
 
 NAME = "meta_consensus"
 

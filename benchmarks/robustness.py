@@ -15,7 +15,7 @@ run per (seed, alpha, f, attack, rule), ``rounds`` rounds of:
    nodes' *updates* relative to the global params (``strategies.byzantine.submit``);
 4. merge: the rule maps the 16 submitted trees to the new global params.
 
-That loop is :func:`fedavg_round`; ``consensus/system`` runs the same loop with quality gates,
+That loop is :func:`fedavg_round`; ``meta_consensus`` runs the same loop with quality gates,
 DP and convex weights (``benchmarks/meta_consensus.py``). The metric is the test accuracy of
 the global params after the last round, mean over seeds; a rule's *worst case* at (alpha, f)
 is the minimum of that mean over the attacks.

@@ -32,10 +32,10 @@ import time
 from pathlib import Path
 
 from benchmarks.common import machine, markdown_table, write_results
-from consensus.system import config
-from consensus.system.checkpoint import RunCheckpoints
-from consensus.system.coordinator import Coordinator
-from consensus.system.report import RunLog
+from meta_consensus import config
+from meta_consensus.checkpoint import RunCheckpoints
+from meta_consensus.coordinator import Coordinator
+from meta_consensus.report import RunLog
 
 PHASES = ("fit", "validate", "vote", "weights", "dp", "bookkeeping", "other")
 TARGET_SHARE = 0.10

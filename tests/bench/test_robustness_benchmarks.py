@@ -26,7 +26,7 @@ if _ROOT not in sys.path:
 from benchmarks import meta_consensus, robustness  # noqa: E402
 from benchmarks.quality_common import trainer_for  # noqa: E402
 from consensus import get_info  # noqa: E402
-from consensus.system import RoundInfo  # noqa: E402
+from meta_consensus import RoundInfo  # noqa: E402
 from strategies import DigitsTask, attacks  # noqa: E402
 from strategies.byzantine import honest  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from consensus.system import config
+from meta_consensus import config
 
 SMALL = [
     "rounds=3",

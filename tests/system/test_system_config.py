@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from consensus.system import config
-from consensus.system.config import ConfigError
+from meta_consensus import config
+from meta_consensus.config import ConfigError
 
 
 def test_default_is_valid_and_shows_the_whole_idea():

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from system_helpers import SMALL
 
-from consensus.system import Coordinator, MetaConsensus, config
-from consensus.system.checkpoint import RunCheckpoints
+from meta_consensus import Coordinator, MetaConsensus, config
+from meta_consensus.checkpoint import RunCheckpoints
 
 TIMEOUT_S = 300
 SETS = [
@@ -39,7 +39,7 @@ def _free_port() -> int:
 
 
 def _cmd(out, name, *extra):
-    args = [sys.executable, "-m", "consensus", "run", "--quiet", *extra]
+    args = [sys.executable, "-m", "meta_consensus", "run", "--quiet", *extra]
     for s in [*SETS, f"output_dir={out}", f"name={name}"]:
         args += ["--set", s]
     return args

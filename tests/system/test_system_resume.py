@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from system_helpers import SMALL
 
-from consensus.system import Coordinator, config
-from consensus.system.checkpoint import RunCheckpoints
+from meta_consensus import Coordinator, config
+from meta_consensus.checkpoint import RunCheckpoints
 
 ROUNDS = 6
 TIMEOUT_S = 300
@@ -23,7 +23,7 @@ TIMEOUT_S = 300
 
 def _cmd(out, name, *extra):
     sets = [*SMALL, f"rounds={ROUNDS}", "checkpoint_every=2", f"output_dir={out}", f"name={name}"]
-    args = [sys.executable, "-m", "consensus", "run", "--quiet", *extra]
+    args = [sys.executable, "-m", "meta_consensus", "run", "--quiet", *extra]
     for s in sets:
         args += ["--set", s]
     return args
@@ -99,7 +99,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
 
 def test_resume_refuses_a_different_config(tmp_path):
     cfg = config.load(None, [*SMALL, "rounds=1", f"output_dir={tmp_path}", "name=r", "dp.enabled=false"])
-    from consensus.system import MetaConsensus
+    from meta_consensus import MetaConsensus
 
     MetaConsensus(cfg, progress=False).train()
     other = cfg.replace(vote=cfg.vote.__class__(rule="median"))

@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 from system_helpers import small_config
 
-from consensus import cli
 from consensus.privacy import pld_epsilon, rdp_epsilon
-from consensus.system import Coordinator, MetaConsensus
-from consensus.system.checkpoint import load_history
+from meta_consensus import Coordinator, MetaConsensus, cli
+from meta_consensus.checkpoint import load_history
 from strategies.trainer import NodeTrainer
 
 

@@ -29,8 +29,8 @@ import numpy as np
 
 from consensus.mesh import to_host
 from consensus.privacy import PrivacyLedger
-from consensus.system.config import Config, dumps
-from consensus.system.coordinator import CoordinatorState, RoundInfo
+from meta_consensus.config import Config, dumps
+from meta_consensus.coordinator import CoordinatorState, RoundInfo
 from strategies.trainer import TrainState
 
 PyTree = Any

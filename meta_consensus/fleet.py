@@ -19,7 +19,7 @@ together in the node trainer's vmapped step, whatever their strategy:
 Failures are answers, not crashes: a fit call that raises or runs past the
 timeout marks its nodes as not answering, and simulated faults (a drop rate,
 crashing nodes) do the same per node. The round then goes on with the nodes
-that did answer (see :mod:`consensus.system.coordinator`).
+that did answer (see :mod:`meta_consensus.coordinator`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import numpy as np
 import optax
 
 from consensus import mesh as mesh_lib
-from consensus.system.config import Config
+from meta_consensus.config import Config
 from strategies import byzantine as byz_lib
 from strategies.hierarchical import Level, plan
 from strategies.soup import greedy_soup

@@ -1,4 +1,4 @@
-"""The ``meta-consensus`` command (also ``python -m consensus``).
+"""The ``meta-consensus`` command (also ``python -m meta_consensus``).
 
 ::
 
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     _start_jax(args)
     import jax
 
-    from consensus.system import MetaConsensus, config
+    from meta_consensus import MetaConsensus, config
 
     try:
         cfg = config.load(args.config, args.set)
@@ -106,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def report_cmd(args: argparse.Namespace) -> int:
-    from consensus.system import config, report
-    from consensus.system.checkpoint import load_history
+    from meta_consensus import config, report
+    from meta_consensus.checkpoint import load_history
 
     run_dir = Path(args.run_dir)
     cfg_path, metrics = run_dir / "config.toml", run_dir / "metrics.jsonl"

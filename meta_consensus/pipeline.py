@@ -50,7 +50,7 @@ from consensus.convex.qp import ConvexWeights
 from consensus.convex.weights import anchor_weights, trust_region_quadratic_weights
 from consensus.dp import AdaptiveClipConfig, dp_fedavg, privatise
 from consensus.mesh import to_host
-from consensus.system.config import Config, ConfigError, plain_fedavg
+from meta_consensus.config import Config, ConfigError, plain_fedavg
 from strategies.tasks.base import Task
 
 PyTree = Any

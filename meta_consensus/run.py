@@ -2,7 +2,7 @@
 
 Example::
 
-    from consensus.system import MetaConsensus, config
+    from meta_consensus import MetaConsensus, config
     cfg = config.load(None, ["rounds=3", "dp.enabled=false"])    # the embedded default, changed
     result = MetaConsensus(cfg).train()
     result.consensus_params, result.history[-1].consensus_accuracy
@@ -27,10 +27,10 @@ from typing import Any
 
 import jax
 
-from consensus.system import report
-from consensus.system.checkpoint import RunCheckpoints
-from consensus.system.config import Config, dumps
-from consensus.system.coordinator import Coordinator, CoordinatorState, PrivacyBudgetStop, RoundInfo
+from meta_consensus import report
+from meta_consensus.checkpoint import RunCheckpoints
+from meta_consensus.config import Config, dumps
+from meta_consensus.coordinator import Coordinator, CoordinatorState, PrivacyBudgetStop, RoundInfo
 
 PyTree = Any
 
@@ -63,7 +63,7 @@ class MetaConsensus:
     """The meta-consensus system of one config.
 
     Args:
-      config: the run :class:`~consensus.system.config.Config`.
+      config: the run :class:`~meta_consensus.config.Config`.
       write: write the run directory (logs, plots, checkpoints); only process 0
         writes logs, every process takes part in checkpoints.
       progress: show a progress bar per round.

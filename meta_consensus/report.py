@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from consensus.system.config import Config, plain_fedavg
-from consensus.system.coordinator import RoundInfo
+from meta_consensus.config import Config, plain_fedavg
+from meta_consensus.coordinator import RoundInfo
 
 
 def _last_ok(history: Sequence[RoundInfo]) -> RoundInfo | None:

@@ -36,9 +36,9 @@ from consensus.dp import privacy_event
 from consensus.dp.state import DPState
 from consensus.mesh import to_host
 from consensus.privacy import PrivacyLedger, calibrate_noise, pld_epsilon, rdp_epsilon
-from consensus.system.config import Config
-from consensus.system.fleet import Fleet
-from consensus.system.pipeline import MergePipeline, RoundFailure
+from meta_consensus.config import Config
+from meta_consensus.fleet import Fleet
+from meta_consensus.pipeline import MergePipeline, RoundFailure
 from strategies.trainer import TrainState
 
 PyTree = Any
