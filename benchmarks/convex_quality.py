@@ -17,7 +17,7 @@ held-out split:
   the merge agrees (``trust_region_quadratic_weights``); never worse than uniform on held-out;
 * mixture NLL: the held-out NLL of the mixture of the nodes' predictions
   (``mixture_nll_weights``), applied to the parameters; the mixture of predictions itself
-  (what the objective optimises: an ensemble, n forward passes) is reported beside it;
+  (what the objective optimizes: an ensemble, n forward passes) is reported beside it;
 * anchor: the merge closest to the coordinate-wise median of the nodes (``anchor_weights``),
 
 each without and with a cap ``w_i <= 2/n``. The table gives the held-out loss (the data

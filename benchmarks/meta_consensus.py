@@ -147,7 +147,7 @@ def one_run(scenario: str, variant: str, seed: int, rounds: int | None) -> dict[
     }
 
 
-def summarise(runs: Sequence[Mapping[str, Any]], scenarios: Sequence[str]) -> dict[str, Any]:
+def summarize(runs: Sequence[Mapping[str, Any]], scenarios: Sequence[str]) -> dict[str, Any]:
     """Per scenario: every method's final accuracy (values over seeds in seed order, mean, std),
     the epsilon of each DP variant and diagnostics. Methods whose variant did not run are left out.
     """
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res: dict[str, Any] = {
         "settings": settings,
         "runs": runs,
-        "summary": summarise(runs, settings["scenarios"]),
+        "summary": summarize(runs, settings["scenarios"]),
     }
     res["plot"] = plot(res)
     res["total_s"] = time.perf_counter() - t0

@@ -4,14 +4,14 @@ Run ``python -m benchmarks.privacy [--quick]``. Writes benchmarks/results/privac
 privacy.md (``privacy_quick.*`` with --quick).
 
 1. Accountant speed at q = 0.01, z = 1, delta = 1e-5 for 1, 100, 1,000 and 10,000 rounds:
-   RDP and PLD (discretisation 1e-4), against the targets (RDP < 50 ms at 1,000 rounds,
+   RDP and PLD (discretization 1e-4), against the targets (RDP < 50 ms at 1,000 rounds,
    PLD < 2 s). Baseline measured in the same run: the PLD composed one convolution per
    round (sequential) instead of by binary powers, at 100 rounds.
 2. Calibration: time to find the smallest z for epsilon in {1, 3, 8} at q = 0.01 and 1,000
    rounds, for both accountants, and its ratio to one accountant evaluation.
 3. The epsilon table over q in {0.01, 0.1, 1}, z in {0.5, 1, 2, 5}, rounds in {1, 100, 1000},
    delta = 1e-5, both accountants (PLD/RDP ratio: how much tighter PLD is). The PLD
-   discretisation is 1e-4 (1e-3 with --quick, and for cells whose epsilon is above 50,
+   discretization is 1e-4 (1e-3 with --quick, and for cells whose epsilon is above 50,
    where 1e-4 only adds cost).
 4. Mechanism overhead: one jitted dp_fedavg round (clip + noise + server step) against the
    plain uniform mean of the same stack (``tree.weighted_sum``), n = 16 nodes.
@@ -97,7 +97,7 @@ def calibration(quick: bool) -> list[dict]:
         for acc in ("rdp", "pld"):
             h = 1e-3 if quick else 1e-4
             t_cal, z = _median_time(
-                lambda a=acc, t=target, h=h: calibrate_noise(t, DELTA, q, rounds, a, discretisation=h), 1
+                lambda a=acc, t=target, h=h: calibrate_noise(t, DELTA, q, rounds, a, discretization=h), 1
             )
             if acc == "rdp":
                 t_one, eps = _median_time(lambda z=z: rdp_epsilon(z, q, rounds, DELTA), 3)
@@ -164,7 +164,7 @@ def _markdown(res: dict) -> str:
     lines.append(f"Machine: {res['machine']}; quick={res['quick']}; delta = {DELTA:g}.")
     lines.append("")
     sp = res["speed"]
-    lines.append(f"## Accountant speed (q = {sp['q']}, z = {sp['z']}, PLD discretisation 1e-4)")
+    lines.append(f"## Accountant speed (q = {sp['q']}, z = {sp['z']}, PLD discretization 1e-4)")
     lines.append("")
     lines.append("| rounds | RDP time | PLD time | RDP eps | PLD eps |")
     lines.append("|---:|---:|---:|---:|---:|")

@@ -298,7 +298,7 @@ def worst_case(by_attack: Mapping[str, float]) -> tuple[str, float]:
     return attack, float(by_attack[attack])
 
 
-def summarise(runs: Sequence[Mapping[str, Any]], settings: Settings) -> dict[str, Any]:
+def summarize(runs: Sequence[Mapping[str, Any]], settings: Settings) -> dict[str, Any]:
     """Mean over seeds per (alpha, f, rule, attack), then each rule's worst case over attacks.
 
     Returns ``{"cells": {alpha: {f: {rule: cell}}}}`` where a cell is ``{"applicable": False,
@@ -582,7 +582,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     settings = Settings(**QUICK) if args.quick else Settings()
     t0 = time.perf_counter()
     runs = run_all(settings, log=lambda s: print(s, flush=True))
-    summary = summarise(runs, settings)
+    summary = summarize(runs, settings)
     best = best_pipeline(summary, settings)
     res: dict[str, Any] = {
         "settings": dataclasses.asdict(settings),

@@ -12,7 +12,7 @@ For each setting, one round of the system is split into:
 * **vote**, **weights** (the convex solve and the merge pass), **dp** (clipping, noise,
   server step; with DP off: what remains of the merge);
 * **bookkeeping**: evaluation of the new consensus, the metrics.jsonl / TensorBoard line
-  and, every ``checkpoint_every`` rounds (5, the default), the orbax checkpoint (amortised
+  and, every ``checkpoint_every`` rounds (5, the default), the orbax checkpoint (amortized
   per round);
 * **other**: the rest (host copies of the round's info, both accountants' epsilons).
 
@@ -78,7 +78,7 @@ def measure(overrides: list[str], rounds: int, warmup: int, out_dir: Path) -> di
             raise RuntimeError(f"round {r} failed: {info.reason}")
         s = info.seconds
         row = {k: s.get(k, 0.0) for k in ("fit", "validate", "vote", "weights", "dp")}
-        # Evaluation of the new consensus, the log line and the (amortised) checkpoint.
+        # Evaluation of the new consensus, the log line and the (amortized) checkpoint.
         row["bookkeeping"] = s.get("evaluate", 0.0) + (t2 - t1)
         row["total"] = (t1 - t0) + (t2 - t1)
         # The rest of the round: host transfers of the round's info, the accountants' epsilons.

@@ -15,7 +15,7 @@ split for every choice and the test split only for the report:
 * greedy soup (Recipe 1): ingredients sorted by held-out accuracy, each kept iff the soup's
   held-out accuracy does not drop (so it is >= the best ingredient on held-out, by
   construction); a second variant uses the held-out loss as its metric;
-* convex weights: the simplex weights minimising the held-out NLL of the mixture of the
+* convex weights: the simplex weights minimizing the held-out NLL of the mixture of the
   ingredients' predictions (``mixture_nll_weights``), applied to the parameters; the mixture
   of predictions itself is reported beside it (an ensemble: k forward passes, not one model).
 
@@ -212,7 +212,7 @@ def _target(diffs: list[float]) -> dict[str, Any]:
     }
 
 
-def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for m in (*METHODS, ENSEMBLE):
         out[m] = {
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"greedy {g['greedy soup (held-out accuracy)']['test_acc']:.4f}",
             flush=True,
         )
-    res: dict[str, Any] = {"settings": settings, "runs": runs, "summary": summarise(runs)}
+    res: dict[str, Any] = {"settings": settings, "runs": runs, "summary": summarize(runs)}
     res["test_size"] = len(DigitsTask().splits(1).test["y"])
     res["plot"] = plot(runs, args.quick)
     res["total_s"] = time.perf_counter() - t0

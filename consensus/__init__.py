@@ -59,7 +59,7 @@ from consensus.dp import (
     dp_sensitivity,
     dp_weighted_mean,
     privacy_event,
-    privatise,
+    privatize,
     round_participants,
     sample_participants,
 )
@@ -141,7 +141,7 @@ __all__ = [
     "num_nodes",
     "privacy",
     "privacy_event",
-    "privatise",
+    "privatize",
     "process",
     "round_participants",
     "sample_participants",

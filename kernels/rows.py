@@ -4,7 +4,7 @@ XLA:CPU is slow at generic reductions over a short leading axis (``x.mean(0)``
 on a (16, 1e7) stack costs ~20 passes over memory), but an unrolled chain of
 elementwise ops over the n rows fuses into one loop that reads each row once.
 Every kernel here is written that way for n <= ``UNROLL_MAX`` and falls back to
-the generic formulation for larger n, where the fixed cost is amortised.
+the generic formulation for larger n, where the fixed cost is amortized.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def finite_rows(x: jax.Array) -> jax.Array:
     """(n,) bool: True where every entry of row i is finite."""
     n = x.shape[0]
     # x * 0 is NaN exactly where x is NaN or +-Inf; one float sum per row is a
-    # contiguous reduction that vectorises, unlike a boolean all().
+    # contiguous reduction that vectorizes, unlike a boolean all().
     probe = jnp.sum((x.astype(jnp.float32) * 0.0).reshape(n, -1), axis=1)
     return jnp.isfinite(probe)
 
@@ -155,7 +155,7 @@ def view_rows(
 
 
 @functools.partial(jax.jit, static_argnames=("diagonal",))
-def materialise_view(
+def materialize_view(
     x: jax.Array, mixing: jax.Array, centre: jax.Array | None, valid: jax.Array | None, *, diagonal: bool
 ) -> jax.Array:
     """The rows ``c + A (x - c)`` written out as an (n, ...) array in x's dtype; invalid rows NaN.

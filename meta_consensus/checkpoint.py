@@ -4,7 +4,7 @@ One checkpoint per saved round, ``<run>/checkpoints/<round>/``, with two items:
 
 * ``arrays`` (orbax StandardSave): the consensus, the nodes' TrainState
   (params, optimizer states, key data, step counts) and the FedAvg baseline's.
-  Restored against the shapes, dtypes and shardings of a freshly initialised
+  Restored against the shapes, dtypes and shardings of a freshly initialized
   state, so a sharded run restores sharded arrays, collectively on every process.
 * ``meta`` (JSON): the round counter, the root key, the aggregator state (small
   arrays: DP key and clip norm, vote diagnostics; stored as raw bytes so they
@@ -116,7 +116,7 @@ class RunCheckpoints:
     def restore(
         self, template: CoordinatorState, step: int | None = None
     ) -> tuple[CoordinatorState, list[RoundInfo]]:
-        """The checkpoint at ``step`` (default: the latest) against a freshly initialised state."""
+        """The checkpoint at ``step`` (default: the latest) against a freshly initialized state."""
         ocp = self._ocp
         step = self.latest() if step is None else step
         if step is None:

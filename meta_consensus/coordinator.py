@@ -1,4 +1,4 @@
-"""The round: broadcast -> node fit -> validate -> vote -> weigh -> privatise -> new consensus -> evaluate.
+"""The round: broadcast -> node fit -> validate -> vote -> weigh -> privatize -> new consensus -> evaluate.
 
 ``Coordinator(cfg).init(key) -> state`` and ``round(state) -> (state, info)``.
 The state is a :class:`CoordinatorState` of arrays (and the privacy ledger);
@@ -403,13 +403,13 @@ class Coordinator:
 def _pld(z: float, q: float, rounds: int, delta: float, eps_rdp: float) -> float:
     """PLD epsilon on a grid scaled to the epsilon (RDP's, an upper bound) so it costs milliseconds.
 
-    The grid step bounds PLD's discretisation error; 1e-4 is the default, but at tiny noise
+    The grid step bounds PLD's discretization error; 1e-4 is the default, but at tiny noise
     multipliers (epsilon in the thousands) that grid needs millions of points per round.
     """
     h = min(1.0, max(1e-4, eps_rdp / 1e5)) if math.isfinite(eps_rdp) else 1.0
     for step in (h, 1.0):
         try:
-            return pld_epsilon(z, q, rounds, delta, discretisation=step)
+            return pld_epsilon(z, q, rounds, delta, discretization=step)
         except ValueError:
             continue
     return math.nan

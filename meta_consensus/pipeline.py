@@ -17,7 +17,7 @@ batch) -> (consensus, state)``):
    A cap below ``1 / accepted`` would make the problem infeasible; the cap is
    raised to ``1 / accepted`` and the round's info says so.
 3. **DP** (``dp.enabled``): the whole pipeline is wrapped by
-   :func:`consensus.dp.privatise`: node updates are clipped to C around the
+   :func:`consensus.dp.privatize`: node updates are clipped to C around the
    last consensus before the vote, the pipeline's merged update is clipped to
    C again (a projection that leaves convex combinations of clipped updates
    unchanged), and Gaussian noise of std ``z * 2C`` is added. **Sensitivity
@@ -48,7 +48,7 @@ from consensus.convex.mixture import mixture_nll_weights
 from consensus.convex.problems import ProblemCache
 from consensus.convex.qp import ConvexWeights
 from consensus.convex.weights import anchor_weights, trust_region_quadratic_weights
-from consensus.dp import AdaptiveClipConfig, dp_fedavg, privatise
+from consensus.dp import AdaptiveClipConfig, dp_fedavg, privatize
 from consensus.mesh import to_host
 from meta_consensus.config import Config, ConfigError, plain_fedavg
 from strategies.tasks.base import Task
@@ -212,7 +212,7 @@ class MergePipeline:
                 self.aggregator = dp_fedavg(d.clip_norm, noise_multiplier, adaptive=adaptive, key=0)
             else:
                 merge = merge._replace(sensitivity=lambda clip, m: 2.0 * clip)
-                self.aggregator = privatise(
+                self.aggregator = privatize(
                     merge, d.clip_norm, noise_multiplier, expected_nodes=n, adaptive=adaptive, key=0
                 )
 

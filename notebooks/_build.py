@@ -653,7 +653,7 @@ CONVEX: list[Cell] = [
         ## Checks
 
         Guarantees, not luck: the trust-region merge is never worse than uniform on the held-out set,
-        the mixture weights minimise the ensemble NLL over a set that contains the uniform weights, every
+        the mixture weights minimize the ensemble NLL over a set that contains the uniform weights, every
         weight vector respects the cap, and the flipped-label node is (almost) switched off.
         """
     ),
@@ -701,7 +701,7 @@ DP_FEDAVG: list[Cell] = [
         DELTA = 1e-5
         MAX_ROUNDS = 500 if SMALL else 3000  # accounting curves
         POINTS = 6 if SMALL else 12
-        PLD_GRID = 1e-3 if SMALL else 1e-4  # PLD discretisation: smaller is tighter and slower
+        PLD_GRID = 1e-3 if SMALL else 1e-4  # PLD discretization: smaller is tighter and slower
         """
     ),
     md(
@@ -741,7 +741,7 @@ DP_FEDAVG: list[Cell] = [
         """
         TARGET_EPS, CAL_ROUNDS = 2.0, 1000
         z_cal = {
-            acc: consensus.calibrate_noise(TARGET_EPS, DELTA, Q_ACC, CAL_ROUNDS, acc, discretisation=PLD_GRID)
+            acc: consensus.calibrate_noise(TARGET_EPS, DELTA, Q_ACC, CAL_ROUNDS, acc, discretization=PLD_GRID)
             for acc in ("rdp", "pld")
         }
         eps_at = {
@@ -830,7 +830,7 @@ DP_FEDAVG: list[Cell] = [
         ADAPTIVE_ROUNDS = 15 if SMALL else 25
         adaptive = consensus.AdaptiveClipConfig(target_quantile=0.5, learning_rate=0.5)
         ada_agg = consensus.dp_fedavg(0.05, Z, sampling_rate=Q, adaptive=adaptive, key=1)
-        pld_ledger = privacy.PrivacyLedger(DELTA, accountant="pld", discretisation=PLD_GRID)  # no budget
+        pld_ledger = privacy.PrivacyLedger(DELTA, accountant="pld", discretization=PLD_GRID)  # no budget
         ada_params, ada_state, ada_trace = run(ada_agg, max_rounds=ADAPTIVE_ROUNDS, ledger=pld_ledger)
         print(
             f"epsilon after {pld_ledger.rounds} rounds: PLD {pld_ledger.epsilon():.3f}, "

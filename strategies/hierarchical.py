@@ -1,4 +1,4 @@
-"""Hierarchical training: ordered levels of data, from general to specialised to own.
+"""Hierarchical training: ordered levels of data, from general to specialized to own.
 
 A node trains through levels in order, each with its own data selection,
 number of steps and learning rate. The default recipe for every task:

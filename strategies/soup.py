@@ -228,7 +228,7 @@ def weighted_soup(ingredients: Sequence[PyTree], weights: Sequence[float] | np.n
 
     Args:
       ingredients: k params trees of one structure.
-      weights: k weights >= 0 with a positive sum (normalised here).
+      weights: k weights >= 0 with a positive sum (normalized here).
     Returns:
       The weighted mean tree, in the ingredients' dtypes.
     """
@@ -267,7 +267,7 @@ class SoupEvent(NamedTuple):
       accepted: whether it is in the soup after this event.
       reason: ``first``, ``added``, ``not worse``, ``worse``, ``restart``,
         ``non-finite`` or ``zero weight``.
-      log_weight: log of the (unnormalised) weight it entered with: 0 for uniform
+      log_weight: log of the (unnormalized) weight it entered with: 0 for uniform
         and greedy, ``log w`` or ``±score / temperature`` for weighted, -inf if
         rejected. Kept in log space so score-based weights never overflow.
       ingredient_score: its own held-out score, when computed or given.
@@ -286,7 +286,7 @@ class SoupEvent(NamedTuple):
 
     @property
     def weight(self) -> float:
-        """The unnormalised weight, ``exp(log_weight)`` (may overflow to inf for extreme scores)."""
+        """The unnormalized weight, ``exp(log_weight)`` (may overflow to inf for extreme scores)."""
         try:
             return math.exp(self.log_weight)
         except OverflowError:

@@ -536,7 +536,7 @@ class NodeTrainer:
             vstep = jax.vmap(node_step, in_axes=in_axes, spmd_axis_name=spmd)
 
         # Node i's s-th training step uses fold_in(key_i, s) (s = its step count), split into a
-        # sampling and a loss key. Derived for all steps at once, outside the loop (one vectorised
+        # sampling and a loss key. Derived for all steps at once, outside the loop (one vectorized
         # hash instead of a split per step); idle steps do not consume keys, and a fit split into
         # several calls draws exactly what one call draws.
         act_int = active_t.astype(jnp.int32)

@@ -85,7 +85,7 @@ def mean() -> Aggregator:
 
 
 def weighted_mean(weights: jax.Array | np.ndarray | None = None) -> Aggregator:
-    """Weighted mean with non-negative node weights, renormalised over the valid nodes.
+    """Weighted mean with non-negative node weights, renormalized over the valid nodes.
 
     .. math:: \\bar x = \\sum_{i \\in V} \\frac{\\alpha_i}{\\sum_{j \\in V} \\alpha_j} x_i
 
@@ -107,13 +107,13 @@ def weighted_mean(weights: jax.Array | np.ndarray | None = None) -> Aggregator:
         if static_count(alpha < 0) not in (None, 0):
             raise ValueError("weighted_mean: weights must be non-negative")
 
-        def normalised(ok):
+        def normalized(ok):
             a = jnp.where(ok, alpha, 0.0)
             return a / jnp.sum(a)
 
         # The one-pass check only sees nodes with a positive weight: use it when all have one.
         if not assume_finite and static_count(alpha <= 0) == 0:
-            fast = _optimistic_sum(stacked, mask, n, normalised)
+            fast = _optimistic_sum(stacked, mask, n, normalized)
             if fast is not None and static_count(fast[1]) != 0:
                 merged, valid, w = fast
                 return merged, RuleState(AggregationInfo(valid, valid & (w > 0), w, True))

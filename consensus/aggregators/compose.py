@@ -38,7 +38,7 @@ def process(
     The pre-aggregators stay lazy (a linear view of the input, see
     :mod:`consensus.aggregators.view`): the pipeline reads the parameters once
     per Gram or weighted-sum pass and never writes an intermediate stack. A
-    rule that cannot read views gets the view materialised once. The centre of
+    rule that cannot read views gets the view materialized once. The centre of
     the view is ``params``; without params it is 0 when the pipeline clips
     (clipping is then around 0) and the coordinate-wise median otherwise.
     ``state.info.weights`` is pulled back through the pre-aggregators, so it is
@@ -79,7 +79,7 @@ def process(
             x, s = p.update(x, s, params, mask=mask, lazy=True, **extra)
             pre_states.append(s)
         if views.is_view(x) and not getattr(aggregator.update, "accepts_views", False):
-            x = views.materialise(x)
+            x = views.materialize(x)
         merged, agg_state = aggregator.update(x, state.aggregator, params, mask=mask, **extra)
         info = agg_state.info
         weights = info.weights

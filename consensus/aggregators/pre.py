@@ -40,7 +40,7 @@ class MixState(NamedTuple):
 
 
 def _finish(view: views.NodeView, lazy: bool):
-    return view if lazy else views.materialise(view)
+    return view if lazy else views.materialize(view)
 
 
 def clip(max_norm: float) -> PreAggregator:

@@ -1,4 +1,4 @@
-"""Lazy linear views of a stacked tree: pre-aggregators that never materialise.
+"""Lazy linear views of a stacked tree: pre-aggregators that never materialize.
 
 Clipping and nearest-neighbour mixing are linear maps of the nodes: with a
 centre c, their output rows are ``y_i = c + sum_j A[i, j] (x_j - c)``. Writing
@@ -28,7 +28,7 @@ PyTree = Any
 
 
 class NodeView(NamedTuple):
-    """Rows ``y_i = c + sum_j A[i, j] (x_j - c)`` of a stacked tree x, not materialised.
+    """Rows ``y_i = c + sum_j A[i, j] (x_j - c)`` of a stacked tree x, not materialized.
 
     Attributes:
       base: the stacked tree x (n rows).
@@ -104,7 +104,7 @@ def leaf_inputs(x: PyTree | NodeView) -> tuple[list, list, jax.Array | None, boo
     return leaves, centres, x.mixing, x.diagonal
 
 
-def materialise(x: PyTree | NodeView) -> PyTree:
+def materialize(x: PyTree | NodeView) -> PyTree:
     """The rows of y as an ordinary stacked tree (one copy of the stack); invalid rows NaN."""
     if not is_view(x) or (x.mixing is None and x.valid is None):
         return base_of(x)
@@ -114,7 +114,7 @@ def materialise(x: PyTree | NodeView) -> PyTree:
     n = leaves[0].shape[0]
     mixing = jnp.eye(n, dtype=jnp.float32) if mixing is None else mixing
     out = [
-        row_kernels.materialise_view(leaf, mixing, c, x.valid, diagonal=diagonal)
+        row_kernels.materialize_view(leaf, mixing, c, x.valid, diagonal=diagonal)
         for leaf, c in zip(leaves, centres, strict=True)
     ]
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(x.base), out)

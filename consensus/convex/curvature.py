@@ -10,7 +10,7 @@ Two PSD diagonal curvatures are provided:
 
 * :func:`empirical_fisher`: ``h = (1/m) sum_j (grad l_j)^2`` for any per-example
   loss (per-example gradients with ``jax.vmap``);
-* :func:`softmax_gauss_newton`: the exact diagonal of the generalised
+* :func:`softmax_gauss_newton`: the exact diagonal of the generalized
   Gauss-Newton matrix of the softmax cross-entropy,
   ``h = (1/m) sum_j [sum_c p_c (dz_c)^2 - (sum_c p_c dz_c)^2]``, with z the
   logits and dz_c their gradients; for softmax cross-entropy it equals the

@@ -54,7 +54,7 @@ def mixture_nll_weights(
     tol: float = 1e-10,
     max_iter: int = 50,
 ) -> ConvexWeights:
-    """Stacking weights: minimise the held-out NLL of the mixture of the nodes.
+    """Stacking weights: minimize the held-out NLL of the mixture of the nodes.
 
     .. math:: \\min_{w \\in W} -\\frac1m \\sum_{j=1}^m \\log\\Big(\\sum_i w_i P_{ij}\\Big)
               + \\lambda \\|w - u\\|^2

@@ -1,6 +1,6 @@
 """The result type of every weigher and the shared simplex QP solve.
 
-``solve_qp_weights`` minimises ``1/2 w^T Q w + q^T w + lambda ||w - u||^2`` over
+``solve_qp_weights`` minimizes ``1/2 w^T Q w + q^T w + lambda ||w - u||^2`` over
 the capped simplex with a cached DPP problem (see :mod:`consensus.convex.problems`);
 the quadratic-model and anchor objectives (:mod:`consensus.convex.weights`) and the
 Newton steps of the mixture NLL (:mod:`consensus.convex.mixture`) all end here.
@@ -120,7 +120,7 @@ def solve_qp_weights(
     cache: ProblemCache | None = None,
     solver_options: dict[str, Any] | None = None,
 ) -> ConvexWeights:
-    """Weights minimising a convex quadratic over the capped simplex.
+    """Weights minimizing a convex quadratic over the capped simplex.
 
     .. math:: \\min_{w \\in W} \\tfrac12 w^T Q w + q^T w + c + \\lambda \\|w - u\\|^2
 

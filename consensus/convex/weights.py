@@ -145,7 +145,7 @@ def quadratic_weights(
     cache: ProblemCache | None = None,
     solver_options: dict[str, Any] | None = None,
 ) -> ConvexWeights:
-    """Weights minimising a quadratic model of the held-out loss of the merge.
+    """Weights minimizing a quadratic model of the held-out loss of the merge.
 
     With ``theta(w) = sum_i w_i x_i`` and ``sum_i w_i = 1``,
     ``theta(w) - theta_0 = D^T w`` (rows of D: the deltas ``x_i - theta_0``), so

@@ -8,7 +8,7 @@ The mechanism, for one round with current global params ``p`` and node params ``
    ``u_i <- u_i * min(1, C / ||u_i||)``;
 3. *sum over a fixed denominator*: ``Delta = sum_i w_i u_i`` with ``w_i = 1 / m``, m the
    expected number of participants (``expected_nodes``, default q * n) - never the
-   realised count, which would leak whether a node took part;
+   realized count, which would leak whether a node took part;
 4. *noise*: ``Delta + N(0, (z * S)^2 I)`` with ``S = C / m`` the L2 sensitivity of step 3
    to adding or removing one node (node-level add/remove adjacency), drawn on device with
    ``jax.random.normal``, one ``fold_in`` key per leaf, placed with each params leaf's
@@ -23,10 +23,10 @@ looking at the other nodes' data (Poisson sampling, a node-local check): a mask 
 depends on other nodes would change the sensitivity.
 
 Weighted means: with weights capped at ``w_max`` and fixed independently of the other
-nodes (not renormalised over the participants), one node changes ``sum_i w_i u_i`` by at
+nodes (not renormalized over the participants), one node changes ``sum_i w_i u_i`` by at
 most ``C * w_max``; :func:`dp_weighted_mean` noises with that sensitivity. Other rules
 (median, Krum, data-dependent weights) have no sensitivity worked out here
-(``Aggregator.sensitivity is None``) and :func:`privatise` refuses them.
+(``Aggregator.sensitivity is None``) and :func:`privatize` refuses them.
 
 Adaptive clipping (Andrew et al. 2021): each participant also reports ``b_i = 1[||u_i|| <= C]``;
 the server forms ``b = (sum_i (b_i - 1/2) + N(0, sigma_b^2)) / m + 1/2`` (the shift by 1/2
@@ -42,12 +42,12 @@ References:
   Adaptive Clipping. NeurIPS 2021.
 """
 
-from consensus.dp.recipes import dp_fedavg, dp_weighted_mean, privatise
+from consensus.dp.recipes import dp_fedavg, dp_weighted_mean, privatize
 from consensus.dp.state import (
     AdaptiveClipConfig,
-    DPConfig,
     DPRoundInfo,
     DPState,
+    MechanismSpec,
     check_dp_compatible,
     dp_sensitivity,
     effective_sampling_rate,
@@ -58,7 +58,7 @@ from consensus.dp.state import (
 
 __all__ = [
     "AdaptiveClipConfig",
-    "DPConfig",
+    "MechanismSpec",
     "DPRoundInfo",
     "DPState",
     "check_dp_compatible",
@@ -67,7 +67,7 @@ __all__ = [
     "dp_weighted_mean",
     "effective_sampling_rate",
     "privacy_event",
-    "privatise",
+    "privatize",
     "round_participants",
     "sample_participants",
 ]

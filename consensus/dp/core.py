@@ -23,9 +23,9 @@ from consensus.dp.state import (
     _NOISE_STREAM,
     _SAMPLE_STREAM,
     AdaptiveClipConfig,
-    DPConfig,
     DPRoundInfo,
     DPState,
+    MechanismSpec,
     _raw,
     effective_sampling_rate,
     sample_participants,
@@ -37,7 +37,7 @@ PyTree = Any
 # --- the mechanism -----------------------------------------------------------------------
 
 
-def _sum_noise_multiplier(cfg: DPConfig, m: float) -> float:
+def _sum_noise_multiplier(cfg: MechanismSpec, m: float) -> float:
     """z for the sum: z itself, or z_sum = (z^-2 - (2 sigma_b)^-2)^-1/2 under adaptive clipping."""
     z = cfg.noise_multiplier
     if cfg.adaptive is None or z == 0.0:
@@ -46,7 +46,7 @@ def _sum_noise_multiplier(cfg: DPConfig, m: float) -> float:
     return (z**-2 - (2.0 * sigma_b) ** -2) ** -0.5
 
 
-def _count_std(cfg: DPConfig, m: float) -> float:
+def _count_std(cfg: MechanismSpec, m: float) -> float:
     a = cfg.adaptive
     sigma_b = m / 20.0 if a.count_noise_multiplier is None else float(a.count_noise_multiplier)
     z = cfg.noise_multiplier
@@ -60,7 +60,7 @@ def _count_std(cfg: DPConfig, m: float) -> float:
     return sigma_b
 
 
-def _participation(stacked, params, mask, key, clip_norm, cfg: DPConfig):
+def _participation(stacked, params, mask, key, clip_norm, cfg: MechanismSpec):
     """valid (n,), norms (n,), clip scale (n,)."""
     n = tree.num_nodes(stacked)
     sq = tree.sq_norms(stacked, params)
@@ -186,7 +186,7 @@ def _check_common(clip_norm, noise_multiplier, sampling_rate, expected_nodes, ad
     return c, z, q, expected_nodes, optimizer
 
 
-def _make_init(clip_norm: float, cfg: DPConfig, optimizer, key, inner_init=None):
+def _make_init(clip_norm: float, cfg: MechanismSpec, optimizer, key, inner_init=None):
     key = _raw(jax.random.key(key) if isinstance(key, int | np.integer) else key)
     if key.shape != (2,) or key.dtype != jnp.uint32:
         raise ValueError(
@@ -211,7 +211,7 @@ def _make_init(clip_norm: float, cfg: DPConfig, optimizer, key, inner_init=None)
     return init
 
 
-def _denominator(cfg: DPConfig, n: int) -> float:
+def _denominator(cfg: MechanismSpec, n: int) -> float:
     return cfg.expected_nodes if cfg.expected_nodes is not None else cfg.sampling_rate * n
 
 

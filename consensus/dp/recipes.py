@@ -1,4 +1,4 @@
-"""Named DP recipes: DP-FedAvg, DP weighted mean with capped weights, and privatise(rule).
+"""Named DP recipes: DP-FedAvg, DP weighted mean with capped weights, and privatize(rule).
 
 See :mod:`consensus.dp` for the mechanism and its privacy argument.
 """
@@ -27,8 +27,8 @@ from consensus.dp.core import (
 from consensus.dp.state import (
     _NEXT_STREAM,
     AdaptiveClipConfig,
-    DPConfig,
     DPState,
+    MechanismSpec,
     check_dp_compatible,
     dp_sensitivity,
 )
@@ -52,7 +52,7 @@ def _linear_dp(
     c, z, q, m_fixed, optimizer = _check_common(
         clip_norm, noise_multiplier, sampling_rate, expected_nodes, adaptive, server_optimizer
     )
-    cfg = DPConfig(z, q, m_fixed, max_weight, adaptive, name)
+    cfg = MechanismSpec(z, q, m_fixed, max_weight, adaptive, name)
 
     def update(stacked, state: DPState, params=None, *, mask=None, weights=None, **extra):
         n, mask = _check_update_args(stacked, params, mask, name)
@@ -168,7 +168,7 @@ def dp_weighted_mean(
     ``p <- server_step(p, sum_i min(w_i, w_max) clip_C(x_i - p) + N(0, (z C w_max)^2 I))``.
     One node changes the sum by at most ``C * w_max`` (L2), the sensitivity, *provided each
     node's weight does not depend on the other nodes' data*: pass weights fixed in advance
-    (for example ``n_i / N_expected`` from public dataset sizes) and do not renormalise them
+    (for example ``n_i / N_expected`` from public dataset sizes) and do not renormalize them
     over the participants, which is why the cap is applied here and the sum is not divided.
 
     Args:
@@ -199,7 +199,7 @@ def dp_weighted_mean(
     )
 
 
-def privatise(
+def privatize(
     aggregator: Aggregator,
     clip_norm: float,
     noise_multiplier: float,
@@ -218,7 +218,7 @@ def privatise(
     Krum, data-dependent weights, ...) raise ValueError here.
 
     Args:
-      aggregator: the rule to privatise; its ``sensitivity(clip_norm, num_nodes)`` must hold
+      aggregator: the rule to privatize; its ``sensitivity(clip_norm, num_nodes)`` must hold
         for updates clipped to ``clip_norm`` under add/remove of one node.
       clip_norm, noise_multiplier, sampling_rate, adaptive, server_optimizer, key: as in
         :func:`dp_fedavg`.
@@ -232,7 +232,7 @@ def privatise(
     c, z, q, m, optimizer = _check_common(
         clip_norm, noise_multiplier, sampling_rate, expected_nodes, adaptive, server_optimizer
     )
-    cfg = DPConfig(z, q, m, None, adaptive, f"dp({aggregator.name})")
+    cfg = MechanismSpec(z, q, m, None, adaptive, f"dp({aggregator.name})")
 
     @jax.jit
     def clip(stacked, params, mask, key, clip_norm):

@@ -41,7 +41,7 @@ class AdaptiveClipConfig(NamedTuple):
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class DPConfig:
+class MechanismSpec:
     """Static configuration of a DP aggregator (no array leaves; hashable)."""
 
     noise_multiplier: float
@@ -53,7 +53,7 @@ class DPConfig:
 
 
 class DPRoundInfo(NamedTuple):
-    """DP diagnostics of the last round. Not privatised: keep them on the coordinator.
+    """DP diagnostics of the last round. Not privatized: keep them on the coordinator.
 
     Attributes:
       norms: (n,) float32 whole-tree update norms (0 for nodes that did not take part).
@@ -80,10 +80,10 @@ class DPState(NamedTuple):
       clip_norm: float32 clip norm C for the next round (changes under adaptive clipping).
       round: int32 number of rounds run.
       opt_state: the server optimizer's state.
-      inner: the wrapped aggregator's state (:func:`privatise`), else None.
+      inner: the wrapped aggregator's state (:func:`privatize`), else None.
       info: :class:`AggregationInfo` of the last round.
       dp: :class:`DPRoundInfo` of the last round.
-      config: :class:`DPConfig` (static).
+      config: :class:`MechanismSpec` (static).
     """
 
     key: jax.Array
@@ -93,7 +93,7 @@ class DPState(NamedTuple):
     inner: Any
     info: AggregationInfo
     dp: DPRoundInfo
-    config: DPConfig
+    config: MechanismSpec
 
 
 # --- sensitivity -----------------------------------------------------------------------

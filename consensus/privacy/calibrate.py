@@ -17,12 +17,12 @@ from consensus.privacy.rdp import rdp_epsilon
 ACCOUNTANTS = ("rdp", "pld")
 
 
-def epsilon_fn(accountant: str, discretisation: float = DEFAULT_DISCRETISATION) -> Callable[..., float]:
+def epsilon_fn(accountant: str, discretization: float = DEFAULT_DISCRETISATION) -> Callable[..., float]:
     """``f(noise_multiplier, sampling_rate, rounds, delta) -> epsilon`` for an accountant name."""
     if accountant == "rdp":
         return rdp_epsilon
     if accountant == "pld":
-        return lambda z, q, rounds, delta: pld_epsilon(z, q, rounds, delta, discretisation)
+        return lambda z, q, rounds, delta: pld_epsilon(z, q, rounds, delta, discretization)
     raise ValueError(f"unknown accountant {accountant!r}; choose one of {ACCOUNTANTS}")
 
 
@@ -34,7 +34,7 @@ def calibrate_noise(
     accountant: str = "rdp",
     *,
     rtol: float = 1e-3,
-    discretisation: float = DEFAULT_DISCRETISATION,
+    discretization: float = DEFAULT_DISCRETISATION,
     max_noise_multiplier: float = 1e4,
 ) -> float:
     """Smallest noise multiplier z (to relative tolerance ``rtol``) with epsilon(z) <= target.
@@ -46,7 +46,7 @@ def calibrate_noise(
       rounds: number of rounds (>= 1).
       accountant: "rdp" (fast, slightly loose) or "pld" (tight, slower).
       rtol: relative width of the final bracket.
-      discretisation: PLD grid step (PLD only).
+      discretization: PLD grid step (PLD only).
       max_noise_multiplier: give up (ValueError) if even this much noise misses the target.
 
     Returns:
@@ -69,7 +69,7 @@ def calibrate_noise(
         raise ValueError(f"rtol must lie in (0, 1), got {rtol}")
     if math.isinf(target):
         raise ValueError("target_epsilon is infinite: no noise is needed (use noise_multiplier=0)")
-    eps = epsilon_fn(accountant, discretisation)
+    eps = epsilon_fn(accountant, discretization)
     log_target = math.log(target)
 
     def gap(z: float) -> float:

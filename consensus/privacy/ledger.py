@@ -78,7 +78,7 @@ class PrivacyLedger:
       delta: the delta at which epsilon is reported and the budget is enforced.
       budget: maximum epsilon (None: record only, never refuse).
       accountant: "rdp" or "pld"; the accountant that turns events into epsilon.
-      discretisation: PLD grid step (PLD only).
+      discretization: PLD grid step (PLD only).
 
     Attributes:
       entries: one plain dict per spent event: the event's fields and ``epsilon`` (spent
@@ -91,14 +91,14 @@ class PrivacyLedger:
         budget: float | None = None,
         accountant: str = "rdp",
         *,
-        discretisation: float = DEFAULT_DISCRETISATION,
+        discretization: float = DEFAULT_DISCRETISATION,
     ):
         self.delta = check_delta(delta)
         self.budget = None if budget is None else check_epsilon(budget, "budget")
         if accountant not in ("rdp", "pld"):
             raise ValueError(f"unknown accountant {accountant!r}; choose 'rdp' or 'pld'")
         self.accountant = accountant
-        self.discretisation = float(discretisation)
+        self.discretization = float(discretization)
         self.entries: list[dict[str, Any]] = []
         self._acc = self._new_accountant()
         self._noiseless = False  # a z = 0 event makes epsilon infinite for good
@@ -106,7 +106,7 @@ class PrivacyLedger:
     def _new_accountant(self) -> RdpAccountant | PldAccountant:
         if self.accountant == "rdp":
             return RdpAccountant()
-        return PldAccountant(self.discretisation)
+        return PldAccountant(self.discretization)
 
     @property
     def events(self) -> list[PrivacyEvent]:
@@ -172,7 +172,7 @@ class PrivacyLedger:
             "delta": self.delta,
             "budget": self.budget,
             "accountant": self.accountant,
-            "discretisation": self.discretisation,
+            "discretization": self.discretization,
             "entries": [dict(e) for e in self.entries],
         }
 
@@ -185,7 +185,7 @@ class PrivacyLedger:
             d["delta"],
             d["budget"],
             d["accountant"],
-            discretisation=d.get("discretisation", DEFAULT_DISCRETISATION),
+            discretization=d.get("discretization", DEFAULT_DISCRETISATION),
         )
         # Replay runs of identical (z, q) events as one self-composition: exact for RDP, and
         # for PLD one binary-power composition instead of one convolution per round.

@@ -120,46 +120,46 @@ class DiscretePld:
       offset: grid index of ``pmf[0]`` (its loss is ``offset * h``).
       pmf: float64 masses of the consecutive grid losses.
       infinity_mass: probability of an infinite privacy loss (goes straight into delta).
-      discretisation: the grid step h.
+      discretization: the grid step h.
     """
 
     offset: int
     pmf: np.ndarray
     infinity_mass: float
-    discretisation: float
+    discretization: float
 
     @staticmethod
-    def identity(discretisation: float) -> DiscretePld:
+    def identity(discretization: float) -> DiscretePld:
         """The loss distribution of a mechanism that reveals nothing (all mass at 0)."""
-        return DiscretePld(0, np.ones(1), 0.0, discretisation)
+        return DiscretePld(0, np.ones(1), 0.0, discretization)
 
     def compose(
         self, other: DiscretePld, tail_mass: float = DEFAULT_TAIL_MASS, max_points: int = DEFAULT_MAX_POINTS
     ) -> DiscretePld:
         """The distribution of the sum of independent losses (FFT convolution), truncated."""
-        if other.discretisation != self.discretisation:
+        if other.discretization != self.discretization:
             raise ValueError(
-                f"cannot compose PLDs on different grids: h={self.discretisation} vs {other.discretisation}"
+                f"cannot compose PLDs on different grids: h={self.discretization} vs {other.discretization}"
             )
         size = self.pmf.size + other.pmf.size - 1
         if size > max_points:
             raise ValueError(
                 f"composed PLD needs {size} grid points (> max_points={max_points}); use a coarser "
-                f"discretisation than {self.discretisation} or raise max_points"
+                f"discretization than {self.discretization} or raise max_points"
             )
         if self.pmf.size == 1 or other.pmf.size == 1:
             pmf = np.convolve(self.pmf, other.pmf)
         else:
             pmf = signal.fftconvolve(self.pmf, other.pmf)
         inf = 1.0 - (1.0 - self.infinity_mass) * (1.0 - other.infinity_mass)
-        return _truncate(self.offset + other.offset, pmf, inf, self.discretisation, tail_mass)
+        return _truncate(self.offset + other.offset, pmf, inf, self.discretization, tail_mass)
 
     def self_compose(
         self, count: int, tail_mass: float = DEFAULT_TAIL_MASS, max_points: int = DEFAULT_MAX_POINTS
     ) -> DiscretePld:
         """``count``-fold composition with itself by binary powers (2 log2(count) convolutions)."""
         count = check_rounds(count)
-        result = DiscretePld.identity(self.discretisation)
+        result = DiscretePld.identity(self.discretization)
         base = self
         while count:
             if count & 1:
@@ -170,7 +170,7 @@ class DiscretePld:
         return result
 
     def losses(self) -> np.ndarray:
-        return (self.offset + np.arange(self.pmf.size)) * self.discretisation
+        return (self.offset + np.arange(self.pmf.size)) * self.discretization
 
     def delta(self, epsilon: float) -> float:
         """``delta(eps) = sum_{l > eps} p(l) (1 - e^(eps - l)) + infinity_mass``."""
@@ -182,7 +182,7 @@ class DiscretePld:
         """Smallest eps >= 0 with ``delta(eps) <= delta`` (exact for this discrete distribution)."""
         if self.infinity_mass > delta:
             return math.inf
-        h = self.discretisation
+        h = self.discretization
         # Pad one empty grid point below 0 so the search always starts at a loss < 0.
         offset, pmf = self.offset, self.pmf
         if offset >= 0:
@@ -246,7 +246,7 @@ def _connect_dots(i_lo: int, deltas: np.ndarray, h: float) -> DiscretePld:
 def sampled_gaussian_pld(
     noise_multiplier: float,
     sampling_rate: float,
-    discretisation: float = DEFAULT_DISCRETISATION,
+    discretization: float = DEFAULT_DISCRETISATION,
     *,
     tail_mass: float = DEFAULT_TAIL_MASS,
     max_points: int = DEFAULT_MAX_POINTS,
@@ -257,7 +257,7 @@ def sampled_gaussian_pld(
     """
     z = check_noise_multiplier(noise_multiplier)
     q = check_sampling_rate(sampling_rate)
-    h = _check_discretisation(discretisation)
+    h = _check_discretization(discretization)
     t = -float(special.ndtri(_RANGE_TAIL))
 
     log_1mq = math.log1p(-q) if q < 1.0 else -math.inf
@@ -277,8 +277,8 @@ def sampled_gaussian_pld(
         if i_hi - i_lo + 1 > max_points:
             raise ValueError(
                 f"one round of the sampled Gaussian (z={z}, q={q}) spans losses [{e_lo:.3g}, {e_hi:.3g}]: "
-                f"{i_hi - i_lo + 1} grid points at discretisation {h} (> max_points={max_points}); "
-                "use a coarser discretisation"
+                f"{i_hi - i_lo + 1} grid points at discretization {h} (> max_points={max_points}); "
+                "use a coarser discretization"
             )
         grid = np.arange(i_lo, i_hi + 1) * h
         deltas = _delta_remove(grid, q, z) if which == "remove" else _delta_add(grid, q, z)
@@ -289,10 +289,10 @@ def sampled_gaussian_pld(
     return out[0], out[1]
 
 
-def _check_discretisation(h: float) -> float:
+def _check_discretization(h: float) -> float:
     h = float(h)
     if not (math.isfinite(h) and 0.0 < h <= 1.0):
-        raise ValueError(f"discretisation must lie in (0, 1], got {h}")
+        raise ValueError(f"discretization must lie in (0, 1], got {h}")
     return h
 
 
@@ -303,7 +303,7 @@ class PldAccountant:
     larger of the two. Repeated events with the same (z, q) reuse the one-round distribution.
 
     Args:
-      discretisation: loss grid step h. The reported epsilon is an upper bound whatever h;
+      discretization: loss grid step h. The reported epsilon is an upper bound whatever h;
         smaller h is tighter and costs ~1/h time and memory.
       tail_mass: probability moved to +inf (or up) at each truncation after a convolution.
       max_points: refuse grids longer than this (memory guard).
@@ -316,25 +316,25 @@ class PldAccountant:
 
     def __init__(
         self,
-        discretisation: float = DEFAULT_DISCRETISATION,
+        discretization: float = DEFAULT_DISCRETISATION,
         *,
         tail_mass: float = DEFAULT_TAIL_MASS,
         max_points: int = DEFAULT_MAX_POINTS,
     ):
-        self.discretisation = _check_discretisation(discretisation)
+        self.discretization = _check_discretization(discretization)
         if not (0.0 <= tail_mass < 1e-3):
             raise ValueError(f"tail_mass must lie in [0, 1e-3), got {tail_mass}")
         self.tail_mass = float(tail_mass)
         self.max_points = int(max_points)
-        self.remove = DiscretePld.identity(self.discretisation)
-        self.add = DiscretePld.identity(self.discretisation)
+        self.remove = DiscretePld.identity(self.discretization)
+        self.add = DiscretePld.identity(self.discretization)
         self._cache: dict[tuple[float, float], tuple[DiscretePld, DiscretePld | None]] = {}
 
     def _round_pld(self, z: float, q: float) -> tuple[DiscretePld, DiscretePld | None]:
         key = (z, q)
         if key not in self._cache:
             self._cache[key] = sampled_gaussian_pld(
-                z, q, self.discretisation, tail_mass=self.tail_mass, max_points=self.max_points
+                z, q, self.discretization, tail_mass=self.tail_mass, max_points=self.max_points
             )
         return self._cache[key]
 
@@ -361,7 +361,7 @@ class PldAccountant:
         return max(self.remove.epsilon(delta), self.add.epsilon(delta))
 
     def copy(self) -> PldAccountant:
-        out = PldAccountant(self.discretisation, tail_mass=self.tail_mass, max_points=self.max_points)
+        out = PldAccountant(self.discretization, tail_mass=self.tail_mass, max_points=self.max_points)
         out.remove, out.add, out._cache = self.remove, self.add, self._cache
         return out
 
@@ -371,7 +371,7 @@ def pld_epsilon(
     sampling_rate: float,
     rounds: int,
     delta: float,
-    discretisation: float = DEFAULT_DISCRETISATION,
+    discretization: float = DEFAULT_DISCRETISATION,
     *,
     tail_mass: float = DEFAULT_TAIL_MASS,
     max_points: int = DEFAULT_MAX_POINTS,
@@ -379,14 +379,14 @@ def pld_epsilon(
     """Epsilon of ``rounds`` Poisson-subsampled Gaussian rounds at the given delta (PLD accountant).
 
     Never below the true epsilon (up to float64 round-off in the FFT); the gap shrinks with
-    ``discretisation``.
+    ``discretization``.
 
     Args:
       noise_multiplier: z > 0 (noise std / L2 sensitivity).
       sampling_rate: q in (0, 1].
       rounds: number of rounds (>= 0).
       delta: target delta in (0, 1).
-      discretisation: loss grid step h (default 1e-4).
+      discretization: loss grid step h (default 1e-4).
       tail_mass: probability moved to +inf at each truncation (default 1e-13).
       max_points: refuse grids longer than this.
 
@@ -399,6 +399,6 @@ def pld_epsilon(
     """
     delta = check_delta(delta)
     rounds = check_rounds(rounds)
-    acc = PldAccountant(discretisation, tail_mass=tail_mass, max_points=max_points)
+    acc = PldAccountant(discretization, tail_mass=tail_mass, max_points=max_points)
     acc.compose(noise_multiplier, sampling_rate, rounds)
     return acc.epsilon(delta)

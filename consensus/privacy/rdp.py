@@ -23,7 +23,7 @@ of Balle et al. (2020),
 
     epsilon = rdp(alpha) + log((alpha - 1) / alpha) - (log delta + log alpha) / (alpha - 1),
 
-minimised over a grid of orders.
+minimized over a grid of orders.
 
 References:
   I. Mironov, K. Talwar, L. Zhang. Renyi Differential Privacy of the Sampled Gaussian
@@ -190,7 +190,7 @@ def rdp_epsilon(
       sampling_rate: q in (0, 1].
       rounds: number of rounds (>= 0; 0 rounds cost epsilon 0).
       delta: target delta in (0, 1).
-      orders: Renyi orders to optimise over (default :data:`DEFAULT_ORDERS`).
+      orders: Renyi orders to optimize over (default :data:`DEFAULT_ORDERS`).
 
     Returns:
       epsilon (float, >= 0).

@@ -16,8 +16,8 @@ shape and one jitted step serves all nodes:
   "general" level of hierarchical training;
 * ``heldout`` / ``test``: shared evaluation sets;
 * ``groups``: every example belongs to one group (a class for digits, a module
-  family for text) and every node specialises in a few groups
-  (``node_groups``), which drives the "specialised" hierarchical level.
+  family for text) and every node specializes in a few groups
+  (``node_groups``), which drives the "specialized" hierarchical level.
 
 A fit phase samples from a :class:`NodeData`: a pool (shared or per node), a
 ``(n, k)`` table of the pool rows each node may draw and the number ``count``
@@ -190,7 +190,7 @@ class TaskData:
       general_groups: (N_g,) int32 group of each general row.
       heldout: dict of (N_h, ...) arrays (model selection, soups, barriers).
       test: dict of (N_t, ...) arrays (final numbers only).
-      node_groups: (n_local, G) bool, the groups each node specialises in.
+      node_groups: (n_local, G) bool, the groups each node specializes in.
       group_names: the G group names (class names, module families).
       process_index, process_count: which share of the nodes this is.
       meta: anything else. By convention ``meta["example_ids"]`` is an
@@ -332,7 +332,7 @@ def dirichlet_partition(
 
 
 def dominant_groups(shard_groups: np.ndarray, num_groups: int, *, mass: float = 0.8) -> np.ndarray:
-    """(G,) bool: the fewest groups that cover ``mass`` of a node's examples (its specialisation)."""
+    """(G,) bool: the fewest groups that cover ``mass`` of a node's examples (its specialization)."""
     counts = np.bincount(np.asarray(shard_groups), minlength=num_groups).astype(np.float64)
     order = np.argsort(-counts, kind="stable")
     cum = np.cumsum(counts[order]) / max(counts.sum(), 1.0)

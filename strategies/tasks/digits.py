@@ -4,7 +4,7 @@
 with scikit-learn, so nothing is downloaded. A stratified split with a fixed
 seed gives train / held-out / test sets; the training set is then split over
 the nodes with a Dirichlet(alpha) label-skew partition. Every example's group
-is its class, and a node specialises in its dominant classes (the fewest
+is its class, and a node specializes in its dominant classes (the fewest
 classes holding ``dominant_mass`` of its shard), which feeds the middle level
 of hierarchical training: all classes -> the node's classes -> its own shard.
 
@@ -91,7 +91,7 @@ class DigitsTask:
       test_fraction, heldout_fraction: shares of the 1,797 examples.
       split_seed: seed of the train / held-out / test split (fixed, so test
         numbers compare across partition seeds).
-      dominant_mass: share of a node's shard its specialised classes cover.
+      dominant_mass: share of a node's shard its specialized classes cover.
 
     Example:
       >>> task = DigitsTask()

@@ -277,7 +277,7 @@ def _dropout(x: Array, rate: float, key: Array | None) -> Array:
 
 
 class LayerNorm(nnx.Module):
-    """Layer normalisation over the last axis; scale and bias are replicated ("norm")."""
+    """Layer normalization over the last axis; scale and bias are replicated ("norm")."""
 
     def __init__(self, dim: int, *, rngs: nnx.Rngs):
         self.scale = _param(rngs, (dim,), ("norm",), fill=1.0)

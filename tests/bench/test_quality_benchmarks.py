@@ -132,7 +132,7 @@ def test_soups_summary_counts_seeds_where_greedy_meets_the_best_ingredient():
         methods["best ingredient"]["test_acc"] = best
         return {"seed": seed, "methods": methods, "greedy_minus_best_test": greedy - best}
 
-    s = soups.summarise([run(0, 0.95, 0.94), run(1, 0.93, 0.94), run(2, 0.96, 0.96)])
+    s = soups.summarize([run(0, 0.95, 0.94), run(1, 0.93, 0.94), run(2, 0.96, 0.96)])
     assert s["target"]["seeds_met"] == 2 and s["target"]["seeds"] == 3
     assert s["target"]["mean_diff"][0] == pytest.approx((0.01 - 0.01 + 0.0) / 3)
 
@@ -172,7 +172,7 @@ def test_convex_quality_rows_respect_caps_and_each_objective_beats_its_feasible_
     # Trust region: never above the uniform merge on held-out (its guarantee).
     for name in ("trust-region quadratic", f"trust-region quadratic, cap {cap_factor:g}/n"):
         assert rows[name]["heldout_loss"] <= rows["uniform"]["heldout_loss"] + 1e-6
-    # Mixture NLL: its weights minimise the held-out NLL of the mixture (uniform is feasible for both).
+    # Mixture NLL: its weights minimize the held-out NLL of the mixture (uniform is feasible for both).
     for name in ("mixture NLL", f"mixture NLL, cap {cap_factor:g}/n"):
         at_w = _mixture_nll(nodes, np.asarray(rows[name]["weights"]), data.heldout)
         assert at_w <= _mixture_nll(nodes, uniform, data.heldout) + 1e-6

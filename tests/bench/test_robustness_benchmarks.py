@@ -151,7 +151,7 @@ def test_summary_averages_seeds_then_takes_the_worst_attack():
                         acc.setdefault((alpha, f, rule, attack), []).append((t, h))
                         runs.append({**rec, "applicable": True, "test_acc": t, "heldout_acc": h})
                         runs[-1]["byzantine_weight"] = 0.0
-    cells = robustness.summarise(runs, st)["cells"]
+    cells = robustness.summarize(runs, st)["cells"]
     for alpha in st.alphas:
         for f in st.byzantine:
             for rule in st.rules:
@@ -185,7 +185,7 @@ def test_bulyan_at_f4_of_16_is_reported_not_applicable():
     )
     runs = robustness.run_all(st4, log=lambda _: None)
     assert len(runs) == 1 and runs[0]["applicable"] is False and runs[0]["reason"] == reason
-    cell = robustness.summarise(runs, st4)["cells"]["1.0"]["4"]["bulyan"]
+    cell = robustness.summarize(runs, st4)["cells"]["1.0"]["4"]["bulyan"]
     assert cell == {"applicable": False, "reason": reason}
 
 
@@ -305,7 +305,7 @@ def test_meta_summary_pairs_methods_with_their_runs():
             r.update(fedavg=0.5 + seed / 10, failed_rounds=0, epsilon=1.0 if variant == "full" else math.inf)
             r.update(epsilon_rdp=r["epsilon"], epsilon_pld=r["epsilon"])
             runs.append(r)
-    s = meta_consensus.summarise(runs, ["alie"])["alie"]
+    s = meta_consensus.summarize(runs, ["alie"])["alie"]
     by = {(r["variant"], r["seed"]): r for r in runs}
     assert s["values"]["full pipeline"] == [by[("full", i)]["consensus"] for i in (0, 1, 2)]
     assert s["values"]["without DP"] == [by[("no_dp", i)]["consensus"] for i in (0, 1, 2)]
@@ -314,4 +314,4 @@ def test_meta_summary_pairs_methods_with_their_runs():
     assert "DP at epsilon = 8" not in s["values"]  # that variant did not run
     assert s["fedavg_same_in_every_variant"] and s["epsilon"] == {"full": 1.0, "no_dp": math.inf}
     runs[0]["fedavg"] += 0.01
-    assert not meta_consensus.summarise(runs, ["alie"])["alie"]["fedavg_same_in_every_variant"]
+    assert not meta_consensus.summarize(runs, ["alie"])["alie"]["fedavg_same_in_every_variant"]

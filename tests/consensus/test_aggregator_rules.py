@@ -187,8 +187,8 @@ def test_bulyan_under_jit_with_traced_mask_equals_eager():
     np.testing.assert_array_equal(np.asarray(sa.info.selected), np.asarray(sb.info.selected))
 
 
-def test_lazy_pipeline_equals_materialised_composition():
-    """process() keeps clip/nnm lazy; the result equals running each stage on materialised stacks."""
+def test_lazy_pipeline_equals_materialized_composition():
+    """process() keeps clip/nnm lazy; the result equals running each stage on materialized stacks."""
     params, stacked = _nodes(11, d=40, seed=7)
     stacked["w"] = jnp.asarray(stacked["w"]).at[3].set(jnp.nan)
     clip, nnm = consensus.clip(2.0), consensus.nnm(2)
@@ -208,7 +208,7 @@ def test_lazy_pipeline_equals_materialised_composition():
         )
         assert not bool(np.asarray(consensus.get_info(state).valid)[3])
 
-    # A rule that cannot read views gets the view materialised (NaN rows for invalid nodes).
+    # A rule that cannot read views gets the view materialized (NaN rows for invalid nodes).
     def plain_update(x, state, params=None, *, mask=None, **extra):
         assert isinstance(x, dict), "a rule without accepts_views must receive a plain stacked tree"
         return consensus.median().update(x, state, params, mask=mask)

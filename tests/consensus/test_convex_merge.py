@@ -72,7 +72,7 @@ def true_loss(theta_flat):
     return float(0.5 * np.sum(flat(CURV) * (theta_flat - flat(TARGET)) ** 2))
 
 
-def test_quadratic_merge_minimises_true_loss_and_reports_info():
+def test_quadratic_merge_minimizes_true_loss_and_reports_info():
     stacked, _ = nodes(0)
     stacked = {k: v.at[2].set(jnp.inf) if k == "b" else v for k, v in stacked.items()}  # node 2 is broken
     mask = jnp.asarray([True, True, True, True, False, True])  # node 4 voted out

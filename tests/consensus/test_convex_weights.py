@@ -187,7 +187,7 @@ def test_quadratic_statistics_match_flattened_float64():
     np.testing.assert_allclose(q, d @ flat(g), rtol=1e-5, atol=1e-6)
 
 
-def test_quadratic_weights_minimise_the_model_and_reject_nodes():
+def test_quadratic_weights_minimize_the_model_and_reject_nodes():
     n = 6
     stacked, ref = random_stacked(4, n)
     # A node holding NaN is rejected automatically; node 1 is rejected by the vote.
@@ -209,7 +209,7 @@ def test_quadratic_weights_minimise_the_model_and_reject_nodes():
 
 def test_quadratic_weights_exact_for_a_quadratic_loss():
     # L(theta) = 1/2 sum h (theta - t)^2 is its own quadratic model: the weights must
-    # minimise the true loss of the merge, checked by scipy on the true loss.
+    # minimize the true loss of the merge, checked by scipy on the true loss.
     n = 6
     stacked, ref = random_stacked(7, n, scale=1.0)
     target = jax.tree.map(lambda r: r + 0.3, ref)

@@ -75,6 +75,6 @@ def test_adaptive_clip_converges_to_target_quantile(gamma, start):
     assert np.all(history > lo / 1.5) and np.all(history < hi * 1.5)
     tail = history[-40:]
     assert abs(np.log(np.exp(np.mean(np.log(tail))) / true_q)) < 0.08
-    # And the realised unclipped fraction at the final clip norm is the target.
+    # And the realized unclipped fraction at the final clip norm is the target.
     check = rng.lognormal(0.0, 0.5, size=200_000)
     assert np.mean(check <= np.exp(np.mean(np.log(tail)))) == pytest.approx(gamma, abs=0.04)

@@ -2,7 +2,7 @@
 
 References used here are written from the definitions, with scipy: numerical integration
 of the Renyi moment and of the hockey-stick divergence, the analytic Gaussian mechanism of
-Balle & Wang (2018), and a continuous minimisation of the RDP-to-DP conversion.
+Balle & Wang (2018), and a continuous minimization of the RDP-to-DP conversion.
 """
 
 import math
@@ -138,9 +138,9 @@ def test_rdp_is_monotone_in_order_and_parameters():
     assert np.all(compute_rdp(1.0, 0.1, 1) >= r)
 
 
-def test_balle_conversion_matches_continuous_minimisation():
+def test_balle_conversion_matches_continuous_minimization():
     # q = 1, k rounds: rdp(alpha) = k alpha / (2 z^2) exactly, so the best epsilon over all
-    # alpha > 1 is a 1-d minimisation of Balle et al.'s Theorem 21 expression.
+    # alpha > 1 is a 1-d minimization of Balle et al.'s Theorem 21 expression.
     for z, k in [(1.0, 1), (2.0, 50), (0.8, 10)]:
 
         def eps_of(alpha, z=z, k=k):
@@ -288,10 +288,10 @@ def test_pld_accountant_heterogeneous_composition_and_zero_rounds():
     assert acc.delta(acc.epsilon(DELTA)) == pytest.approx(DELTA, rel=1e-6)
 
 
-def test_pld_grid_guard_and_discretisation_errors():
-    with pytest.raises(ValueError, match="coarser discretisation"):
+def test_pld_grid_guard_and_discretization_errors():
+    with pytest.raises(ValueError, match="coarser discretization"):
         pld_epsilon(0.01, 1.0, 1, DELTA, 1e-4, max_points=10_000)
-    with pytest.raises(ValueError, match="discretisation"):
+    with pytest.raises(ValueError, match="discretization"):
         pld_epsilon(1.0, 0.1, 1, DELTA, 0.0)
     with pytest.raises(ValueError, match="different grids"):
         pld_mod.DiscretePld.identity(1e-3).compose(pld_mod.DiscretePld.identity(1e-4))

@@ -39,7 +39,7 @@ def test_pld_calibration_matches_analytic_gaussian():
         return d - DELTA
 
     sigma = optimize.brentq(gap, 0.1, 100, xtol=1e-12)
-    z = calibrate_noise(target, DELTA, 1.0, k, "pld", rtol=1e-4, discretisation=1e-3)
+    z = calibrate_noise(target, DELTA, 1.0, k, "pld", rtol=1e-4, discretization=1e-3)
     assert sigma * math.sqrt(k) <= z * (1 + 1e-9)
     assert z <= sigma * math.sqrt(k) * (1 + 2e-4)
     assert pld_epsilon(z, 1.0, k, DELTA, 1e-3) <= target
@@ -95,7 +95,7 @@ def test_ledger_heterogeneous_events_match_summed_rdp():
 
 
 def test_ledger_pld_accountant_matches_pld_epsilon():
-    ledger = PrivacyLedger(DELTA, accountant="pld", discretisation=1e-3)
+    ledger = PrivacyLedger(DELTA, accountant="pld", discretization=1e-3)
     for _ in range(5):
         ledger.spend(PrivacyEvent(1.0, 0.1))
     want = pld_epsilon(1.0, 0.1, 5, DELTA, 1e-3)
@@ -105,7 +105,7 @@ def test_ledger_pld_accountant_matches_pld_epsilon():
 
 
 def test_ledger_json_round_trip_without_pickle():
-    ledger = PrivacyLedger(DELTA, 10.0, "pld", discretisation=1e-3)
+    ledger = PrivacyLedger(DELTA, 10.0, "pld", discretization=1e-3)
     for z, q in [(1.0, 0.1), (1.0, 0.1), (2.0, 0.5)]:
         ledger.spend(PrivacyEvent(z, q, clip_norm=1.0))
     text = ledger.to_json()

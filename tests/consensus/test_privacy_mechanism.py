@@ -87,7 +87,7 @@ _ONE = {}
 
 
 def _one_node_agg():
-    # One aggregator (one compilation) shared by the parametrised cases above.
+    # One aggregator (one compilation) shared by the parametrized cases above.
     if "agg" not in _ONE:
         _ONE["agg"] = dp.dp_fedavg(1.0, 0.0, expected_nodes=1.0, key=0)
     return _ONE["agg"]
@@ -172,7 +172,7 @@ def test_poisson_sampling_rate_and_update_uses_the_announced_sample():
         chosen = np.asarray(dp.round_participants(state, n))
         new, state = agg.update(stacked, state, params)
         np.testing.assert_array_equal(np.asarray(state.info.valid), chosen)
-        # Fixed denominator q * n, not the realised count.
+        # Fixed denominator q * n, not the realized count.
         np.testing.assert_allclose(np.asarray(new["w"]), chosen.sum() * u / (q * n), rtol=1e-5)
         counts.append(chosen.sum())
     # 40 * 64 Bernoulli(0.25) draws: mean within 4 standard errors.
@@ -238,12 +238,12 @@ def _fixed_denominator_sum(m):
     return Aggregator(init, update, "fixed_sum", sensitivity=lambda c, n: c / m)
 
 
-def test_privatise_generic_rule_equals_dp_fedavg():
+def test_privatize_generic_rule_equals_dp_fedavg():
     rng = np.random.default_rng(6)
     params = make_params(rng)
     stacked = tree.stack(make_nodes(rng, params, [0.2, 2.0, 9.0, 1.0]))
     ref = dp.dp_fedavg(1.0, 0.9, expected_nodes=4.0, key=3)
-    gen = dp.privatise(_fixed_denominator_sum(4.0), 1.0, 0.9, expected_nodes=4.0, key=3)
+    gen = dp.privatize(_fixed_denominator_sum(4.0), 1.0, 0.9, expected_nodes=4.0, key=3)
     a, sa = ref.update(stacked, ref.init(params), params)
     b, sb = gen.update(stacked, gen.init(params), params)
     for k in params:
@@ -259,7 +259,7 @@ def test_rules_without_sensitivity_are_refused():
     with pytest.raises(ValueError, match="coordinate_median"):
         dp.dp_sensitivity(median, 1.0, 10)
     with pytest.raises(ValueError, match="coordinate_median"):
-        dp.privatise(median, 1.0, 1.0, expected_nodes=10)
+        dp.privatize(median, 1.0, 1.0, expected_nodes=10)
     with pytest.raises(TypeError):
         dp.check_dp_compatible("mean")
     dp.check_dp_compatible(dp.dp_fedavg(1.0, 1.0))  # stated sensitivity: accepted

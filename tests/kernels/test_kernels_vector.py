@@ -139,7 +139,7 @@ def test_clip_factors_and_row_norms():
     np.testing.assert_allclose(sq, ((x.astype(np.float64) - c) ** 2).sum(1), rtol=1e-5)
     s = np.asarray(weiszfeld.clip_factors(jnp.asarray(sq), 8.0))
     out = np.asarray(
-        rows.materialise_view(jnp.asarray(x), jnp.diag(jnp.asarray(s)), jnp.asarray(c), None, diagonal=True)
+        rows.materialize_view(jnp.asarray(x), jnp.diag(jnp.asarray(s)), jnp.asarray(c), None, diagonal=True)
     )
     np.testing.assert_allclose(
         out, ref.clip(x.astype(np.float64), c.astype(np.float64), 8.0), rtol=1e-5, atol=1e-5

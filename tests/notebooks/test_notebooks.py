@@ -8,7 +8,7 @@ executing it checks behaviour, not just that it runs.
 
 A kernel spends its time importing jax and compiling, on one core; the selected notebooks are
 therefore executed two kernels at a time (``META_CONSENSUS_NOTEBOOK_WORKERS``, default 2) as soon
-as the module starts, and each parametrised test waits for its own notebook's result.
+as the module starts, and each parametrized test waits for its own notebook's result.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _set_kernel_env(mp: pytest.MonkeyPatch) -> None:
     mp.setenv("JAX_PLATFORMS", "cpu")
     # conftest.py gives this process 8 simulated devices; a notebook starts like a user's fresh
     # process (one device) unless it asks for more itself (06_meshes does). Compilation dominates
-    # the run time of these tiny models, and XLA's LLVM optimisation level 0 roughly halves it.
+    # the run time of these tiny models, and XLA's LLVM optimization level 0 roughly halves it.
     mp.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
     # Keep the kernel's dtype promotion at jax's default, as a user's would be.
     mp.delenv("JAX_NUMPY_DTYPE_PROMOTION", raising=False)

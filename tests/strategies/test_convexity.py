@@ -1,6 +1,6 @@
 """Tests for strategies.convexity: prox, L2-ball projection, the constrained optimizer, loss barriers.
 
-References are independent: scipy minimisers, float64 numpy closed forms, brute force,
+References are independent: scipy minimizers, float64 numpy closed forms, brute force,
 and a hand-written float64 numpy proximal-gradient loop for softmax regression.
 """
 
@@ -82,7 +82,7 @@ def _lr_params(rng: np.random.Generator, scale: float) -> dict:
 
 
 @pytest.mark.parametrize("lr,mu", [(0.1, 0.5), (1.0, 3.0), (0.05, 200.0)])
-def test_proximal_step_is_the_minimiser(lr, mu):
+def test_proximal_step_is_the_minimizer(lr, mu):
     rng = np.random.default_rng(1)
     v, a = _tree(rng), _tree(rng, scale=2.0)
     out = _flat(cv.proximal_step(v, a, mu, lr))

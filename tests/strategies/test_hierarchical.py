@@ -97,7 +97,7 @@ def test_hierarchical_equals_sequential_fits_level_by_level():
     assert p.hyperparams["learning_rate"][0].tolist() == pytest.approx([0.1, 0.05, 0.02])
 
 
-def test_specialised_levels_specialise():
+def test_specialised_levels_specialize():
     """After general -> groups -> own, nodes are better on their own classes than on the others."""
     trainer = NodeTrainer(TASK, optax.adam, {"learning_rate": 1e-2}, batch_size=32)
     levels = hier.default_levels(steps=(60, 60, 30), learning_rates=(1e-2, 1e-2, 3e-3))

@@ -95,7 +95,7 @@ def forward():
     # Dropout is on in training only (loss with a key); everything compared to the reference is eval.
     task = TextTask(**{**SMALL, "num_layers": 2, "dropout": 0.3})
     params = task.init(jax.random.key(0))
-    # Random init plus a perturbation of every leaf, so zero-initialised biases and unit scales matter.
+    # Random init plus a perturbation of every leaf, so zero-initialized biases and unit scales matter.
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda p: p + rng.normal(0.0, 0.3, p.shape).astype(np.float32), params)
     x = rng.integers(0, 256, (6, 16)).astype(np.int32)
