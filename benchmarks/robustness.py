@@ -125,8 +125,6 @@ def build_rule(name: str, n: int, f: int, settings: Settings) -> Aggregator:
 
     def make(r: str) -> Any:
         kwargs: dict[str, Any] = {}
-        if r in registry.TAKES_NUM_BYZANTINE:
-            kwargs["num_byzantine"] = f
         if r == "centered_clipping":
             kwargs.update(clip_radius=settings.cc_radius, iterations=settings.cc_iterations)
         if r == "clip":
@@ -134,7 +132,7 @@ def build_rule(name: str, n: int, f: int, settings: Settings) -> Aggregator:
         if r == "multi_krum":
             # Its default, m - f of the m valid nodes, is only known eagerly; every node is valid here.
             kwargs["num_selected"] = n - f
-        return registry.make(r, **kwargs)
+        return registry.make(r, f, **kwargs)
 
     agg = make(rule)
     return process(agg, pre=[make(p) for p in pre]) if pre else agg

@@ -1,37 +1,242 @@
-"""Name -> factory registry, for configs and benchmarks only (the library API is plain functions)."""
+"""Registries of specs: the one place that names the library's rules for configs, benchmarks and tests.
+
+The library API stays plain functions (``consensus.krum(2)``); a registry is the
+edge that names them. Each entry is a :class:`RuleSpec` that says, once:
+
+* ``factory``: the public function that builds the rule;
+* ``kind``: ``"coordinatewise"`` (leaf by leaf over coordinates), ``"vector"``
+  (whole-tree statistics, Gram space), ``"pre"`` (a node-to-node pre-aggregator)
+  or ``"merge"`` (a model-merging method over task vectors, ``params`` = the base);
+* ``takes_f``: whether the factory's first argument is ``num_byzantine``;
+* ``precondition``: a static function of (n, f) that returns None when the rule can
+  run on n valid nodes with f Byzantine ones, else the requirement ("n > 2f + 2 = 6");
+  nothing is checked by running a rule on zeros;
+* ``sensitivity``: the rule's node-level DP sensitivity, in words (see ``docs/rules.md``);
+* ``needs``: what the caller must pass besides the stacked trees (``"params"`` for a
+  merge method's base, ``"key"`` for randomized rules, ``"server_update"``, ...);
+* the parameters, read from the factory's signature (:attr:`RuleSpec.params`), and
+  ``defaults`` for the required ones that configs and benchmarks may leave unset
+  (centered clipping's radius, the clip norm).
+
+Adding a rule is one module plus one :func:`register` call next to it (or below,
+for the built-in rules) plus its docs; configs ("valid choices: ..."), the
+system's pipeline builder, the benchmarks and the property-table tests all read
+:data:`RULES`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import dataclasses
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Generic, Literal, TypeVar
 
 from consensus import aggregators as agg
-from consensus.base import Aggregator, PreAggregator
+from consensus.base import Aggregator, ByzantineToleranceError, PreAggregator
 
-AGGREGATORS: dict[str, Callable[..., Aggregator]] = {
-    "mean": agg.mean,
-    "weighted_mean": agg.weighted_mean,
-    "median": agg.median,
-    "trimmed_mean": agg.trimmed_mean,
-    "krum": agg.krum,
-    "multi_krum": agg.multi_krum,
-    "bulyan": agg.bulyan,
-    "geometric_median": agg.geometric_median,
-    "centered_clipping": agg.centered_clipping,
-}
-
-PRE_AGGREGATORS: dict[str, Callable[..., PreAggregator]] = {
-    "clip": agg.clip,
-    "nnm": agg.nnm,
-}
-
-# Which keyword carries the Byzantine count for each rule that takes one.
-TAKES_NUM_BYZANTINE = {"trimmed_mean", "krum", "multi_krum", "bulyan", "nnm"}
+Kind = Literal["coordinatewise", "vector", "pre", "merge"]
+T = TypeVar("T")
 
 
-def make(name: str, **kwargs: Any) -> Aggregator | PreAggregator:
-    """Build a registered rule by name; an unknown name lists the valid ones."""
-    table = {**AGGREGATORS, **PRE_AGGREGATORS}
-    if name not in table:
-        raise ValueError(f"unknown aggregation rule {name!r}; valid choices: {sorted(table)}")
-    return table[name](**kwargs)
+class RegistryError(ValueError):
+    """An unknown name, or a parameter the registered factory does not take."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleSpec:
+    """One registered aggregation rule, pre-aggregator or merge method (see the module docstring)."""
+
+    name: str
+    factory: Callable[..., Aggregator | PreAggregator]
+    kind: Kind
+    takes_f: bool = False
+    precondition: Callable[[int, int], str | None] = lambda n, f: None if n >= 1 else "n >= 1"
+    sensitivity: str = "2C (any output in the C-ball around the last consensus)"
+    needs: frozenset[str] = frozenset()
+    summary: str = ""
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def params(self) -> dict[str, inspect.Parameter]:
+        """The factory's parameters other than ``num_byzantine`` (name -> inspect.Parameter)."""
+        sig = inspect.signature(self.factory).parameters
+        return {k: p for k, p in sig.items() if not (self.takes_f and k == "num_byzantine")}
+
+    @property
+    def required(self) -> tuple[str, ...]:
+        """Parameters without a default (besides f): the caller must give them."""
+        return tuple(k for k, p in self.params.items() if p.default is inspect.Parameter.empty)
+
+    def requirement(self, n: int, f: int) -> str | None:
+        """None when the rule runs on n valid nodes with f Byzantine ones, else what it needs."""
+        return self.precondition(n, f)
+
+    def check(self, n: int, f: int) -> None:
+        """Raise ByzantineToleranceError naming the rule, n, f and what it needs."""
+        need = self.precondition(n, f)
+        if need is not None:
+            raise ByzantineToleranceError(
+                f"{self.name}: cannot tolerate f={f} Byzantine nodes with n={n} valid nodes; needs {need}."
+            )
+
+    def check_params(self, params: Mapping[str, Any]) -> None:
+        """Unknown parameter names raise a RegistryError that lists the valid ones."""
+        valid = list(self.params)
+        unknown = sorted(set(params) - set(valid))
+        if unknown:
+            raise RegistryError(f"{self.name} takes no parameter(s) {unknown}; valid parameters: {valid}")
+
+    def build(self, f: int | None = None, **params: Any) -> Aggregator | PreAggregator:
+        """The rule with f (when it takes one) and the given parameters (over ``defaults``), checked first."""
+        self.check_params(params)
+        params = {**self.defaults, **params}
+        if self.takes_f:
+            if f is None:
+                raise RegistryError(f"{self.name} needs num_byzantine (f)")
+            return self.factory(f, **params)
+        return self.factory(**params)
+
+
+class Registry(Generic[T]):
+    """Name -> spec, with errors that list the valid names. Iteration is in registration order."""
+
+    def __init__(self, family: str):
+        self.family = family
+        self._specs: dict[str, T] = {}
+
+    def register(self, name: str, spec: T, *, replace: bool = False) -> T:
+        if name in self._specs and not replace:
+            raise RegistryError(f"{self.family} {name!r} is already registered")
+        self._specs[name] = spec
+        return spec
+
+    def __getitem__(self, name: str) -> T:
+        try:
+            return self._specs[name]
+        except KeyError:
+            raise RegistryError(f"unknown {self.family} {name!r}; valid choices: {sorted(self._specs)}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._specs
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def names(self, predicate: Callable[[T], bool] | None = None) -> list[str]:
+        return [k for k, s in self._specs.items() if predicate is None or predicate(s)]
+
+    def items(self):
+        return self._specs.items()
+
+
+RULES: Registry[RuleSpec] = Registry("aggregation rule")
+
+
+def register(
+    name: str,
+    factory: Callable[..., Aggregator | PreAggregator],
+    kind: Kind,
+    *,
+    takes_f: bool = False,
+    precondition: Callable[[int, int], str | None] | None = None,
+    sensitivity: str | None = None,
+    needs: tuple[str, ...] = (),
+    summary: str = "",
+    defaults: Mapping[str, Any] | None = None,
+    replace: bool = False,
+) -> RuleSpec:
+    """Register a rule under ``name`` (see :class:`RuleSpec` for the fields)."""
+    spec = RuleSpec(
+        name=name,
+        factory=factory,
+        kind=kind,
+        takes_f=takes_f,
+        precondition=precondition or (lambda n, f: None if n >= 1 else "n >= 1"),
+        sensitivity=sensitivity or RuleSpec.sensitivity,
+        needs=frozenset(needs),
+        summary=summary or (inspect.getdoc(factory) or "").split("\n", 1)[0],
+        defaults=dict(defaults or {}),
+    )
+    return RULES.register(name, spec, replace=replace)
+
+
+def _need(ok: bool, text: str) -> str | None:
+    return None if ok else text
+
+
+def _at_least_one(n: int, f: int) -> str | None:
+    return _need(n >= 1, "at least 1 valid node")
+
+
+# The built-in rules. Their conventions are in each factory's docstring and docs/rules.md.
+register("mean", agg.mean, "coordinatewise", precondition=_at_least_one, sensitivity="C / n (uniform mean)")
+register(
+    "weighted_mean",
+    agg.weighted_mean,
+    "coordinatewise",
+    precondition=_at_least_one,
+    sensitivity="C * max_i w_i (fixed weights)",
+)
+register("median", agg.median, "coordinatewise", precondition=_at_least_one)
+register(
+    "trimmed_mean",
+    agg.trimmed_mean,
+    "coordinatewise",
+    takes_f=True,
+    precondition=lambda n, f: _need(n > 2 * f, f"n > 2f = {2 * f}"),
+)
+register(
+    "krum",
+    agg.krum,
+    "vector",
+    takes_f=True,
+    precondition=lambda n, f: _need(n > 2 * f + 2, f"n > 2f + 2 = {2 * f + 2}"),
+)
+register(
+    "multi_krum",
+    agg.multi_krum,
+    "vector",
+    takes_f=True,
+    precondition=lambda n, f: _need(n > 2 * f + 2, f"n > 2f + 2 = {2 * f + 2}"),
+)
+register(
+    "bulyan",
+    agg.bulyan,
+    "vector",
+    takes_f=True,
+    precondition=lambda n, f: _need(n >= 4 * f + 3, f"n >= 4f + 3 = {4 * f + 3}"),
+)
+register("geometric_median", agg.geometric_median, "vector", precondition=_at_least_one)
+register(
+    "centered_clipping",
+    agg.centered_clipping,
+    "vector",
+    precondition=_at_least_one,
+    defaults={"clip_radius": 10.0},
+)
+register(
+    "clip",
+    agg.clip,
+    "pre",
+    precondition=_at_least_one,
+    defaults={"max_norm": 10.0},
+    sensitivity="C (each node's delta clipped to max_norm = C)",
+)
+register("nnm", agg.nnm, "pre", takes_f=True, precondition=lambda n, f: _need(n > 2 * f, f"n > 2f = {2 * f}"))
+
+
+def vote_rules() -> list[str]:
+    """Names of the registered n -> 1 rules (everything but pre-aggregators)."""
+    return RULES.names(lambda s: s.kind != "pre")
+
+
+def pre_aggregators() -> list[str]:
+    return RULES.names(lambda s: s.kind == "pre")
+
+
+def make(name: str, f: int | None = None, **params: Any) -> Aggregator | PreAggregator:
+    """Build a registered rule by name (``f`` for the rules that take one); errors list valid choices."""
+    return RULES[name].build(f, **params)

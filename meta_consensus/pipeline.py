@@ -78,11 +78,9 @@ class PipelineState(NamedTuple):
 
 
 def _rule(name: str, f: int, cfg: Config) -> Aggregator:
-    if name in registry.TAKES_NUM_BYZANTINE:
-        return registry.make(name, num_byzantine=f)
     if name == "centered_clipping":
-        return registry.make(name, clip_radius=cfg.vote.clip_norm)
-    return registry.make(name)
+        return registry.make(name, f, clip_radius=cfg.vote.clip_norm)
+    return registry.make(name, f)
 
 
 def build_vote(cfg: Config) -> Aggregator:
@@ -104,7 +102,7 @@ def build_vote(cfg: Config) -> Aggregator:
         pre.append(
             registry.make("clip", max_norm=v.clip_norm)
             if p == "clip"
-            else registry.make("nnm", num_byzantine=f)
+            else registry.make("nnm", f)
         )
     inner = _rule(v.rule, f, cfg)
     inner = process(inner, pre=pre) if pre else inner

@@ -71,13 +71,9 @@ def test_krum_neighbour_count_is_n_minus_f_minus_2_sum():
 def test_nan_nodes_excluded_and_reported_by_every_rule():
     params, stacked = _nodes(12)
     stacked["w"] = jnp.asarray(stacked["w"]).at[4, 3].set(jnp.nan).at[8, 0].set(jnp.inf)
-    for name in registry.AGGREGATORS:
-        kwargs = {"num_byzantine": 1} if name in registry.TAKES_NUM_BYZANTINE else {}
-        if name == "weighted_mean":
-            kwargs = {"weights": np.ones(12)}
-        if name == "centered_clipping":
-            kwargs = {"clip_radius": 1.0}
-        agg = registry.make(name, **kwargs)
+    for name in registry.vote_rules():
+        kwargs = {"weights": np.ones(12)} if name == "weighted_mean" else {}
+        agg = registry.make(name, 1, **kwargs)
         merged, state = agg.update(stacked, agg.init(params), params)
         info = consensus.get_info(state)
         assert np.isfinite(np.asarray(merged["w"])).all(), name
