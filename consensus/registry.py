@@ -114,7 +114,8 @@ class Registry(Generic[T]):
         try:
             return self._specs[name]
         except KeyError:
-            raise RegistryError(f"unknown {self.family} {name!r}; valid choices: {sorted(self._specs)}") from None
+            valid = sorted(self._specs)
+            raise RegistryError(f"unknown {self.family} {name!r}; valid choices: {valid}") from None
 
     def __contains__(self, name: object) -> bool:
         return name in self._specs
