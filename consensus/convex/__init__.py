@@ -7,6 +7,7 @@ solve time, fallback); :func:`convex_merge` wraps one as an aggregator.
 from consensus.convex.curvature import LossModel, empirical_fisher, softmax_gauss_newton
 from consensus.convex.merge import (
     ConvexMergeState,
+    SolverFailure,
     Weigher,
     anchor_weigher,
     convex_merge,
@@ -40,6 +41,7 @@ __all__ = [
     "LossModel",
     "ProblemCache",
     "ProblemKey",
+    "SolverFailure",
     "Weigher",
     "anchor_weigher",
     "anchor_weights",

@@ -6,12 +6,17 @@
 the problem is compiled once and re-solved each round), then the merge is one
 streaming :func:`consensus.tree.weighted_sum` pass. Ready-made weighers:
 :func:`quadratic_weigher`, :func:`mixture_nll_weigher`, :func:`anchor_weigher`.
+
+With ``vote=`` a Byzantine-robust rule runs first and only the nodes it accepted
+may get weight: ``vote -> convex weights`` is one aggregator, which
+:func:`consensus.dp.privatize` (``project=True``) can wrap as a whole.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +47,23 @@ class Weigher(Protocol):
     ) -> ConvexWeights: ...
 
 
+class SolverFailure(RuntimeError):
+    """The convex problem could not be solved and the caller asked not to fall back (``on_fallback``)."""
+
+
+# Host-side diagnostics ride in the state as static pytree nodes: they carry no arrays, so a
+# checkpoint of the state (its array leaves) is the same before and after the first round.
+jax.tree_util.register_static(ConvexWeights)
+
+
+@jax.tree_util.register_static
+class Seconds(dict):
+    """Wall seconds of the phases of the last update (host telemetry: ``{"vote": .., "weights": ..}``)."""
+
+    def __hash__(self) -> int:  # static pytree nodes must hash; telemetry never keys a jit cache
+        return 0
+
+
 class ConvexMergeState(NamedTuple):
     """State of :func:`convex_merge`.
 
@@ -51,10 +73,14 @@ class ConvexMergeState(NamedTuple):
       result: the round's :class:`~consensus.convex.qp.ConvexWeights`
         (status, objective, solve time, fallback and its reason), None before
         the first update.
+      vote: the vote's state (None without a vote).
+      seconds: wall seconds of the last update's phases, ``{"vote": .., "weights": ..}``.
     """
 
     info: AggregationInfo
     result: ConvexWeights | None = None
+    vote: Any = None
+    seconds: Seconds = Seconds()
 
 
 def _sensitivity(clip_norm: float, num_nodes: float) -> float:
@@ -62,7 +88,13 @@ def _sensitivity(clip_norm: float, num_nodes: float) -> float:
     return 2.0 * float(clip_norm)
 
 
-def convex_merge(weigher: Weigher, *, name: str = "convex_merge") -> Aggregator:
+def convex_merge(
+    weigher: Weigher,
+    *,
+    vote: Aggregator | None = None,
+    on_fallback: Literal["use", "raise"] = "use",
+    name: str = "convex_merge",
+) -> Aggregator:
     """An aggregator that merges with weights from a convex problem.
 
     .. math:: \\bar x = \\sum_i w_i x_i,\\qquad w = \\text{weigher}(x) \\in
@@ -86,8 +118,18 @@ def convex_merge(weigher: Weigher, *, name: str = "convex_merge") -> Aggregator:
     bound is for stacked *updates* (deltas); merging parameter trees adds
     ``(1 - sum w) * params`` with ``|1 - sum w|`` at float32 rounding (~1e-7 n).
 
+    With ``vote``, the vote runs first on the same nodes and mask; the nodes it
+    accepted (``info.selected & info.valid``) are the weigher's mask, and the
+    weigher also receives the vote's output as the keyword ``voted`` (an anchor
+    for :func:`anchor_weigher`). A vote that accepts no node raises
+    :class:`SolverFailure`. The state keeps the vote's state and the wall
+    seconds of both phases (``state.seconds``).
+
     Args:
       weigher: see :class:`Weigher`.
+      vote: an optional Byzantine-robust rule whose accepted nodes may get weight.
+      on_fallback: "use" the weigher's uniform fallback when the solver fails (the
+        result says so), or "raise" :class:`SolverFailure` instead.
       name: the aggregator's name.
 
     Returns:
@@ -101,26 +143,43 @@ def convex_merge(weigher: Weigher, *, name: str = "convex_merge") -> Aggregator:
     """
     if not callable(weigher):
         raise TypeError(f"weigher must be callable, got {type(weigher).__name__}")
+    if on_fallback not in ("use", "raise"):
+        raise ValueError(f"on_fallback must be 'use' or 'raise', got {on_fallback!r}")
 
     def init(params: PyTree) -> ConvexMergeState:
-        del params
-        return ConvexMergeState(info=empty_info(), result=None)
+        return ConvexMergeState(
+            info=empty_info(), result=None, vote=None if vote is None else vote.init(params)
+        )
 
     def update(stacked, state, params=None, *, mask=None, **extra):
-        del state
         n = tree.num_nodes(stacked)
         if params is not None:
             tree.check_stacked_against(stacked, params)
-        valid = accepted_mask(mask, n) & np.asarray(tree.finite_mask(stacked))
+        t0 = time.perf_counter()
+        vote_state = None
+        finite = np.asarray(tree.finite_mask(stacked))
+        if vote is not None:
+            voted, vote_state = vote.update(stacked, state.vote, params, mask=mask)
+            vinfo = get_info(vote_state)
+            valid = np.asarray(vinfo.selected & vinfo.valid, bool) & finite  # waits for the vote
+            if not valid.any():
+                raise SolverFailure(f"the vote ({vote.name}) accepted no node")
+            extra = {**extra, "voted": voted}
+        else:
+            valid = accepted_mask(mask, n) & finite
+        t1 = time.perf_counter()
         result = weigher(stacked, params, valid, **extra)
         if not isinstance(result, ConvexWeights):
             raise TypeError(f"weigher must return ConvexWeights, got {type(result).__name__}")
+        if result.fallback and on_fallback == "raise":
+            raise SolverFailure(f"convex weights: solver failure ({result.status}): {result.message}")
         w = jnp.asarray(result.weights, jnp.float32)
-        merged = tree.weighted_sum(stacked, w)
+        merged = jax.block_until_ready(tree.weighted_sum(stacked, w))
         info = AggregationInfo(
             valid=jnp.asarray(valid), selected=jnp.asarray(result.accepted & valid), weights=w
         )
-        return merged, ConvexMergeState(info=info, result=result)
+        seconds = Seconds(vote=t1 - t0, weights=time.perf_counter() - t1)
+        return merged, ConvexMergeState(info=info, result=result, vote=vote_state, seconds=seconds)
 
     return Aggregator(init=init, update=update, name=name, sensitivity=_sensitivity)
 
@@ -184,7 +243,8 @@ def quadratic_weigher(
       >>> merged, state = agg.update(stacked, agg.init(params), x=x_val, y=y_val)
     """
 
-    def weigh(stacked, params, mask, **extra):
+    def weigh(stacked, params, mask, *, voted=None, **extra):
+        del voted
         ref = _reference(stacked, params, mask, reference)
         model = model_fn(ref, **extra)
         if not trust_region:
@@ -225,30 +285,38 @@ def mixture_nll_weigher(prob_fn: Callable[..., jax.Array], **options: Any) -> We
       >>> agg = convex_merge(mixture_nll_weigher(prob_fn, max_weight=0.5))
     """
 
-    def weigh(stacked, params, mask, **extra):
-        del params
+    def weigh(stacked, params, mask, *, voted=None, **extra):
+        del params, voted
         probs = jax.vmap(lambda p: prob_fn(p, **extra))(stacked)
         return mixture_nll_weights(np.asarray(probs, np.float64), mask=mask, **options)
 
     return weigh
 
 
-def anchor_weigher(anchor: Aggregator, **options: Any) -> Weigher:
+def anchor_weigher(anchor: Aggregator | None = None, **options: Any) -> Weigher:
     """Weigher for :func:`~consensus.convex.weights.anchor_weights` around a robust aggregator.
 
     The anchor aggregator (geometric median, trimmed mean, ...) runs on the same
     stacked tree and mask. If its info says its output is a weighted mean of the
     nodes (``info.linear``, e.g. Weiszfeld's weights of the geometric median),
     those weights are used (b = G v, exact); otherwise its output tree is the
-    anchor.
+    anchor. With ``anchor=None`` the anchor is the output of the vote that
+    :func:`convex_merge` ran first (its ``vote=``): the convex combination of
+    the accepted nodes closest to the vote.
 
-    Example:
-      >>> agg = convex_merge(anchor_weigher(trimmed_mean(f=2), max_weight=1 / (n - 2)))
+    Example::
+
+        agg = convex_merge(anchor_weigher(trimmed_mean(num_byzantine=2), max_weight=1 / (n - 2)))
+        agg = convex_merge(anchor_weigher(), vote=multi_krum(2))  # closest to the vote's output
     """
-    if not isinstance(anchor, Aggregator):
+    if anchor is not None and not isinstance(anchor, Aggregator):
         raise TypeError(f"anchor must be an Aggregator (a robust rule), got {type(anchor).__name__}")
 
-    def weigh(stacked, params, mask, **extra):
+    def weigh(stacked, params, mask, *, voted=None, **extra):
+        if anchor is None:
+            if voted is None:
+                raise ValueError("anchor_weigher() without an anchor needs convex_merge(..., vote=...)")
+            return anchor_weights(stacked, voted, mask=mask, **options)
         merged, st = anchor.update(stacked, anchor.init(params), params, mask=jnp.asarray(mask))
         info = get_info(st)
         if info.linear:

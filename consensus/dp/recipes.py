@@ -199,6 +199,19 @@ def dp_weighted_mean(
     )
 
 
+def _projected_sensitivity(clip_norm: float, num_nodes: float) -> float:
+    del num_nodes
+    return 2.0 * float(clip_norm)
+
+
+@jax.jit
+def _project_to_ball(delta: PyTree, radius: jax.Array) -> PyTree:
+    """``delta * min(1, radius / ||delta||)`` over the whole tree (float32)."""
+    sq = sum(jnp.sum(jnp.square(d)) for d in jax.tree.leaves(delta))
+    scale = jnp.minimum(1.0, radius / jnp.maximum(jnp.sqrt(sq), 1e-30))
+    return jax.tree.map(lambda d: scale * d, delta)
+
+
 def privatize(
     aggregator: Aggregator,
     clip_norm: float,
@@ -209,25 +222,38 @@ def privatize(
     adaptive: AdaptiveClipConfig | None = None,
     server_optimizer: optax.GradientTransformation | None = None,
     key: jax.Array | int = 0,
+    project: bool = False,
 ) -> Aggregator:
-    """Make any rule with a stated sensitivity differentially private.
+    """Make any rule differentially private: with its stated sensitivity, or by projection (2C).
 
     The nodes' updates are clipped to C around the global params, ``aggregator`` merges the
-    clipped nodes, and Gaussian noise with std ``z * aggregator.sensitivity(C, m)`` is added
-    to the merged update before the server step. Rules with ``sensitivity=None`` (median,
-    Krum, data-dependent weights, ...) raise ValueError here.
+    clipped nodes, and Gaussian noise with std ``z * s`` is added to the merged update before
+    the server step, where s is the rule's L2 sensitivity:
+
+    * ``project=False``: ``s = aggregator.sensitivity(C, m)``. Rules with ``sensitivity=None``
+      (median, Krum, data-dependent weights, ...) raise ValueError here.
+    * ``project=True``: the merged update is first projected onto the C-ball
+      (``u <- u * min(1, C / ||u||)``, a no-op for convex combinations of clipped updates),
+      so ``s = 2C`` **for any rule**: every output lies in the C-ball, and two points of a
+      ball of radius C are at most 2C apart, whatever the rule does with the data when one
+      node is added, removed or replaced. This is the bound for robust votes and
+      data-dependent convex weights, where no smaller one holds; it does not shrink with m.
 
     Args:
-      aggregator: the rule to privatize; its ``sensitivity(clip_norm, num_nodes)`` must hold
-        for updates clipped to ``clip_norm`` under add/remove of one node.
+      aggregator: the rule to privatize; with ``project=False`` its
+        ``sensitivity(clip_norm, num_nodes)`` must hold for updates clipped to ``clip_norm``
+        under add/remove of one node.
       clip_norm, noise_multiplier, sampling_rate, adaptive, server_optimizer, key: as in
         :func:`dp_fedavg`.
       expected_nodes: m, passed to the rule's sensitivity and used by adaptive clipping.
+      project: project the merged update onto the C-ball and use sensitivity 2C (see above).
 
     Returns:
       An Aggregator (``update(stacked, state, params, *, mask=None, **extra)``; extra
       arguments go to the wrapped rule).
     """
+    if project:
+        aggregator = aggregator._replace(sensitivity=_projected_sensitivity)
     check_dp_compatible(aggregator)
     c, z, q, m, optimizer = _check_common(
         clip_norm, noise_multiplier, sampling_rate, expected_nodes, adaptive, server_optimizer
@@ -263,6 +289,8 @@ def privatize(
         clipped, valid, norms, scale = clip(stacked, params, mask, state.key, state.clip_norm)
         merged, inner = aggregator.update(clipped, state.inner, params, mask=valid, **extra)
         delta = jax.tree.map(lambda a, p: a.astype(jnp.float32) - p.astype(jnp.float32), merged, params)
+        if project:
+            delta = _project_to_ball(delta, state.clip_norm)
         new_params, opt_state, new_clip, dp, next_key = finish_jit(
             delta,
             params,
