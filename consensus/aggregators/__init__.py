@@ -4,6 +4,7 @@ from consensus.aggregators.averaging import mean, weighted_mean
 from consensus.aggregators.compose import ProcessState, chain, process
 from consensus.aggregators.coordinatewise import median, trimmed_mean
 from consensus.aggregators.geometric import centered_clipping, geometric_median
+from consensus.aggregators.grouped import GroupedVoteState, grouped_vote
 from consensus.aggregators.krum import bulyan, krum, multi_krum
 from consensus.aggregators.pre import ClipState, MixState, clip, nnm
 
@@ -16,6 +17,8 @@ __all__ = [
     "chain",
     "clip",
     "geometric_median",
+    "GroupedVoteState",
+    "grouped_vote",
     "krum",
     "mean",
     "median",
