@@ -1,0 +1,172 @@
+"""Flat dotted keys for parameter trees, and rename / transpose rules for foreign checkpoints.
+
+A checkpoint stores a flat mapping ``"encoder.layer_0.kernel" -> array``; a tree
+is a nested dict (or any pytree). :func:`flatten` and :func:`unflatten` convert
+between the two; :class:`KeyMapping` turns the names and layouts of another
+framework's checkpoint into this package's (PyTorch's ``fc1.weight`` of shape
+(out, in) into Flax's ``fc1.kernel`` of shape (in, out)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+PyTree = Any
+SEPARATOR = "."
+
+
+class CheckpointKeyError(ValueError):
+    """Keys that cannot be written or that do not match the expected ones."""
+
+
+def _key_part(entry: Any) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(entry, attr):
+            part = str(getattr(entry, attr))
+            break
+    else:
+        part = str(entry)
+    if SEPARATOR in part or not part:
+        raise CheckpointKeyError(
+            f"tree key {part!r} is empty or contains {SEPARATOR!r}; dotted checkpoint keys would be ambiguous"
+        )
+    return part
+
+
+def flatten(tree: PyTree) -> dict[str, Any]:
+    """``{"a.b.c": leaf}`` in the tree's flattening order (dict keys, sequence indices, attributes)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    out: dict[str, Any] = {}
+    for path, leaf in flat:
+        key = SEPARATOR.join(_key_part(p) for p in path)
+        if not key:
+            raise CheckpointKeyError("a bare array is not a tree: wrap it in a dict, e.g. {'weight': x}")
+        out[key] = leaf
+    return out
+
+
+def unflatten(flat: Mapping[str, Any], like: PyTree | None = None) -> PyTree:
+    """The tree of ``flat``: the structure of ``like`` when given, else nested dicts from the dots.
+
+    With ``like`` the keys must be exactly ``flatten(like)``'s (callers check
+    first, see :func:`check_against`).
+    """
+    if like is not None:
+        names = list(flatten(like))
+        treedef = jax.tree_util.tree_structure(like)
+        return jax.tree_util.tree_unflatten(treedef, [flat[k] for k in names])
+    root: dict[str, Any] = {}
+    for key, value in flat.items():
+        parts = key.split(SEPARATOR)
+        node = root
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise CheckpointKeyError(
+                    f"key {key!r} nests under {SEPARATOR.join(parts[: i + 1])!r}, which is also a tensor"
+                )
+            node = child
+        if parts[-1] in node:
+            raise CheckpointKeyError(f"key {key!r} is both a tensor and a prefix of other keys")
+        node[parts[-1]] = value
+    return root
+
+
+def check_against(
+    flat_specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], like: PyTree, origin: str
+) -> None:
+    """Check keys, shapes and dtypes of a checkpoint against a template; the error names the first mismatch.
+
+    Args:
+      flat_specs: key -> (shape, dtype) of what the checkpoint holds.
+      like: the template tree (arrays or ``jax.ShapeDtypeStruct``).
+      origin: what to call the checkpoint in messages (its path).
+    """
+    expected = {k: (tuple(np.shape(v)), np.dtype(v.dtype)) for k, v in flatten(like).items()}
+    missing = [k for k in expected if k not in flat_specs]
+    extra = [k for k in flat_specs if k not in expected]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing keys {missing}")
+        if extra:
+            parts.append(f"unexpected keys {extra}")
+        raise CheckpointKeyError(f"{origin} does not match the template: {'; '.join(parts)}")
+    for key, (shape, dtype) in expected.items():
+        got_shape, got_dtype = flat_specs[key]
+        if tuple(got_shape) != shape:
+            raise CheckpointKeyError(f"{origin}: {key!r} has shape {tuple(got_shape)}, the template {shape}")
+        if np.dtype(got_dtype) != dtype:
+            raise CheckpointKeyError(
+                f"{origin}: {key!r} has dtype {np.dtype(got_dtype)}, the template {dtype}"
+            )
+
+
+Rename = tuple[str, str | Callable[[re.Match[str]], str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyMapping:
+    """Rename rules (regex -> replacement, applied in order) and per-key transposes.
+
+    ``rename`` is a sequence of ``(pattern, replacement)`` pairs given to
+    :func:`re.sub` one after the other (a replacement may be a function of the
+    match). ``transpose`` is a sequence of patterns matched (``re.search``)
+    against the *renamed* key: a matching array has its axes reversed (a 2-D
+    ``(out, in)`` PyTorch weight becomes a Flax ``(in, out)`` kernel).
+
+    Example (a PyTorch MLP ``fc1``, ``fc2`` read as this package's ``dense_0``, ``dense_1``)::
+
+        KeyMapping(
+            rename=[(r"^fc(\\d+)\\.", lambda m: f"dense_{int(m[1]) - 1}."), (r"\\.weight$", ".kernel")],
+            transpose=[r"\\.kernel$"],
+        )
+    """
+
+    rename: tuple[Rename, ...] = ()
+    transpose: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "rename", tuple((str(p), r) for p, r in self.rename))
+        object.__setattr__(self, "transpose", tuple(str(p) for p in self.transpose))
+        for pattern in [p for p, _ in self.rename] + list(self.transpose):
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"KeyMapping: bad regular expression {pattern!r}: {e}") from e
+
+    @classmethod
+    def torch_linear(cls, extra_rename: Iterable[Rename] = ()) -> KeyMapping:
+        """PyTorch ``nn.Linear`` names to Flax's: ``*.weight`` -> ``*.kernel`` transposed, ``*.bias`` kept."""
+        return cls(rename=(*extra_rename, (r"\.weight$", ".kernel")), transpose=(r"\.kernel$",))
+
+    def new_key(self, key: str) -> str:
+        for pattern, replacement in self.rename:
+            key = re.sub(pattern, replacement, key)
+        return key
+
+    def transposes(self, new_key: str) -> bool:
+        return any(re.search(p, new_key) for p in self.transpose)
+
+    def apply_shape(self, new_key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(reversed(shape)) if self.transposes(new_key) else tuple(shape)
+
+    def apply_array(self, new_key: str, array: np.ndarray) -> np.ndarray:
+        # A contiguous copy: a transposed view would be written back in the wrong order by byte-level writers.
+        return np.ascontiguousarray(array.T) if self.transposes(new_key) else array
+
+    def rename_all(self, keys: Iterable[str]) -> dict[str, str]:
+        """new key -> old key; two old keys renamed to one new key is an error naming both."""
+        out: dict[str, str] = {}
+        for old in keys:
+            new = self.new_key(old)
+            if new in out:
+                raise CheckpointKeyError(f"rename rules map both {out[new]!r} and {old!r} to {new!r}")
+            out[new] = old
+        return out

@@ -1,0 +1,478 @@
+"""Safetensors checkpoints in and out: single files and Hugging Face sharded folders, no torch, no pickle.
+
+Layouts (the Hugging Face conventions, so checkpoints move both ways):
+
+* a single file ``*.safetensors``;
+* a folder holding ``model.safetensors`` (one shard), or shards
+  ``model-00001-of-00003.safetensors`` ... and ``model.safetensors.index.json``
+  (``{"metadata": {"total_size": bytes}, "weight_map": {key: shard file}}``).
+
+Keys are flat dotted paths of the tree (``encoder.layer_0.kernel``, see
+:mod:`consensus.io.keys`); dtypes are kept bit for bit, bfloat16 included
+(numpy's bfloat16 is ``ml_dtypes.bfloat16``, which jax uses too).
+
+Reading goes through the ``safetensors`` package's numpy API (``safe_open``,
+memory-mapped, one tensor at a time). Writing a whole tree in memory uses its
+``save_file``; :class:`ShardedWriter` writes tensor by tensor instead (the
+package's writer needs every tensor of a file at once), so a merge can stream a
+model larger than memory: shapes and dtypes are known up front, so the header
+is written first and the data appended in order. Every write goes to a
+temporary name and is renamed into place at the end (readers never see half a
+checkpoint), and an existing path is never replaced unless ``overwrite=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import struct
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from consensus.io.keys import CheckpointKeyError, KeyMapping, check_against, flatten, unflatten
+
+PyTree = Any
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+# safetensors dtype codes <-> numpy dtypes (bfloat16 and float8 from ml_dtypes).
+DTYPE_CODES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U64": np.dtype(np.uint64),
+    "U32": np.dtype(np.uint32),
+    "U16": np.dtype(np.uint16),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+CODE_OF: dict[np.dtype, str] = {v: k for k, v in DTYPE_CODES.items()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or written (missing file, bad layout, existing output)."""
+
+
+def dtype_code(dtype: Any) -> str:
+    dtype = np.dtype(dtype)
+    if dtype not in CODE_OF:
+        raise CheckpointError(f"dtype {dtype} cannot be stored in safetensors; supported: {sorted(CODE_OF)}")
+    return CODE_OF[dtype]
+
+
+def parse_size(size: int | str | None) -> int | None:
+    """Bytes from an int or a string such as ``"500MB"``, ``"2GB"``, ``"1.5GiB"`` (None stays None)."""
+    if size is None or isinstance(size, int):
+        if isinstance(size, int) and size < 1:
+            raise ValueError(f"shard size must be positive, got {size}")
+        return size
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", str(size), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot read shard size {size!r}; use bytes or e.g. '500MB', '2GB'")
+    base = 1024 if m[3] else 1000
+    power = " KMGT".index(m[2].upper() or " ")
+    value = int(float(m[1]) * base**power)
+    if value < 1:
+        raise ValueError(f"shard size must be positive, got {size!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------- atomic paths
+
+
+def _temp_sibling(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _refuse_existing(path: Path, overwrite: bool) -> None:
+    if path.exists() and not overwrite:
+        raise CheckpointError(f"{path} exists; choose another path or pass overwrite=True")
+
+
+def _replace(tmp: Path, path: Path, overwrite: bool) -> None:
+    """Move ``tmp`` to ``path``; an existing ``path`` is removed only with ``overwrite``."""
+    _refuse_existing(path, overwrite)
+    if path.is_dir():
+        old = _temp_sibling(path)
+        path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+    """A temporary folder next to ``path`` that becomes ``path`` when the block ends without error."""
+    path = Path(path)
+    _refuse_existing(path, overwrite)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_sibling(path)
+    tmp.mkdir()
+    try:
+        yield tmp
+        _replace(tmp, path, overwrite)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def plan_shards(sizes: Mapping[str, int], shard_size: int | None) -> list[list[str]]:
+    """Keys grouped into shards in order, each at most ``shard_size`` bytes (a larger tensor gets its own)."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for key, nbytes in sizes.items():
+        if shard_size is not None and shards[-1] and used + nbytes > shard_size:
+            shards.append([])
+            used = 0
+        shards[-1].append(key)
+        used += nbytes
+    return shards
+
+
+def shard_names(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE_NAME]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+class ShardedWriter:
+    """Writes a checkpoint folder tensor by tensor, in the order of ``specs``.
+
+    The header of every shard is written when the shard is opened (shapes and
+    dtypes are known from ``specs``), then :meth:`write` appends each tensor's
+    bytes, so memory holds one tensor at a time. Call :meth:`close` after the
+    last tensor; it checks that every tensor was written and writes the index.
+
+    Args:
+      directory: an existing (temporary) folder to write into, see :func:`atomic_directory`.
+      specs: key -> (shape, dtype), in write order.
+      shard_size: bytes per shard (None: one file).
+      metadata: str -> str stored in every shard's header (``__metadata__``).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        specs: Mapping[str, tuple[tuple[int, ...], Any]],
+        *,
+        shard_size: int | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ):
+        self.directory = Path(directory)
+        self.specs = {k: (tuple(int(d) for d in s), np.dtype(t)) for k, (s, t) in specs.items()}
+        self.metadata = {str(k): str(v) for k, v in (metadata or {}).items()}
+        nbytes = {k: int(np.prod(s, dtype=np.int64)) * t.itemsize for k, (s, t) in self.specs.items()}
+        self.nbytes = nbytes
+        self.shards = plan_shards(nbytes, shard_size)
+        self.names = shard_names(len(self.shards))
+        self._shard_of = {k: i for i, keys in enumerate(self.shards) for k in keys}
+        self._order = list(self.specs)
+        self._next = 0
+        self._file: Any = None
+        self._open_index = -1
+
+    def _open_shard(self, index: int) -> None:
+        if self._file is not None:
+            self._file.close()
+        header: dict[str, Any] = {}
+        if self.metadata:
+            header["__metadata__"] = self.metadata
+        offset = 0
+        for key in self.shards[index]:
+            shape, dtype = self.specs[key]
+            header[key] = {
+                "dtype": dtype_code(dtype),
+                "shape": list(shape),
+                "data_offsets": [offset, offset + self.nbytes[key]],
+            }
+            offset += self.nbytes[key]
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors' own writer does
+        self._file = open(self.directory / self.names[index], "wb")  # noqa: SIM115 (closed in close())
+        self._file.write(struct.pack("<Q", len(text)))
+        self._file.write(text)
+        self._open_index = index
+
+    def write(self, key: str, array: Any) -> None:
+        """Append ``array`` as ``key`` (the next key of ``specs``; shape and dtype checked)."""
+        if self._next >= len(self._order) or self._order[self._next] != key:
+            expected = self._order[self._next] if self._next < len(self._order) else "nothing (all written)"
+            raise CheckpointError(f"ShardedWriter: got {key!r}, expected {expected!r} next")
+        array = np.asarray(array)
+        shape, dtype = self.specs[key]
+        if array.shape != shape or array.dtype != dtype:
+            raise CheckpointError(
+                f"ShardedWriter: {key!r} is {array.dtype}{list(array.shape)}, declared {dtype}{list(shape)}"
+            )
+        shard = self._shard_of[key]
+        if shard != self._open_index:
+            self._open_shard(shard)
+        array = np.ascontiguousarray(array)
+        if array.dtype.byteorder == ">":
+            array = array.byteswap().view(array.dtype.newbyteorder("<"))
+        self._file.write(array.reshape(-1).view(np.uint8).data)
+        self._next += 1
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._next != len(self._order):
+            raise CheckpointError(
+                f"ShardedWriter: {self._order[self._next]!r} and later tensors were never written"
+            )
+        if not self._order:  # an empty checkpoint is still a valid file
+            self._open_shard(0)
+            self._file.close()
+            self._file = None
+        if len(self.shards) > 1:
+            index = {
+                "metadata": {"total_size": sum(self.nbytes.values()), **self.metadata},
+                "weight_map": {k: self.names[self._shard_of[k]] for k in self._order},
+            }
+            (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+    def abort(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def save_safetensors(
+    tree: PyTree,
+    path: str | os.PathLike,
+    *,
+    shard_size: int | str | None = None,
+    metadata: Mapping[str, str] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a tree as safetensors: a single file when ``path`` ends in ``.safetensors``, else a folder.
+
+    Args:
+      tree: nested dicts (or any pytree) of arrays (numpy or jax; moved to the host).
+      path: ``*.safetensors`` (one file) or a folder (``model.safetensors``, or shards
+        and ``model.safetensors.index.json`` when the tree exceeds ``shard_size``).
+      shard_size: bytes (or ``"2GB"``) per shard of a folder; None writes one shard.
+      metadata: str -> str stored in the header.
+      overwrite: replace an existing path (by default an existing path is an error).
+    Returns:
+      the path written.
+    """
+    path = Path(path)
+    flat = {k: np.asarray(v) for k, v in flatten(tree).items()}
+    for v in flat.values():
+        dtype_code(v.dtype)  # a clear error before anything is written
+    shard_size = parse_size(shard_size)
+    if path.suffix == ".safetensors":
+        if (
+            shard_size is not None
+            and len(plan_shards({k: v.nbytes for k, v in flat.items()}, shard_size)) > 1
+        ):
+            raise CheckpointError(f"{path}: a single .safetensors file cannot be sharded; give a folder path")
+        from safetensors.numpy import save_file
+
+        _refuse_existing(path, overwrite)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _temp_sibling(path)
+        try:
+            save_file(
+                {k: np.ascontiguousarray(v) for k, v in flat.items()},
+                str(tmp),
+                metadata=dict(metadata or {}) or None,
+            )
+            _replace(tmp, path, overwrite)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        return path
+    with atomic_directory(path, overwrite=overwrite) as tmp:
+        writer = ShardedWriter(
+            tmp, {k: (v.shape, v.dtype) for k, v in flat.items()}, shard_size=shard_size, metadata=metadata
+        )
+        try:
+            for k, v in flat.items():
+                writer.write(k, v)
+        finally:
+            writer.abort()
+        writer.close()
+    return path
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def checkpoint_files(path: str | os.PathLike) -> tuple[list[Path], dict[str, Path] | None]:
+    """The shard files of a checkpoint and, for a sharded one, its weight map (key -> file).
+
+    ``path`` may be a ``.safetensors`` file, an ``*.index.json`` file, or a folder
+    holding ``model.safetensors.index.json``, ``model.safetensors`` or a single
+    ``*.safetensors`` file.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} not found")
+    index_path = None
+    if path.is_dir():
+        if (path / INDEX_NAME).is_file():
+            index_path = path / INDEX_NAME
+        elif (path / SINGLE_NAME).is_file():
+            return [path / SINGLE_NAME], None
+        else:
+            indexes = sorted(path.glob("*.safetensors.index.json"))
+            files = sorted(path.glob("*.safetensors"))
+            if len(indexes) == 1:
+                index_path = indexes[0]
+            elif len(files) == 1 and not indexes:
+                return files, None
+            else:
+                raise CheckpointError(
+                    f"{path}: no {INDEX_NAME} or {SINGLE_NAME}, and {len(files)} .safetensors files / "
+                    f"{len(indexes)} index files: cannot tell which is the checkpoint"
+                )
+    elif path.name.endswith(".index.json"):
+        index_path = path
+    else:
+        return [path], None
+    try:
+        index = json.loads(index_path.read_text())
+        weight_map = index["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index_path}: not a safetensors index (needs a 'weight_map'): {e}") from e
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_path}: 'weight_map' must map keys to shard files")
+    where = {str(k): index_path.parent / str(v) for k, v in weight_map.items()}
+    files = sorted(set(where.values()))
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"{index_path} names shard {f.name}, which does not exist")
+    return files, where
+
+
+class CheckpointReader:
+    """Lazy, memory-mapped access to a safetensors checkpoint (file or sharded folder), one tensor at a time.
+
+    Attributes:
+      path: what was opened.
+      specs: key -> (shape, dtype) after the mapping, in storage order.
+      metadata: the ``__metadata__`` of the first shard (str -> str).
+
+    Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, mapping: KeyMapping | None = None):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        self.mapping = mapping or KeyMapping()
+        files, where = checkpoint_files(self.path)
+        self._handles: dict[Path, Any] = {}
+        stored: dict[str, tuple[Path, tuple[int, ...], np.dtype]] = {}
+        self.metadata: dict[str, str] = {}
+        try:
+            for f in files:
+                try:
+                    handle = safe_open(str(f), framework="np")
+                except Exception as e:  # the Rust reader raises its own error types
+                    raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from e
+                self._handles[f] = handle
+                if not self.metadata:
+                    self.metadata = dict(handle.metadata() or {})
+                for key in handle.offset_keys():
+                    if key in stored:
+                        raise CheckpointError(f"{self.path}: key {key!r} is stored in two shards")
+                    piece = handle.get_slice(key)
+                    code = piece.get_dtype()
+                    if code not in DTYPE_CODES:
+                        raise CheckpointError(
+                            f"{f}: {key!r} has dtype {code}, which this reader does not support"
+                        )
+                    stored[key] = (f, tuple(piece.get_shape()), DTYPE_CODES[code])
+        except BaseException:
+            self.close()
+            raise
+        if where is not None:
+            missing = sorted(set(where) - set(stored))
+            misplaced = sorted(k for k in where if k in stored and stored[k][0] != where[k])
+            if missing or misplaced:
+                self.close()
+                raise CheckpointError(
+                    f"{self.path}: the index names keys its shards do not hold where it says: "
+                    f"{(missing + misplaced)[:5]}"
+                )
+        renamed = self.mapping.rename_all(stored)
+        self._source = {new: old for new, old in renamed.items()}
+        self._stored = stored
+        self.specs: dict[str, tuple[tuple[int, ...], np.dtype]] = {
+            new: (self.mapping.apply_shape(new, stored[old][1]), stored[old][2])
+            for new, old in renamed.items()
+        }
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            with contextlib.suppress(Exception):
+                handle.__exit__(None, None, None)
+        self._handles = {}
+
+    def keys(self) -> list[str]:
+        return list(self.specs)
+
+    def nbytes(self, key: str) -> int:
+        shape, dtype = self.specs[key]
+        return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+    def get(self, key: str) -> np.ndarray:
+        """The tensor ``key`` (a mapped name) as a numpy array, transposed when the mapping says so."""
+        if key not in self._source:
+            raise CheckpointKeyError(f"{self.path} has no key {key!r}")
+        old = self._source[key]
+        array = self._handles[self._stored[old][0]].get_tensor(old)
+        return self.mapping.apply_array(key, array)
+
+    def check_against(self, like: PyTree) -> None:
+        """Every key, shape and dtype of the template ``like``; the error names the first mismatch."""
+        check_against(self.specs, like, str(self.path))
+
+
+def load_safetensors(
+    path: str | os.PathLike, like: PyTree | None = None, *, mapping: KeyMapping | None = None
+) -> PyTree:
+    """Read a safetensors checkpoint (file, folder or index) as a tree of numpy arrays.
+
+    Args:
+      path: a ``.safetensors`` file, a folder, or a ``*.index.json``.
+      like: a template tree (arrays or ``jax.ShapeDtypeStruct``). When given, its
+        keys, shapes and dtypes are checked (extra or missing keys are an error
+        listing them; the first shape or dtype mismatch is named) and the result
+        has its structure. Without it, nested dicts are built from the dotted keys.
+      mapping: rename / transpose rules for checkpoints from other frameworks.
+    """
+    with CheckpointReader(path, mapping=mapping) as reader:
+        if like is not None:
+            reader.check_against(like)
+        flat = {k: reader.get(k) for k in reader.specs}
+    return unflatten(flat, like)

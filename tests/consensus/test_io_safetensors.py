@@ -1,0 +1,221 @@
+"""Safetensors in and out: bit-exact round trips, sharded folders, templates, key mappings, atomic writes."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+from consensus import io
+
+DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16, np.int32, np.int8, np.bool_]
+
+
+def _array(rng: np.random.Generator, shape: tuple[int, ...], dtype) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return rng.random(shape) < 0.5
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, size=shape, endpoint=True).astype(dtype)
+    # Random bit patterns cover every exponent and sign (NaN payloads included): a bit-exact test.
+    bits = rng.integers(0, 2 ** (8 * dtype.itemsize), size=shape, dtype=np.uint64)
+    return bits.astype(f"u{dtype.itemsize}").view(dtype)
+
+
+def _tree(seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "encoder": {
+            f"layer_{i}": {"kernel": _array(rng, (3, 5), d), "bias": _array(rng, (5,), d)}
+            for i, d in enumerate(DTYPES)
+        },
+        "scale": _array(rng, (), np.float32),
+    }
+
+
+def _assert_bits_equal(a: dict, b: dict) -> None:
+    fa, fb = io.flatten(a), io.flatten(b)
+    assert list(fa) == list(fb)
+    for k in fa:
+        x, y = np.asarray(fa[k]), np.asarray(fb[k])
+        assert x.dtype == y.dtype and x.shape == y.shape, k
+        assert x.tobytes() == y.tobytes(), k
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_single_file_round_trip_is_bit_exact_per_dtype(tmp_path, dtype):
+    rng = np.random.default_rng(1)
+    tree = {"w": _array(rng, (4, 7), dtype), "b": {"c": _array(rng, (7,), dtype)}}
+    path = io.save_safetensors(tree, tmp_path / "m.safetensors")
+    back = io.load_safetensors(path)
+    _assert_bits_equal(tree, back)
+    # The package's own reader sees the same bytes and dtype (an independent check of the format).
+    ref = load_file(str(path))
+    assert ref["b.c"].dtype == np.dtype(dtype) and ref["b.c"].tobytes() == tree["b"]["c"].tobytes()
+
+
+def test_folder_round_trip_and_streamed_writer_match_the_package_reader(tmp_path):
+    tree = _tree()
+    folder = io.save_safetensors(tree, tmp_path / "ckpt")
+    assert sorted(p.name for p in folder.iterdir()) == ["model.safetensors"]
+    _assert_bits_equal(tree, io.load_safetensors(folder))
+    # Our streamed header is read by safetensors' own loader, every dtype intact.
+    ref = load_file(str(folder / "model.safetensors"))
+    for k, v in io.flatten(tree).items():
+        assert ref[k].dtype == v.dtype and ref[k].tobytes() == np.asarray(v).tobytes()
+
+
+def test_sharded_folder_written_in_hugging_face_layout_and_read_back(tmp_path):
+    tree = _tree(3)
+    sizes = {k: np.asarray(v).nbytes for k, v in io.flatten(tree).items()}
+    folder = io.save_safetensors(tree, tmp_path / "sharded", shard_size=40)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted({*index["weight_map"].values()})
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert index["metadata"]["total_size"] == sum(sizes.values())
+    for name in shards:  # every shard stays under the limit unless it holds one bigger tensor
+        with safe_open(str(folder / name), framework="np") as f:
+            keys = list(f.keys())
+            total = sum(sizes[k] for k in keys)
+            assert total <= 40 or len(keys) == 1
+            assert all(index["weight_map"][k] == name for k in keys)
+    _assert_bits_equal(tree, io.load_safetensors(folder))
+    _assert_bits_equal(tree, io.load_safetensors(folder / "model.safetensors.index.json"))
+
+
+def test_reads_a_sharded_checkpoint_written_by_the_safetensors_package(tmp_path):
+    rng = np.random.default_rng(4)
+    a = {"model.embed.weight": rng.normal(size=(6, 4)).astype(np.float32)}
+    b = {"model.head.weight": rng.normal(size=(4, 3)).astype(ml_dtypes.bfloat16)}
+    (tmp_path / "hf").mkdir()
+    save_file(a, str(tmp_path / "hf" / "model-00001-of-00002.safetensors"))
+    save_file(b, str(tmp_path / "hf" / "model-00002-of-00002.safetensors"))
+    index = {
+        "metadata": {"total_size": 120},
+        "weight_map": {
+            "model.embed.weight": "model-00001-of-00002.safetensors",
+            "model.head.weight": "model-00002-of-00002.safetensors",
+        },
+    }
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
+    back = io.load_safetensors(tmp_path / "hf")
+    assert back["model"]["embed"]["weight"].tobytes() == a["model.embed.weight"].tobytes()
+    assert back["model"]["head"]["weight"].dtype == ml_dtypes.bfloat16
+    assert back["model"]["head"]["weight"].tobytes() == b["model.head.weight"].tobytes()
+
+
+def test_jax_arrays_and_template_structure(tmp_path):
+    params = {
+        "dense_0": {"kernel": jnp.ones((3, 2), jnp.bfloat16), "bias": jnp.zeros((2,))},
+        "n": [jnp.arange(3)],
+    }
+    io.save_safetensors(params, tmp_path / "p.safetensors")
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    back = io.load_safetensors(tmp_path / "p.safetensors", like=like)
+    assert jax.tree.structure(back) == jax.tree.structure(params)  # the list comes back as a list
+    for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(back), strict=True):
+        assert np.asarray(x).tobytes() == y.tobytes() and np.asarray(x).dtype == y.dtype
+    # Without a template, the dots give nested dicts (the list index becomes a key).
+    assert set(io.load_safetensors(tmp_path / "p.safetensors")["n"]) == {"0"}
+
+
+def test_template_mismatches_are_named(tmp_path):
+    tree = {"a": {"w": np.zeros((2, 3), np.float32), "b": np.zeros((3,), np.float32)}}
+    path = io.save_safetensors(tree, tmp_path / "t.safetensors")
+    wrong_shape = {"a": {"w": np.zeros((3, 2), np.float32), "b": np.zeros((3,), np.float32)}}
+    with pytest.raises(io.CheckpointKeyError, match=r"'a\.w' has shape \(2, 3\), the template \(3, 2\)"):
+        io.load_safetensors(path, like=wrong_shape)
+    wrong_dtype = {"a": {"w": np.zeros((2, 3), np.float16), "b": np.zeros((3,), np.float32)}}
+    with pytest.raises(io.CheckpointKeyError, match=r"'a\.w' has dtype float32, the template float16"):
+        io.load_safetensors(path, like=wrong_dtype)
+    other_keys = {"a": {"w": np.zeros((2, 3), np.float32), "c": np.zeros((3,), np.float32)}}
+    with pytest.raises(io.CheckpointKeyError, match=r"missing keys \['a\.c'\]; unexpected keys \['a\.b'\]"):
+        io.load_safetensors(path, like=other_keys)
+
+
+def test_torch_layout_checkpoint_converted_to_flax_kernels(tmp_path):
+    """A PyTorch-layout MLP (fc1.weight is (out, in)) read as this package's dense_i.kernel (in, out)."""
+    rng = np.random.default_rng(5)
+    w1, b1 = rng.normal(size=(16, 8)).astype(np.float32), rng.normal(size=(16,)).astype(np.float32)
+    w2, b2 = rng.normal(size=(3, 16)).astype(np.float32), rng.normal(size=(3,)).astype(np.float32)
+    save_file(
+        {"fc1.weight": w1, "fc1.bias": b1, "fc2.weight": w2, "fc2.bias": b2},
+        str(tmp_path / "torch.safetensors"),
+    )
+    mapping = io.KeyMapping.torch_linear(extra_rename=[(r"^fc(\d+)\.", lambda m: f"dense_{int(m[1]) - 1}.")])
+    like = {
+        "dense_0": {"kernel": np.zeros((8, 16), np.float32), "bias": np.zeros((16,), np.float32)},
+        "dense_1": {"kernel": np.zeros((16, 3), np.float32), "bias": np.zeros((3,), np.float32)},
+    }
+    params = io.load_safetensors(tmp_path / "torch.safetensors", like=like, mapping=mapping)
+    x = rng.normal(size=(5, 8)).astype(np.float32)
+    torch_out = np.maximum(x @ w1.T + b1, 0) @ w2.T + b2  # what torch's Linear layers compute
+    flax_out = np.maximum(x @ params["dense_0"]["kernel"] + params["dense_0"]["bias"], 0)
+    flax_out = flax_out @ params["dense_1"]["kernel"] + params["dense_1"]["bias"]
+    np.testing.assert_allclose(flax_out, torch_out, rtol=1e-5, atol=1e-5)
+    with pytest.raises(io.CheckpointKeyError, match="map both"):
+        io.CheckpointReader(tmp_path / "torch.safetensors", mapping=io.KeyMapping(rename=[(r"\d", "")]))
+
+
+def test_writes_never_overwrite_unless_asked_and_leave_no_temp_files(tmp_path):
+    a, b = {"x": np.zeros(3, np.float32)}, {"x": np.ones(3, np.float32)}
+    for target in (tmp_path / "f.safetensors", tmp_path / "folder"):
+        io.save_safetensors(a, target)
+        with pytest.raises(io.CheckpointError, match="exists"):
+            io.save_safetensors(b, target)
+        np.testing.assert_array_equal(io.load_safetensors(target)["x"], a["x"])
+        io.save_safetensors(b, target, overwrite=True)
+        np.testing.assert_array_equal(io.load_safetensors(target)["x"], b["x"])
+    # A failing write (an unsupported dtype) leaves nothing behind.
+    with pytest.raises(io.CheckpointError, match="complex128 cannot be stored"):
+        io.save_safetensors({"z": np.zeros(2, np.complex128)}, tmp_path / "bad")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.safetensors", "folder"]
+
+
+def test_streamed_writer_checks_order_shape_and_completeness(tmp_path):
+    specs = {"a": ((2,), np.float32), "b": ((3,), np.int8)}
+    w = io.ShardedWriter(tmp_path, specs)
+    with pytest.raises(io.CheckpointError, match="got 'b', expected 'a'"):
+        w.write("b", np.zeros(3, np.int8))
+    with pytest.raises(io.CheckpointError, match=r"'a' is float64\[2\], declared float32\[2\]"):
+        w.write("a", np.zeros(2))
+    w.write("a", np.zeros(2, np.float32))
+    with pytest.raises(io.CheckpointError, match="'b' and later tensors were never written"):
+        w.close()
+    # The header is an 8-byte multiple (data aligned) and the rest is the data, nothing more.
+    raw = (tmp_path / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    assert n % 8 == 0
+
+
+def test_missing_and_broken_checkpoints_say_what_is_wrong(tmp_path):
+    with pytest.raises(io.CheckpointError, match="not found"):
+        io.load_safetensors(tmp_path / "nope.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a checkpoint")
+    with pytest.raises(io.CheckpointError, match="not a readable safetensors file"):
+        io.load_safetensors(tmp_path / "junk.safetensors")
+    (tmp_path / "idx").mkdir()
+    (tmp_path / "idx" / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "gone.safetensors"}})
+    )
+    with pytest.raises(io.CheckpointError, match="names shard gone.safetensors, which does not exist"):
+        io.load_safetensors(tmp_path / "idx")
+    with pytest.raises(io.CheckpointKeyError, match="contains '.'"):
+        io.save_safetensors({"a.b": np.zeros(1)}, tmp_path / "dots.safetensors")
+
+
+def test_parse_size():
+    assert io.parse_size("2GB") == 2 * 10**9
+    assert io.parse_size("1.5GiB") == int(1.5 * 2**30)
+    assert io.parse_size("500mb") == 500 * 10**6
+    assert io.parse_size(123) == 123
+    with pytest.raises(ValueError, match="cannot read shard size"):
+        io.parse_size("lots")
