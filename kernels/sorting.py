@@ -192,26 +192,35 @@ def closest_to_median_mean(
 ) -> jax.Array:
     """Bulyan's second stage: per coordinate, the mean of the beta = m - 2f kept values nearest their median.
 
-    The beta values nearest the median form a contiguous window of the sorted
-    values; of the 2f + 1 candidate windows the one whose farther end is
-    nearest the median wins (the first on ties).
+    El Mhamdi et al. 2018: beta = theta - 2f where theta (here m) is the number
+    of values Krum selected. The beta values nearest the median always form a
+    contiguous window ``s[j : j + beta]`` of the sorted values, j in [0, 2f], and
+    the right window minimizes the sum of distances ``sum |s_k - med|`` over it.
+    Moving the window from j to j + 1 swaps s_j out for s_{j+beta}, which lowers
+    that sum exactly when ``|s_{j+beta} - med| < |s_j - med|``; that test is
+    true for a prefix of the j and false after it (as j grows the value leaving
+    moves towards the median and the one entering away from it), so the best
+    window starts at j* = the number of j in [0, 2f) where it holds.
+
+    Tie rule: when the value entering is exactly as far from the median as the
+    one leaving, the window stays, so the smaller value is kept: the window
+    holds the first beta values in the order (distance to the median, value).
+    Comparing the farther ends only (an earlier version) left several windows
+    tied when attackers send one vector f times, and kept the first, which
+    could be the attackers' copies (issue 17).
     """
     m = count(keep, x.shape[0], m)
     s = _sorted(exclude(x, keep, mixing, centre, diagonal))
     med = _median_of_sorted(s, m)
     beta = m - 2 * f
-    best_cost = best_sum = None
-    for start in range(2 * f + 1):
-        lo = pick(s, start)
-        hi = pick(s, start + beta - 1)
-        cost = jnp.maximum(med - lo, hi - med)
-        total = window_sum(s, start, beta)
-        if best_cost is None:
-            best_cost, best_sum = cost, total
-        else:
-            better = cost < best_cost
-            best_cost = jnp.where(better, cost, best_cost)
-            best_sum = jnp.where(better, total, best_sum)
+    # Rows past m are +inf (excluded); the windows never reach them (j + beta <= m - 1).
+    start = jnp.zeros(s[0].shape, jnp.int32)
+    for j in range(2 * f):
+        entering = pick(s, j + beta)
+        start = start + (jnp.abs(entering - med) < jnp.abs(s[j] - med)).astype(jnp.int32)
+    last = 2 * f + beta if _is_static(beta) else len(s)
+    terms = [jnp.where((k >= start) & (k < start + beta), s[k], 0.0) for k in range(min(last, len(s)))]
+    total = _tree_sum(terms)
     if _is_static(beta):
-        return best_sum / float(beta) if beta > 0 else jnp.full_like(best_sum, jnp.nan)
-    return jnp.where(beta > 0, best_sum / jnp.maximum(beta, 1).astype(jnp.float32), jnp.nan)
+        return total / float(beta) if beta > 0 else jnp.full_like(total, jnp.nan)
+    return jnp.where(beta > 0, total / jnp.maximum(beta, 1).astype(jnp.float32), jnp.nan)

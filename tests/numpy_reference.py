@@ -86,14 +86,22 @@ def bulyan(X, f, valid):
     theta = m - 2 * f
     beta = theta - 2 * f
     chosen = iterated_krum(X, f, theta, valid)
-    S = X[chosen]
-    out = np.empty(X.shape[1])
-    for k in range(X.shape[1]):
+    return closest_to_median_mean(X[chosen], beta), set(chosen)
+
+
+def closest_to_median_mean(S, beta):
+    """Per column, the mean of the beta values nearest the column's median.
+
+    Values are ranked by (distance to the median, value): on an exact distance
+    tie the smaller value is nearer, the library's documented tie rule.
+    """
+    out = np.empty(S.shape[1])
+    for k in range(S.shape[1]):
         col = S[:, k]
         med = np.median(col)
-        nearest = np.argsort(np.abs(col - med), kind="stable")[:beta]
+        nearest = np.lexsort((col, np.abs(col - med)))[:beta]
         out[k] = col[nearest].mean()
-    return out, set(chosen)
+    return out
 
 
 def geometric_median(X, valid, alpha=None, iters=20000, eps=1e-12):

@@ -246,3 +246,23 @@ def test_coordinatewise_one_pass_path_excludes_a_lone_inf(make):
     x = np.asarray(stacked["w"], np.float64)
     want = ref.median(x, valid) if agg.name == "median" else ref.trimmed_mean(x, 1, valid)
     np.testing.assert_allclose(np.asarray(merged["w"]), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("attack,options", [("alie", {}), ("ipm", {"epsilon": 0.5}), ("sign_flip", {})])
+def test_bulyan_with_repeated_attacker_vectors_matches_float64_reference(attack, options):
+    """Issue 17: n = 16, f = 3, the attackers send one vector f times; the second stage ties."""
+    from strategies import attacks
+
+    n, f, d = 16, 3, 3000
+    params, stacked = _nodes(n, d=d, seed=21)
+    byz = np.zeros(n, bool)
+    byz[[1, 6, 11]] = True
+    attacked = attacks.apply_attack(attack, jax.random.key(3), stacked, byz, params, **options)
+    X = ref.flatten_stacked(attacked)
+    agg = consensus.bulyan(f)
+    for p in (params, None):
+        merged, state = agg.update(attacked, agg.init(params), p)
+        want, chosen = ref.bulyan(X, f, np.ones(n, bool))
+        assert set(np.flatnonzero(np.asarray(consensus.get_info(state).selected)).tolist()) == chosen
+        got = np.asarray(merged["w"], np.float64)
+        assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)

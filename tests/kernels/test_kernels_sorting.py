@@ -109,3 +109,60 @@ def test_exact_on_ties_and_bf16_leaves():
     xb = jnp.asarray(_data(7)).astype(jnp.bfloat16)
     want = np.median(np.asarray(xb.astype(jnp.float32)), 0)
     np.testing.assert_array_equal(np.asarray(sorting.median(xb)), want)
+
+
+def test_closest_to_median_mean_issue_17_column():
+    # The column of issue 17 (theta = 10, f = 3, beta = 4): four attacker copies of -0.833 tie
+    # the old "farther end" cost with the window the beta nearest values really form.
+    col = np.array([-0.833] * 4 + [-0.711, 0.408, 0.488, 0.9, 1.2, 1.5], np.float32)
+    x = np.random.default_rng(0).permutation(col)[:, None]
+    got = float(np.asarray(sorting.closest_to_median_mean(jnp.asarray(x), 3))[0])
+    want = ref.closest_to_median_mean(x.astype(np.float64), 4)[0]
+    assert want == pytest.approx((-0.711 + 0.408 + 0.488 - 0.833) / 4)
+    assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_closest_to_median_mean_exact_distance_tie_keeps_the_smaller_value():
+    # Median 0; -2 and 2 are equally far and compete for the last of beta = 3 places.
+    x = np.array([2.0, -9.0, 1.0, 0.0, -2.0], np.float32)[:, None]
+    got = float(np.asarray(sorting.closest_to_median_mean(jnp.asarray(x), 1))[0])
+    assert got == pytest.approx((-2.0 + 0.0 + 1.0) / 3)
+    assert ref.closest_to_median_mean(x.astype(np.float64), 3)[0] == pytest.approx(got)
+
+
+@pytest.mark.parametrize("static", [True, False])
+@pytest.mark.parametrize("n,f,copies_at", [(10, 3, "low"), (10, 3, "high"), (13, 2, "mid"), (16, 3, "low")])
+def test_closest_to_median_mean_with_repeated_attacker_values(static, n, f, copies_at):
+    """f rows carry one attacker vector (as ALIE and IPM send): compare with sorting by distance."""
+    d = 2000
+    rng = np.random.default_rng(n + f)
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    honest = np.sort(x[f:], axis=0)
+    attacker = {
+        "low": honest[0] - 0.3 * rng.random(d, dtype=np.float32),  # below every honest value
+        "high": honest[-1] + 0.3 * rng.random(d, dtype=np.float32),
+        "mid": honest[len(honest) // 2 - 1],  # copies of an honest value near the median
+    }[copies_at]
+    x[:f] = attacker
+    keep = np.ones(n, bool)
+    if n == 16:
+        # Bulyan's theta-set: drop 2f rows (garbage in them must not leak).
+        keep[[4, 9, 11, 12, 14, 15]] = False
+        x[4] = np.nan
+        x[9] = np.inf
+    m = int(keep.sum())
+    want = ref.closest_to_median_mean(x[keep].astype(np.float64), m - 2 * f)
+    got = np.asarray(
+        sorting.closest_to_median_mean(jnp.asarray(x), f, jnp.asarray(keep), m=m if static else None)
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # The other order statistics pick fixed positions, so repeated values cannot tie them: check anyway.
+    k, mm = jnp.asarray(keep), m if static else None
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(sorting.median(jnp.asarray(x), k, m=mm)), ref.median(x64, keep))
+    np.testing.assert_allclose(
+        np.asarray(sorting.trimmed_mean(jnp.asarray(x), f, k, m=mm)),
+        ref.trimmed_mean(x64, f, keep),
+        rtol=1e-5,
+        atol=1e-6,
+    )
