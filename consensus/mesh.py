@@ -63,7 +63,9 @@ class MeshConfig:
       fsdp: use :data:`FSDP_RULES` when ``rules`` is not given.
 
     Example:
-      >>> mesh = make_mesh(MeshConfig(node=4, model=2))  # on 8 devices
+      >>> mesh = make_mesh(MeshConfig(node=4, model=2))  # needs 8 devices
+      >>> dict(mesh.shape)
+      {'node': 4, 'data': 1, 'model': 2}
     """
 
     node: int = 1

@@ -136,7 +136,8 @@ def proximal_step(params: PyTree, anchor: PyTree, mu: Scalar, lr: Scalar) -> PyT
 
     Example:
       >>> theta = proximal_step({"w": jnp.ones(3)}, {"w": jnp.zeros(3)}, mu=1.0, lr=1.0)
-      >>> # theta["w"] == 0.5 everywhere
+      >>> theta["w"]  # (1 + lr mu a) / (1 + lr mu) with a = 0
+      Array([0.5, 0.5, 0.5], dtype=float32)
 
     References:
       Parikh & Boyd 2014, "Proximal Algorithms", sec. 2 and 4.2.
@@ -182,7 +183,8 @@ def project_l2_ball(params: PyTree, anchor: PyTree, radius: Scalar) -> PyTree:
 
     Example:
       >>> p = project_l2_ball({"w": jnp.array([3.0, 4.0])}, {"w": jnp.zeros(2)}, 1.0)
-      >>> # p["w"] == [0.6, 0.8]
+      >>> p["w"]  # (3, 4) / 5
+      Array([0.6, 0.8], dtype=float32)
 
     References:
       Parikh & Boyd 2014, "Proximal Algorithms", sec. 6.5.1 (projection onto a Euclidean ball).
@@ -259,10 +261,14 @@ def convex_constrained(
       ``inner``. Works under ``jit`` and ``vmap``.
 
     Example:
-      >>> opt = convex_constrained(optax.adam(1e-3), mu=0.1, radius=5.0, learning_rate=1e-3)
+      >>> opt = convex_constrained(optax.sgd(0.5), mu=0.1, radius=1.0, learning_rate=0.5)
+      >>> params = global_params = {"w": jnp.zeros(2)}
+      >>> grads = {"w": jnp.array([-6.0, -8.0])}  # sgd alone would step to (3, 4)
       >>> state = opt.init(params)
       >>> updates, state = opt.update(grads, state, params, anchor=global_params)
       >>> params = optax.apply_updates(params, updates)  # inside the ball around global_params
+      >>> params["w"]  # the prox shrinks (3, 4) by 1 / 1.05, the projection to norm 1
+      Array([0.6, 0.8], dtype=float32)
 
     References:
       Li et al. 2020 (FedProx); Parikh & Boyd 2014, "Proximal Algorithms".
@@ -447,8 +453,11 @@ def loss_barrier(
       scalar ``barrier``.
 
     Example:
-      >>> report = loss_barrier(task_loss, node_params, anchor, heldout_batch)
-      >>> float(report.barrier)
+      >>> def task_loss(p, batch): return jnp.sum((p["w"] ** 2 - batch) ** 2)
+      >>> a, b = {"w": jnp.array([-1.0])}, {"w": jnp.array([1.0])}  # two minima, loss 0
+      >>> report = loss_barrier(task_loss, a, b, jnp.float32(1.0))
+      >>> float(report.barrier)  # the midpoint w = 0 has loss 1, the chord is 0
+      1.0
 
     References:
       Frankle et al. 2020, "Linear Mode Connectivity and the Lottery Ticket Hypothesis", ICML.

@@ -195,8 +195,9 @@ def fit_hierarchical(
       ``(state, log, plan)``; ``log.level`` (T, n) says which level each node
       used at each step.
 
-    Example:
-      >>> state, log, p = fit_hierarchical(trainer, state, data, default_levels((100, 50, 50)))
+    Example (with a trainer, state and data as in :class:`~strategies.trainer.NodeTrainer`'s)::
+
+        state, log, p = fit_hierarchical(trainer, state, data, default_levels((100, 50, 50)))
     """
     p = plan(levels, data, node_orders=node_orders)
     extra = dict(fit_kwargs.pop("hyperparams", None) or {})

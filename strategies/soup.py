@@ -79,8 +79,9 @@ def save_ingredient(path: str | os.PathLike, params: PyTree, *, force: bool = Fa
       The absolute path written. In a multi-process run every process must call
       this (orbax writes collectively).
 
-    Example:
-      >>> save_ingredient(tmp / "step_100", params)
+    Example (writes a checkpoint directory)::
+
+        save_ingredient(tmp / "step_100", params)
     """
     import orbax.checkpoint as ocp
 
@@ -363,11 +364,15 @@ class IncrementalSoup:
         against; the current soup serves when it is None.
 
     Example:
-      >>> soup = IncrementalSoup("greedy", evaluate=lambda p: task.metrics(p, heldout), metric="accuracy")
+      >>> def accuracy(p): return 1.0 - float(jnp.abs(p["w"] - 1.0).sum())  # a held-out score
+      >>> checkpoints = [{"w": jnp.array([1.2])}, {"w": jnp.array([5.0])}, {"w": jnp.array([0.8])}]
+      >>> soup = IncrementalSoup("greedy", evaluate=accuracy, metric="accuracy")
       >>> state = soup.init()
       >>> for ckpt in checkpoints:                    # trees or orbax checkpoint paths
       ...     state = soup.add(state, ckpt)
       >>> candidate, kept = state.params, state.kept
+      >>> kept, candidate["w"]  # the second ingredient would make the soup worse
+      ((0, 2), Array([1.], dtype=float32))
 
     References:
       Wortsman et al. 2022, "Model soups", ICML.

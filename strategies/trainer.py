@@ -201,13 +201,14 @@ class NodeTrainer:
         the loss keeping only matmul outputs).
       unroll: ``lax.scan`` unroll factor over the steps of one fit call.
 
-    Example:
-      >>> task = DigitsTask()
-      >>> data = task.splits(4, seed=0)
-      >>> trainer = NodeTrainer(task, optax.adam, {"learning_rate": 3e-3}, batch_size=32)
-      >>> state = trainer.init(jax.random.key(0), task.init(jax.random.key(1)), 4)
-      >>> state, log = trainer.fit(state, data.own(), 200)
-      >>> trainer.evaluate(state.params, data.test)["accuracy"]  # (4,) numpy accuracies
+    Example (trains four models, so not run as a doctest)::
+
+        task = DigitsTask()
+        data = task.splits(4, seed=0)
+        trainer = NodeTrainer(task, optax.adam, {"learning_rate": 3e-3}, batch_size=32)
+        state = trainer.init(jax.random.key(0), task.init(jax.random.key(1)), 4)
+        state, log = trainer.fit(state, data.own(), 200)
+        trainer.evaluate(state.params, data.test)["accuracy"]  # (4,) numpy accuracies
     """
 
     task: Task

@@ -63,8 +63,13 @@ def mean() -> Aggregator:
     Precondition: m >= 1.
 
     Example:
+      >>> from consensus import stack
+      >>> params = {"w": jnp.zeros(2)}
+      >>> stacked = stack([{"w": jnp.array([1.0, 2.0])}, {"w": jnp.array([3.0, 4.0])}])
       >>> agg = mean(); state = agg.init(params)
       >>> merged, state = agg.update(stacked, state)
+      >>> merged["w"]
+      Array([2., 3.], dtype=float32)
     """
 
     @accepts_views

@@ -136,10 +136,20 @@ def convex_merge(
       :class:`~consensus.base.Aggregator`.
 
     Example:
-      >>> agg = convex_merge(quadratic_weigher(model_fn, max_weight=1 / (n - f)))
+      >>> from consensus import stack
+      >>> def prob_fn(p, batch):  # one node's probability of each true label
+      ...     probs = jax.nn.softmax(batch["x"] @ p["w"])
+      ...     return jnp.take_along_axis(probs, batch["y"][:, None], 1)[:, 0]
+      >>> params = {"w": jnp.zeros((2, 2))}
+      >>> stacked = stack([{"w": s * jnp.eye(2)} for s in (1.0, 2.0, -3.0)])  # node 2 is wrong
+      >>> held_out = {"x": jnp.eye(2), "y": jnp.array([0, 1])}
+      >>> agg = convex_merge(mixture_nll_weigher(prob_fn, max_weight=0.5))
       >>> state = agg.init(params)
-      >>> merged, state = agg.update(stacked, state, params, mask=vote, batch=held_out)
+      >>> merged, state = agg.update(stacked, state, params, batch=held_out)
       >>> state.result.status, state.result.fallback
+      ('optimal', False)
+      >>> np.allclose(state.result.weights, [0.5, 0.5, 0.0], atol=1e-4)
+      True
     """
     if not callable(weigher):
         raise TypeError(f"weigher must be callable, got {type(weigher).__name__}")
@@ -238,9 +248,15 @@ def quadratic_weigher(
       a :class:`Weigher`.
 
     Example:
+      >>> from consensus import softmax_gauss_newton, stack
+      >>> def logits_fn(p, x): return x @ p["w"]
       >>> def model_fn(p, x, y): return softmax_gauss_newton(logits_fn, p, x, y)
-      >>> agg = convex_merge(quadratic_weigher(model_fn, max_weight=0.5))
-      >>> merged, state = agg.update(stacked, agg.init(params), x=x_val, y=y_val)
+      >>> stacked = stack([{"w": s * jnp.eye(2)} for s in (1.0, 2.0, -3.0)])  # node 2 is wrong
+      >>> x_val, y_val = jnp.eye(2), jnp.array([0, 1])
+      >>> agg = convex_merge(quadratic_weigher(model_fn, max_weight=0.75))
+      >>> merged, state = agg.update(stacked, agg.init(None), x=x_val, y=y_val)
+      >>> bool(state.result.weights[2] < 1e-6)
+      True
     """
 
     def weigh(stacked, params, mask, *, voted=None, **extra):
@@ -283,6 +299,8 @@ def mixture_nll_weigher(prob_fn: Callable[..., jax.Array], **options: Any) -> We
       ...     return jnp.take_along_axis(jax.nn.softmax(batch["x"] @ p["w"] + p["b"]),
       ...                                batch["y"][:, None], 1)[:, 0]
       >>> agg = convex_merge(mixture_nll_weigher(prob_fn, max_weight=0.5))
+      >>> agg.name
+      'convex_merge'
     """
 
     def weigh(stacked, params, mask, *, voted=None, **extra):

@@ -90,7 +90,10 @@ def mixture_nll_weights(
       :class:`ConvexWeights`; ``objective`` is the mean NLL (plus the ridge).
 
     Example:
+      >>> probs = np.array([[0.9, 0.8], [0.1, 0.2], [0.5, 0.6]])  # 3 nodes, 2 held-out examples
       >>> res = mixture_nll_weights(probs, max_weight=0.5)
+      >>> np.allclose(res.weights, [0.5, 0.0, 0.5], atol=1e-4)  # the best node at its cap, then node 2
+      True
       >>> mixture_probs = res.weights @ probs
 
     References:

@@ -172,9 +172,15 @@ def quadratic_weights(
       :class:`ConvexWeights`; ``objective`` is the predicted held-out loss.
 
     Example:
-      >>> model = softmax_gauss_newton(logits_fn, ref, x_val, y_val)
-      >>> res = quadratic_weights(stacked, ref, model.grad, model.curvature, loss=model.loss,
-      ...                         max_weight=1 / (n - f))
+      >>> from consensus import softmax_gauss_newton, stack
+      >>> def logits_fn(p, x): return x @ p["w"]
+      >>> ref = {"w": jnp.zeros((2, 2))}
+      >>> stacked = stack([{"w": s * jnp.eye(2)} for s in (1.0, 2.0, -3.0)])  # node 2 is wrong
+      >>> model = softmax_gauss_newton(logits_fn, ref, jnp.eye(2), jnp.array([0, 1]))
+      >>> res = quadratic_weights(stacked, ref, model.grad, model.curvature, loss=float(model.loss),
+      ...                         max_weight=0.75)
+      >>> res.status, bool(res.weights[2] < 1e-6), bool(abs(res.weights.sum() - 1.0) < 1e-6)
+      ('optimal', True, True)
 
     References:
       Matena & Raffel, "Merging Models with Fisher-Weighted Averaging", NeurIPS 2022.
@@ -369,7 +375,12 @@ def anchor_weights(
       (plus the ridge).
 
     Example:
-      >>> res = anchor_weights(stacked, anchor=trimmed, max_weight=1 / (n - f))
+      >>> from consensus import stack
+      >>> stacked = stack([{"w": jnp.array([x])} for x in (0.0, 2.0, 4.0, 100.0)])
+      >>> res = anchor_weights(stacked, anchor={"w": jnp.array([1.0])}, max_weight=0.75)
+      >>> merged = float(res.weights @ np.array([0.0, 2.0, 4.0, 100.0]))
+      >>> round(merged, 3)  # the anchor is a convex combination under the cap: it is hit exactly
+      1.0
 
     References:
       Pillutla, Kakade & Harchaoui, "Robust Aggregation for Federated Learning" (RFA), 2022.

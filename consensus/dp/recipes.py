@@ -131,11 +131,17 @@ def dp_fedavg(
       returns ``(new_params, state)``; ``params`` is required.
 
     Example:
+      >>> from consensus import PrivacyLedger, privacy_event, round_participants
+      >>> n, params = 20, {"w": jnp.zeros(3)}
+      >>> stacked = {"w": jnp.ones((n, 3))}               # every node's new parameters
+      >>> ledger = PrivacyLedger(delta=1e-5, budget=3.0)
       >>> agg = dp_fedavg(clip_norm=1.0, noise_multiplier=1.1, sampling_rate=0.1, key=0)
       >>> state = agg.init(params)
       >>> train = round_participants(state, n)           # the nodes to train this round
-      >>> ledger.spend(privacy_event(state))              # refuses a round over budget
+      >>> eps = ledger.spend(privacy_event(state))        # refuses a round over budget
       >>> params, state = agg.update(stacked, state, params)
+      >>> params["w"].shape
+      (3,)
 
     References:
       McMahan et al. (2018); Andrew et al. (2021) for ``adaptive``.

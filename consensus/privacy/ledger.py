@@ -12,6 +12,8 @@ Example:
   >>> ledger = PrivacyLedger(delta=1e-5, budget=3.0)
   >>> event = PrivacyEvent(noise_multiplier=1.0, sampling_rate=0.01, clip_norm=0.5)
   >>> eps = ledger.spend(event)  # raises PrivacyBudgetExceeded once the budget would be exceeded
+  >>> 0.0 < eps < 3.0
+  True
 """
 
 from __future__ import annotations

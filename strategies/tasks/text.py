@@ -411,11 +411,12 @@ class TextTask:
       families: (family name, stdlib packages) pairs; node i's family is i % F.
       root: stdlib directory (default: the running interpreter's).
 
-    Example:
-      >>> task = TextTask()
-      >>> data = task.splits(4, seed=0)
-      >>> params = task.init(jax.random.key(0))
-      >>> task.metrics(params, data.test)["perplexity"]  # about 256 before training
+    Example (reads and tokenizes the corpus, so not run as a doctest)::
+
+        task = TextTask()
+        data = task.splits(4, seed=0)
+        params = task.init(jax.random.key(0))
+        task.metrics(params, data.test)["perplexity"]  # about 256 before training
     """
 
     context: int = 64
