@@ -81,6 +81,7 @@ def _final(run_dir):
     return state, history
 
 
+@pytest.mark.multiprocess
 def test_two_processes_equal_one(tmp_path):
     port = _free_port()
     dist = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--local-devices", "1"]

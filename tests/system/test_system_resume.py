@@ -48,6 +48,7 @@ def _final(out, name):
     return state, history
 
 
+@pytest.mark.multiprocess
 def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
     full = subprocess.Popen(
         _cmd(tmp_path, "full"), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
