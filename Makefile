@@ -1,12 +1,13 @@
 # Two commands that work on a fresh machine with Python 3.11+:
 #   make run   - the main job on its embedded default (meta-consensus run: digits, 8 nodes, ~1 min)
 #   make test  - ruff and the whole pytest suite
+#   make test-fast - the same without the slow, multiprocess and notebook tests (a few minutes)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test lint bench bench-quick clean
+.PHONY: run test test-fast lint bench bench-quick clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "meta-consensus needs Python 3.11 or newer")'
@@ -25,6 +26,12 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
+
+# The markers are declared in pyproject.toml ([tool.pytest.ini_options]).
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+	$(BIN)/python -m pytest -q -m "not slow and not multiprocess and not notebooks"
 
 BENCHMARKS := aggregators privacy convex trainers rounds robustness soups convex_quality privacy_quality meta_consensus
 
