@@ -1,13 +1,15 @@
 """The run configuration: nested frozen dataclasses, loaded from TOML, checked before anything runs.
 
 A config file mirrors the dataclasses (top-level keys, then one table per
-section)::
+section); the embedded default is ``meta_consensus/default.toml``::
 
     name = "demo"
     rounds = 10
     [nodes]
     count = 8
     strategies = ["hierarchical", "hierarchical", "convexity", "convexity", "soup", "soup", "local", "local"]
+    [nodes.options.convexity]
+    mu = 0.5
     [byzantine]
     nodes = [6, 7]
     attack = "alie"
@@ -16,16 +18,20 @@ section)::
     fault_tolerance = 0.25
 
 Every key is checked: an unknown key or a value outside its choices raises
-:class:`ConfigError` naming the key and listing what is valid. ``--set
-section.key=value`` overrides (:func:`apply_overrides`) parse ``value`` as a
-TOML value (``3``, ``0.5``, ``"alie"``, ``[6, 7]``, ``true``); a bare word is
-taken as a string.
+:class:`ConfigError` naming the key and listing what is valid. The choices are
+read from the registries (:mod:`consensus.registry` for vote rules,
+:mod:`strategies.registry` for tasks and attacks, :mod:`strategies.node` for node
+strategies, :mod:`meta_consensus.objectives` for weight objectives), so a newly
+registered entry is a valid value at once. A rule's precondition on (n, f) is
+checked here, before any training. ``--set section.key=value`` overrides
+(:func:`apply_overrides`) parse ``value`` as a TOML value (``3``, ``0.5``,
+``"alie"``, ``[6, 7]``, ``true``); a bare word is taken as a string.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import importlib.resources
 import math
 import tomllib
 import types
@@ -36,20 +42,11 @@ from typing import Any, Literal
 
 import tomli_w
 
-STRATEGIES = ("local", "hierarchical", "convexity", "soup")
-VOTE_RULES = (
-    "mean",
-    "median",
-    "trimmed_mean",
-    "krum",
-    "multi_krum",
-    "bulyan",
-    "geometric_median",
-    "centered_clipping",
-)
-PRE_RULES = ("clip", "nnm")
-OBJECTIVES = ("vote", "uniform", "quadratic", "mixture_nll", "anchor")
-ATTACKS = ("label_flip", "sign_flip", "gaussian", "alie", "ipm", "nonfinite", "mimic")
+from consensus import registry as rules
+from consensus.registry import RegistryError
+from meta_consensus.objectives import OBJECTIVES
+from strategies import node as node_lib
+from strategies import registry as node_registry
 
 
 class ConfigError(ValueError):
@@ -61,16 +58,18 @@ class TaskConfig:
     """The model and data every node trains on.
 
     Attributes:
-      name: "digits" (scikit-learn digits, MLP) or "text" (byte-level transformer).
+      name: a registered task ("digits", "text", ...; see ``strategies.registry.TASKS``) or an
+        import path ``"package.module:factory"`` of a user's own task (a factory called with
+        ``options``, or a Task object).
       alpha: Dirichlet concentration of the non-IID split over the nodes (small: skewed).
-      hidden: digits only: hidden layer widths of the MLP.
       data_seed: seed of the node split (the train / held-out / test split is fixed per task).
+      options: keyword arguments of the task's factory (digits: ``hidden``, the MLP's widths).
     """
 
-    name: Literal["digits", "text"] = "digits"
+    name: str = "digits"
     alpha: float = 0.5
-    hidden: tuple[int, ...] = (32,)
     data_seed: int = 0
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,19 +78,14 @@ class NodesConfig:
 
     Attributes:
       count: n, the number of nodes.
-      strategies: one strategy per node ("local", "hierarchical", "convexity", "soup"),
-        or a single name for every node.
+      strategies: one registered node strategy per node ("local", "hierarchical",
+        "convexity", "soup", ...; see ``strategies.node.STRATEGIES``), or one name for all.
       local_steps: optimizer steps per node per round.
       batch_size: rows per step.
-      learning_rate: Adam learning rate of "local" training and of the last hierarchical level.
-      hierarchical_fractions: shares of a hierarchical node's steps spent on the general pool,
-        on its own groups of the general pool, and on its own shard (in that order).
-      hierarchical_lr_scale: learning-rate multipliers of the three levels.
-      proximal_mu: "convexity" nodes: proximal pull towards the last consensus.
-      proximal_radius: "convexity" nodes: radius of the L2 ball around the last consensus
-        (inf: no projection).
-      soup_snapshots: "soup" nodes: checkpoints taken along the round's training; the node
-        submits their greedy soup on held-out accuracy.
+      learning_rate: Adam learning rate (each strategy may scale it per curriculum level).
+      options: per strategy name, the keyword options of its class, for example
+        ``{hierarchical = {fractions = [0.5, 0.25, 0.25]}, convexity = {mu = 0.5, radius = inf},
+        soup = {snapshots = 4}}``.
     """
 
     count: int = 8
@@ -99,15 +93,19 @@ class NodesConfig:
     local_steps: int = 40
     batch_size: int = 32
     learning_rate: float = 3e-3
-    hierarchical_fractions: tuple[float, float, float] = (0.5, 0.25, 0.25)
-    hierarchical_lr_scale: tuple[float, float, float] = (1.0, 1.0, 0.5)
-    proximal_mu: float = 0.5
-    proximal_radius: float = math.inf
-    soup_snapshots: int = 4
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def strategy_of(self) -> tuple[str, ...]:
         s = self.strategies
         return (s,) * self.count if isinstance(s, str) else tuple(s)
+
+    def build_strategies(self) -> tuple[node_lib.NodeStrategy, ...]:
+        """One strategy object per node (nodes that share a name share the object)."""
+        built = {
+            name: node_lib.STRATEGIES[name].build(**dict(self.options.get(name, {})))
+            for name in set(self.strategy_of())
+        }
+        return tuple(built[name] for name in self.strategy_of())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +114,8 @@ class ByzantineConfig:
 
     Attributes:
       nodes: indices of the Byzantine nodes.
-      attack: "label_flip" (poisoned training data) or a model attack on the submitted update.
+      attack: a registered attack ("label_flip" poisons training data; the others replace the
+        submitted update; see ``strategies.registry.ATTACKS``).
       label_flip: also train the Byzantine nodes on flipped labels under a model attack.
       options: keyword arguments of the attack (``z`` for ALIE, ``scale``, ``std``, ``epsilon``).
     """
@@ -132,33 +131,45 @@ class VoteConfig:
     """The Byzantine-tolerant vote.
 
     Attributes:
-      rule: the aggregation rule (see :data:`VOTE_RULES`).
-      num_byzantine: f given directly, or None to use ``fault_tolerance``.
-      fault_tolerance: f as a fraction of n: ``f = floor(fault_tolerance * n)``.
-      pre: pre-aggregators applied before the rule, in order ("clip", "nnm").
-      clip_norm: radius of the "clip" pre-aggregator (around the last consensus).
-      groups: hierarchical consensus: number of contiguous node groups (0 or 1: flat). The
-        rule votes inside each group with f_group = floor(fault_tolerance * group size) (or
-        ``num_byzantine`` // groups), then ``top_rule`` votes over the group results.
-      top_rule: the rule over the group results.
-      top_num_byzantine: f of the top vote (groups that may be wholly Byzantine).
+      rule: a registered rule (see ``consensus.registry.RULES``).
+      num_byzantine: f given directly (absolute, whatever the number of answers), or None
+        to use ``fault_tolerance``.
+      fault_tolerance: f as a fraction of the nodes that **answered** this round:
+        ``f = floor(fault_tolerance * answered)`` (a fraction of the fleet that is present;
+        when you know an absolute bound on the Byzantine nodes, set ``num_byzantine``).
+      options: the rule's parameters (its factory's keywords, e.g. ``clip_radius`` for
+        centered clipping); registered defaults fill the required ones left out.
+      pre: pre-aggregators applied before the rule, in order ("clip", "nnm", ...).
+      pre_options: per pre-aggregator name, its parameters (e.g. ``{clip = {max_norm = 5}}``).
+      groups: grouped vote over contiguous node groups (0 or 1: flat). The rule votes inside
+        each group with f_group = floor(fault_tolerance * group size) (or
+        ``num_byzantine // groups``), then ``top_rule`` votes over the group results.
+      top_rule, top_num_byzantine, top_options: the rule over the group results, its f
+        (groups that may be wholly Byzantine) and its parameters.
     """
 
     rule: str = "multi_krum"
     num_byzantine: int | None = None
     fault_tolerance: float = 0.25
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     pre: tuple[str, ...] = ()
-    clip_norm: float = 10.0
+    pre_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     groups: int = 0
     top_rule: str = "median"
     top_num_byzantine: int = 0
+    top_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
-    def f(self, n: int) -> int:
-        return (
-            self.num_byzantine
-            if self.num_byzantine is not None
-            else int(math.floor(self.fault_tolerance * n))
-        )
+    def f(self, answered: int) -> int:
+        """f of a flat vote when ``answered`` nodes answered with a valid candidate."""
+        if self.num_byzantine is not None:
+            return self.num_byzantine
+        return int(math.floor(self.fault_tolerance * answered))
+
+    def group_f(self, group_size: int) -> int:
+        """f inside each group of a grouped vote."""
+        if self.num_byzantine is not None:
+            return self.num_byzantine // max(self.groups, 1)
+        return int(math.floor(self.fault_tolerance * group_size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +177,9 @@ class WeightsConfig:
     """Convex merge weights over the nodes the vote accepted.
 
     Attributes:
-      objective: "vote" (the vote's own output is the consensus), "uniform" (plain mean of
-        the accepted nodes), "quadratic" (trust-region quadratic model of the held-out loss),
+      objective: a registered objective (``meta_consensus.objectives.OBJECTIVES``): "vote"
+        (the vote's own output is the consensus), "uniform" (plain mean of the accepted
+        nodes), "quadratic" (trust-region quadratic model of the held-out loss),
         "mixture_nll" (NLL of the mixture of the nodes' held-out predictions), "anchor"
         (closest convex combination to the vote's output).
       max_weight: cap on any node's weight (None: no cap); must be >= 1 / accepted nodes.
@@ -260,6 +272,8 @@ class Config:
       baseline_fedavg: also run plain FedAvg (same nodes and attackers, uniform mean) alongside.
       eval_every: evaluate every node and the consensus on the test set (and compute the second
         accountant's epsilon) every k rounds and at the last round; other rounds log NaN there.
+      heartbeat_timeout_s: multi-process runs: seconds without a heartbeat after which
+        jax.distributed declares a process lost (see docs/operations.md).
     """
 
     name: str = "run"
@@ -275,6 +289,7 @@ class Config:
     keep_checkpoints: int = 2
     baseline_fedavg: bool = True
     eval_every: int = 1
+    heartbeat_timeout_s: int = 100
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
     nodes: NodesConfig = dataclasses.field(default_factory=NodesConfig)
     byzantine: ByzantineConfig = dataclasses.field(default_factory=ByzantineConfig)
@@ -295,35 +310,12 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
-# The embedded default of `meta-consensus run`: the whole idea in well under two minutes on two cores.
-# ALIE's shift is mu - z sigma per coordinate; the stealthy z_max for n = 8, f = 2 (0.32) does no
-# measurable harm to FedAvg on digits in 20 rounds, z = 10 breaks it, and the pipeline still holds.
-# The DP noise is small: node-level DP over 8 nodes is nominal at any useful accuracy (the table says
-# so); benchmarks/privacy_quality.py shows epsilon <= 8 with 400 clients.
-DEFAULT = {
-    "name": "default",
-    "rounds": 20,
-    "seed": 0,
-    "checkpoint_every": 5,
-    "nodes": {
-        "count": 8,
-        "strategies": [
-            "hierarchical",
-            "hierarchical",
-            "convexity",
-            "convexity",
-            "soup",
-            "soup",
-            "local",
-            "local",
-        ],
-        "local_steps": 40,
-    },
-    "byzantine": {"nodes": [6, 7], "attack": "alie", "options": {"z": 10.0}},
-    "vote": {"rule": "multi_krum", "fault_tolerance": 0.25},
-    "weights": {"objective": "mixture_nll", "max_weight": 0.4},
-    "dp": {"enabled": True, "clip_norm": 1.0, "noise_multiplier": 0.01},
-}
+DEFAULT_FILE = "default.toml"  # package data of meta_consensus: the embedded default of `meta-consensus run`
+
+
+def default_text() -> str:
+    """The TOML text of the embedded default config."""
+    return importlib.resources.files("meta_consensus").joinpath(DEFAULT_FILE).read_text()
 
 
 def plain_fedavg(cfg: Config) -> bool:
@@ -345,20 +337,69 @@ def _check(cond: bool, key: str, value: Any, need: str) -> None:
         raise ConfigError(f"{key} = {value!r} is not valid: {need}")
 
 
-def _check_attack_options(attack: str, options: Mapping[str, Any]) -> None:
-    """The attack's keyword arguments must be ones its function takes (checked before any round runs)."""
-    if attack == "label_flip":
-        valid: list[str] = []
-    else:
-        from strategies.attacks import ATTACKS as FUNCTIONS
+def _registered(key: str, build: Any) -> Any:
+    """Run a registry build/check; its RegistryError or ValueError becomes a ConfigError naming ``key``."""
+    try:
+        return build()
+    except (RegistryError, ValueError, TypeError) as e:
+        raise ConfigError(f"{key}: {e}") from None
 
-        params = list(inspect.signature(FUNCTIONS[attack]).parameters)[3:]  # after key, honest, f
-        valid = [p for p in params if p != "num_nodes"]  # the system passes n itself
-    unknown = sorted(set(options) - set(valid))
-    if unknown:
+
+# What the system's round hands a rule besides the stacked candidates: the last consensus
+# (the base of merge methods, the centre of the votes).
+SYSTEM_PROVIDES = frozenset({"params"})
+
+
+def _check_rule(key: str, name: str, f: int, n: int, options: Mapping[str, Any], where: str) -> None:
+    """A registered rule that takes these options and whose precondition holds on n nodes with f."""
+    spec = _registered(key, lambda: rules.RULES[name])
+    missing = sorted(spec.needs - SYSTEM_PROVIDES)
+    if missing:
         raise ConfigError(
-            f"byzantine.options {unknown} are not options of the {attack!r} attack; valid options: {valid} "
-            "(set byzantine.options={} to use its defaults)"
+            f"{key} = {name!r} needs {missing}, which the system's round does not provide yet; "
+            "use it through the library (consensus.registry.make) or choose another rule"
+        )
+    _registered(f"{key} options", lambda: spec.check_params(options))
+    need = spec.requirement(n, f) if spec.takes_f else spec.requirement(n, 0)
+    if need is not None:
+        raise ConfigError(
+            f"{key} = {name!r} cannot run on {where} of {n} nodes with f = {f}: it needs {need} "
+            "(lower vote.fault_tolerance / vote.num_byzantine, use fewer groups, or choose another rule)"
+        )
+
+
+def _check_vote(cfg: Config) -> None:
+    """Every rule of the vote is registered, takes its options, and holds on the full fleet."""
+    v, n = cfg.vote, cfg.nodes.count
+    _check(0.0 <= v.fault_tolerance < 0.5, "vote.fault_tolerance", v.fault_tolerance, "need [0, 0.5)")
+    if v.num_byzantine is not None:
+        _check(0 <= v.num_byzantine < n, "vote.num_byzantine", v.num_byzantine, f"need 0 <= f < n = {n}")
+    _check(
+        v.groups >= 0 and (v.groups <= 1 or n % v.groups == 0),
+        "vote.groups",
+        v.groups,
+        f"0, 1 or a divisor of nodes.count = {n}",
+    )
+    _check(v.top_num_byzantine >= 0, "vote.top_num_byzantine", v.top_num_byzantine, "need >= 0")
+    vote_rules = rules.vote_rules()
+    _choices("vote.rule", v.rule, vote_rules)
+    unknown_pre = sorted(set(v.pre_options) - set(v.pre))
+    if unknown_pre:
+        raise ConfigError(
+            f"vote.pre_options {unknown_pre} name pre-aggregators not in vote.pre = {list(v.pre)}"
+        )
+    grouped = v.groups > 1
+    size = n // v.groups if grouped else n
+    f = v.group_f(size) if grouped else v.f(n)
+    where = f"each of the {v.groups} groups" if grouped else "all"
+    for p in v.pre:
+        _choices("vote.pre", p, rules.pre_aggregators())
+        _check_rule(f"vote.pre[{p}]", p, f, size, v.pre_options.get(p, {}), where)
+    _check_rule("vote.rule", v.rule, f, size, v.options, where)
+    if grouped:
+        _choices("vote.top_rule", v.top_rule, vote_rules)
+        _check_rule(
+            "vote.top_rule", v.top_rule, v.top_num_byzantine, v.groups, v.top_options, "the group results"
         )
 
 
@@ -380,13 +421,24 @@ def validate(cfg: Config) -> None:
     _check(cfg.checkpoint_every >= 0, "checkpoint_every", cfg.checkpoint_every, "need >= 0")
     _check(cfg.eval_every >= 1, "eval_every", cfg.eval_every, "need >= 1")
     _check(cfg.keep_checkpoints >= 1, "keep_checkpoints", cfg.keep_checkpoints, "need >= 1")
+    _check(cfg.heartbeat_timeout_s >= 1, "heartbeat_timeout_s", cfg.heartbeat_timeout_s, "need >= 1")
     _choices("on_failure", cfg.on_failure, ("continue", "stop"))
     if cfg.quality_threshold is not None:
         _check(0.0 <= cfg.quality_threshold <= 1.0, "quality_threshold", cfg.quality_threshold, "need [0, 1]")
-    # task
-    _choices("task.name", cfg.task.name, ("digits", "text"))
-    _check(cfg.task.alpha > 0, "task.alpha", cfg.task.alpha, "need > 0")
-    _check(all(h >= 1 for h in cfg.task.hidden), "task.hidden", cfg.task.hidden, "positive widths")
+    # task: a registered name (its options checked against its factory) or an import path,
+    # which is resolved when the run starts (importing a user's module is not a config check).
+    t = cfg.task
+    if ":" not in t.name:
+        _choices("task.name", t.name, node_registry.TASKS.names())
+        spec = node_registry.TASKS[t.name]
+        if not any(p.kind is p.VAR_KEYWORD for p in spec.params.values()):
+            unknown = sorted(set(t.options) - set(spec.params))
+            if unknown:
+                raise ConfigError(
+                    f"task.options {unknown} are not options of the {t.name!r} task; "
+                    f"valid options: {list(spec.params)}"
+                )
+    _check(t.alpha > 0, "task.alpha", t.alpha, "need > 0")
     # nodes
     _check(n >= 2, "nodes.count", n, "need at least 2 nodes")
     strategies = cfg.nodes.strategy_of()
@@ -397,35 +449,20 @@ def validate(cfg: Config) -> None:
         f"one name or {n} names (one per node)",
     )
     for s in strategies:
-        _choices("nodes.strategies", s, STRATEGIES)
+        _choices("nodes.strategies", s, node_lib.STRATEGIES.names())
     _check(cfg.nodes.local_steps >= 1, "nodes.local_steps", cfg.nodes.local_steps, "need >= 1")
     _check(cfg.nodes.batch_size >= 1, "nodes.batch_size", cfg.nodes.batch_size, "need >= 1")
     _check(cfg.nodes.learning_rate > 0, "nodes.learning_rate", cfg.nodes.learning_rate, "need > 0")
-    fr = cfg.nodes.hierarchical_fractions
-    _check(
-        len(fr) == 3 and all(x >= 0 for x in fr) and abs(sum(fr) - 1) < 1e-6,
-        "nodes.hierarchical_fractions",
-        fr,
-        "three shares >= 0 that sum to 1 (general, groups, own)",
-    )
-    _check(
-        len(cfg.nodes.hierarchical_lr_scale) == 3 and all(x > 0 for x in cfg.nodes.hierarchical_lr_scale),
-        "nodes.hierarchical_lr_scale",
-        cfg.nodes.hierarchical_lr_scale,
-        "three multipliers > 0",
-    )
-    _check(cfg.nodes.proximal_mu >= 0, "nodes.proximal_mu", cfg.nodes.proximal_mu, "need >= 0")
-    _check(cfg.nodes.proximal_radius > 0, "nodes.proximal_radius", cfg.nodes.proximal_radius, "need > 0")
-    _check(
-        1 <= cfg.nodes.soup_snapshots <= cfg.nodes.local_steps,
-        "nodes.soup_snapshots",
-        cfg.nodes.soup_snapshots,
-        "need 1 <= soup_snapshots <= local_steps",
-    )
+    for name, opts in cfg.nodes.options.items():
+        _choices("nodes.options", name, node_lib.STRATEGIES.names())
+        _check(isinstance(opts, Mapping), f"nodes.options.{name}", opts, "a table of the strategy's options")
+    built = _registered("nodes.options", cfg.nodes.build_strategies)
+    for s in set(built):
+        _registered(f"nodes.options.{s.name}", lambda s=s: s.settings(cfg.nodes.local_steps, 1.0))
     # byzantine
     byz = cfg.byzantine
-    _choices("byzantine.attack", byz.attack, ATTACKS)
-    _check_attack_options(byz.attack, byz.options)
+    _choices("byzantine.attack", byz.attack, node_registry.ATTACKS.names())
+    _registered("byzantine.options", lambda: node_registry.ATTACKS[byz.attack].check_options(byz.options))
     _check(
         all(0 <= i < n for i in byz.nodes) and len(set(byz.nodes)) == len(byz.nodes),
         "byzantine.nodes",
@@ -433,26 +470,10 @@ def validate(cfg: Config) -> None:
         f"distinct node indices in 0..{n - 1}",
     )
     _check(len(byz.nodes) < n, "byzantine.nodes", byz.nodes, "at least one honest node")
-    # vote
-    v = cfg.vote
-    _choices("vote.rule", v.rule, VOTE_RULES)
-    _choices("vote.top_rule", v.top_rule, VOTE_RULES)
-    for p in v.pre:
-        _choices("vote.pre", p, PRE_RULES)
-    _check(0.0 <= v.fault_tolerance < 0.5, "vote.fault_tolerance", v.fault_tolerance, "need [0, 0.5)")
-    if v.num_byzantine is not None:
-        _check(0 <= v.num_byzantine < n, "vote.num_byzantine", v.num_byzantine, f"need 0 <= f < n = {n}")
-    _check(v.clip_norm > 0, "vote.clip_norm", v.clip_norm, "need > 0")
-    _check(
-        v.groups >= 0 and (v.groups <= 1 or n % v.groups == 0),
-        "vote.groups",
-        v.groups,
-        f"0, 1 or a divisor of nodes.count = {n}",
-    )
-    _check(v.top_num_byzantine >= 0, "vote.top_num_byzantine", v.top_num_byzantine, "need >= 0")
+    _check_vote(cfg)
     # weights
     w = cfg.weights
-    _choices("weights.objective", w.objective, OBJECTIVES)
+    _choices("weights.objective", w.objective, OBJECTIVES.names())
     if w.max_weight is not None:
         _check(0.0 < w.max_weight <= 1.0, "weights.max_weight", w.max_weight, "need (0, 1]")
     _check(w.lambda_reg >= 0, "weights.lambda_reg", w.lambda_reg, "need >= 0")
@@ -578,7 +599,7 @@ def from_dict(data: Mapping[str, Any]) -> Config:
 def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """The config of a file (None: the embedded default) with ``key=value`` overrides applied."""
     if path is None:
-        data = _deep_copy(DEFAULT)
+        data = tomllib.loads(default_text())
     else:
         p = Path(path)
         if not p.is_file():
@@ -639,9 +660,7 @@ def to_dict(cfg: Config) -> dict[str, Any]:
             return {k: clean(v) for k, v in x.items()}
         if isinstance(x, list | tuple):
             return [clean(v) for v in x]
-        if isinstance(x, float) and math.isinf(x):
-            return "inf"
-        return x
+        return x  # TOML writes inf and nan itself
 
     return clean(dataclasses.asdict(cfg))
 

@@ -31,14 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from consensus import tree
-from consensus.base import ByzantineToleranceError, get_info
-from consensus.dp import privacy_event
-from consensus.dp.state import DPState
+from consensus.base import ByzantineToleranceError
 from consensus.mesh import to_host
 from consensus.privacy import PrivacyLedger, calibrate_noise, pld_epsilon, rdp_epsilon
 from meta_consensus.config import Config
 from meta_consensus.fleet import Fleet
-from meta_consensus.pipeline import MergePipeline, RoundFailure
+from meta_consensus.pipeline import MergePipeline, MergeReport, RoundFailure
+from strategies.tasks.base import Task
 from strategies.trainer import TrainState
 
 PyTree = Any
@@ -143,15 +142,19 @@ class Coordinator:
 
     Args:
       cfg: the run config.
+      task: a Task object instead of the one the config names.
       process_index, process_count: this process in a ``jax.distributed`` run.
     """
 
-    def __init__(self, cfg: Config, *, process_index: int = 0, process_count: int = 1):
+    def __init__(
+        self, cfg: Config, *, task: Task | None = None, process_index: int = 0, process_count: int = 1
+    ):
         self.cfg = cfg
-        self.fleet = Fleet(cfg, process_index=process_index, process_count=process_count)
+        self.fleet = Fleet(cfg, task=task, process_index=process_index, process_count=process_count)
         self.noise_multiplier = self._noise_multiplier()
         self.pipeline = MergePipeline(cfg, self.fleet.task, self.fleet.data.heldout, self.noise_multiplier)
         self.aggregator = self.pipeline.aggregator
+        self._eval_jit = None  # built on the first evaluated round
         self.dp = cfg.dp.enabled
 
     def _noise_multiplier(self) -> float | None:
@@ -180,8 +183,7 @@ class Coordinator:
         else:
             tree.check_same_structure([params], reference=fresh)
         nodes = self.fleet.init(k_nodes, params)
-        agg_state = self.aggregator.init(params)
-        self._check_vote(params)
+        agg_state = self.pipeline.init(params)
         baseline = self.cfg.baseline_fedavg
         ledger = (
             PrivacyLedger(self.cfg.dp.delta, self.cfg.dp.budget, self.cfg.dp.accountant) if self.dp else None
@@ -196,11 +198,6 @@ class Coordinator:
             ledger=ledger,
             key=jax.random.key_data(key),
         )
-
-    def _check_vote(self, params: PyTree) -> None:
-        """Fail at start, not in round 1, when f is too large for the rule (ValueError names both)."""
-        zeros = jax.tree.map(lambda p: jnp.zeros((self.cfg.nodes.count, *p.shape), p.dtype), params)
-        self.pipeline.vote.update(zeros, self.pipeline.vote.init(params), params)
 
     # ------------------------------------------------------------------ the round
 
@@ -252,27 +249,17 @@ class Coordinator:
 
         # 4-6. vote -> weights -> DP
         t = time.perf_counter()
-        agg_state = state.aggregator
+        # A fresh noise key for every (round, attempt): a retry never reuses noise.
+        agg_state = self.pipeline.with_key(state.aggregator, k_dp)
         ledger = state.ledger
-        event = None
-        extra: dict[str, Any] = {}
-        if isinstance(agg_state, DPState):
-            # A fresh noise key for every (round, attempt): a retry never reuses noise.
-            agg_state = agg_state._replace(key=jax.random.key_data(k_dp))
-            event = privacy_event(agg_state)
-            if not ledger.can_spend(event):
-                raise PrivacyBudgetStop(
-                    f"round {state.round}: epsilon would reach {ledger.epsilon_after(event):.3g}, "
-                    f"over the budget {ledger.budget}"
-                )
-            if not self.pipeline.plain_fedavg:
-                extra["post_clip"] = agg_state.clip_norm
-        self.pipeline.timing = {}
-        try:
-            merged, new_agg = self.aggregator.update(
-                out.submitted, agg_state, state.consensus, mask=jnp.asarray(valid), **extra
+        event = self.pipeline.privacy_event(agg_state)
+        if event is not None and not ledger.can_spend(event):
+            raise PrivacyBudgetStop(
+                f"round {state.round}: epsilon would reach {ledger.epsilon_after(event):.3g}, "
+                f"over the budget {ledger.budget}"
             )
-            jax.block_until_ready(merged)
+        try:
+            merged, new_agg = self.pipeline.update(out.submitted, agg_state, state.consensus, valid)
         except (RoundFailure, ByzantineToleranceError) as e:
             # Solver failure, or too few valid nodes left for the rule's precondition (Krum needs
             # m > 2f + 2 of the nodes that answered). The pipeline stopped before the noise was
@@ -284,9 +271,11 @@ class Coordinator:
             ledger = copy.deepcopy(ledger)
             ledger.spend(event)
         merge = time.perf_counter() - t
-        vote, weights = self.pipeline.timing.get("vote", 0.0), self.pipeline.timing.get("weights", 0.0)
+        report = self.pipeline.report(new_agg)
+        vote = report.seconds.get("vote", merge)
+        weights = report.seconds.get("weights", 0.0)
         secs.update(vote=vote, weights=weights, dp=max(merge - vote - weights, 0.0))
-        self._merge_info(info, new_agg, ledger, second_accountant=evaluate)
+        self._merge_info(info, report, ledger, second_accountant=self.second_accountant_due(state.round))
 
         accepted = np.asarray(info.accepted, bool)
         need = math.ceil(self.cfg.consensus_threshold * n)
@@ -313,17 +302,48 @@ class Coordinator:
         # 8. evaluate
         if evaluate:
             t = time.perf_counter()
-            test = self.fleet.evaluate(merged, "test")
-            info.consensus_accuracy, info.consensus_loss = test["accuracy"], test["loss"]
-            info.heldout_accuracy = self.fleet.evaluate(merged, "heldout")["accuracy"]
+            ev = self._evaluate_consensus(merged, fedavg)
+            info.consensus_accuracy, info.consensus_loss = ev["test"]["accuracy"], ev["test"]["loss"]
+            info.heldout_accuracy = ev["heldout"]["accuracy"]
             if fedavg is not None:
-                info.fedavg_accuracy = self.fleet.evaluate(fedavg, "test")["accuracy"]
+                info.fedavg_accuracy = ev["fedavg"]["accuracy"]
             secs["evaluate"] = time.perf_counter() - t
         merged = jax.tree.map(lambda a, p: a.astype(p.dtype), merged, state.consensus)
         new_state = CoordinatorState(
             state.round + 1, merged, out.state, new_agg, fedavg, fedavg_nodes, ledger, state.key
         )
         return new_state, info
+
+    def second_accountant_due(self, round_index: int) -> bool:
+        """Whether round ``round_index`` (0-based) logs the comparison accountant's epsilon.
+
+        The ledger's own accountant is updated every round; the other one (PLD next to an RDP
+        ledger, or RDP next to a PLD one) is recomputed from scratch over all rounds, which
+        costs far more than a round's merge at small noise, so it is computed only for the
+        rounds that end with a checkpoint (``checkpoint_every``) and for the last round.
+        A pure function of the round index: a resumed run logs it for the same rounds.
+        """
+        r, every = round_index + 1, self.cfg.checkpoint_every
+        return r >= self.cfg.rounds or (every > 0 and r % every == 0)
+
+    def _evaluate_consensus(self, merged: PyTree, fedavg: PyTree | None) -> dict[str, dict[str, float]]:
+        """The consensus on test and held-out data and FedAvg on test: one jitted call, one transfer."""
+        if self._eval_jit is None:
+            metrics = self.fleet.task.metrics
+
+            def evaluate(merged, fedavg, test, heldout):
+                out = {"test": metrics(merged, test), "heldout": metrics(merged, heldout)}
+                if fedavg is not None:
+                    out["fedavg"] = metrics(fedavg, test)
+                return out
+
+            self._eval_jit = jax.jit(evaluate)
+            data = (self.fleet.data.test, self.fleet.data.heldout)
+            # Without a mesh, the evaluation data moves to the device once, not every round (on a
+            # mesh the jitted call places the host arrays next to the sharded consensus).
+            self._eval_data = jax.device_put(data) if self.fleet.trainer.mesh is None else data
+        out = to_host(self._eval_jit(merged, fedavg, *self._eval_data))
+        return {k: {m: float(v) for m, v in d.items()} for k, d in out.items()}
 
     def skip(self, state: CoordinatorState) -> CoordinatorState:
         """Give up on the current round: the previous consensus carries over to the next one."""
@@ -362,22 +382,18 @@ class Coordinator:
         )
 
     def _merge_info(
-        self, info: RoundInfo, agg_state: Any, ledger: PrivacyLedger | None, *, second_accountant: bool
+        self, info: RoundInfo, report: MergeReport, ledger: PrivacyLedger | None, *, second_accountant: bool
     ) -> None:
-        ainfo = get_info(agg_state)
-        info.accepted = _bools(to_host(ainfo.selected & ainfo.valid))
-        info.weights = _floats(to_host(ainfo.weights))
-        inner = agg_state.inner if isinstance(agg_state, DPState) else agg_state
-        if hasattr(inner, "solve_ms"):
-            info.solve_ms = float(inner.solve_ms)
-            info.weight_cap = float(inner.cap)
-        if isinstance(agg_state, DPState):
-            info.clip_norm = float(agg_state.dp.clip_norm)
-            info.noise_std = float(agg_state.dp.noise_std)
+        info.accepted = _bools(report.accepted)
+        info.weights = _floats(report.weights)
+        info.solve_ms, info.weight_cap = report.solve_ms, report.weight_cap
+        if ledger is not None:
+            info.clip_norm, info.noise_std = report.clip_norm, report.noise_std
             rounds = ledger.rounds
-            z, q, delta = self.noise_multiplier, agg_state.config.sampling_rate, self.cfg.dp.delta
+            z, delta = self.noise_multiplier, self.cfg.dp.delta
+            q = ledger.events[-1].sampling_rate if ledger.events else 1.0
             info.epsilon = ledger.epsilon()
-            # The ledger's own accountant every round; the other one (a comparison) on evaluated rounds.
+            # The ledger's own accountant every round; the other one (a comparison) where due.
             own, other = (
                 ("epsilon_rdp", "epsilon_pld")
                 if self.cfg.dp.accountant == "rdp"

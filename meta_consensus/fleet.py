@@ -38,8 +38,9 @@ from consensus import mesh as mesh_lib
 from meta_consensus.config import Config
 from strategies import byzantine as byz_lib
 from strategies.hierarchical import Level, plan
-from strategies.soup import greedy_soup
-from strategies.tasks import DigitsTask, TaskData, TextTask
+from strategies.node import LEVELS
+from strategies.registry import check_task, resolve_task
+from strategies.tasks import TaskData
 from strategies.tasks.base import Task
 from strategies.trainer import NodeTrainer, Proximal, Schedule, TrainState
 
@@ -47,10 +48,8 @@ PyTree = Any
 
 
 def make_task(cfg: Config) -> Task:
-    """The task of a config."""
-    if cfg.task.name == "digits":
-        return DigitsTask(hidden=tuple(cfg.task.hidden))
-    return TextTask()
+    """The task of a config: a registered name or a ``package.module:factory`` import path."""
+    return resolve_task(cfg.task.name, cfg.task.options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +76,13 @@ class FleetOutput:
 class Fleet:
     """The n nodes of a run: task, data, trainer and each node's strategy."""
 
-    def __init__(self, cfg: Config, *, process_index: int = 0, process_count: int = 1):
+    def __init__(
+        self, cfg: Config, *, task: Task | None = None, process_index: int = 0, process_count: int = 1
+    ):
         self.cfg = cfg
         n = cfg.nodes.count
         self.n = n
-        self.task = make_task(cfg)
+        self.task = make_task(cfg) if task is None else check_task(task, "the task object")
         self.data: TaskData = self.task.splits(
             n,
             seed=cfg.task.data_seed,
@@ -93,7 +94,8 @@ class Fleet:
             (cfg.mesh.node, cfg.mesh.data, cfg.mesh.model) if cfg.mesh.enabled or process_count > 1 else None
         )
         self.trainer = _trainer(self.task, cfg.nodes.learning_rate, cfg.nodes.batch_size, mesh)
-        self.strategies = cfg.nodes.strategy_of()
+        self.strategies = cfg.nodes.build_strategies()
+        self.settings = [s.settings(cfg.nodes.local_steps, cfg.nodes.learning_rate) for s in self.strategies]
         self.byzantine = byz_lib.Byzantine(
             mask=np.isin(np.arange(n), np.asarray(cfg.byzantine.nodes, np.int64)),
             attack=cfg.byzantine.attack,
@@ -101,41 +103,27 @@ class Fleet:
             kwargs=dict(cfg.byzantine.options),
         )
         self._plan = self._build_plan()
-        strat = np.asarray(self.strategies)
-        self.soup_nodes = np.flatnonzero(strat == "soup")
-        conv = strat == "convexity"
-        self._proximal = (
-            (
-                np.where(conv, cfg.nodes.proximal_mu, 0.0).astype(np.float32),
-                np.where(conv, cfg.nodes.proximal_radius, np.inf).astype(np.float32),
-            )
-            if conv.any()
-            else None
-        )
-        self._segments = np.array_split(
-            np.arange(cfg.nodes.local_steps), cfg.nodes.soup_snapshots if self.soup_nodes.size else 1
-        )
+        # Submit hooks that need snapshots (soups): the round's steps are cut into that many segments.
+        snaps = {st.snapshots for st in self.settings if st.snapshots}
+        if len(snaps) > 1:
+            raise ValueError(f"nodes take different numbers of snapshots {sorted(snaps)}; use one number")
+        self.snapshot_nodes = np.flatnonzero([st.snapshots > 0 for st in self.settings])
+        mu = np.asarray([st.proximal_mu for st in self.settings], np.float32)
+        radius = np.asarray([st.proximal_radius for st in self.settings], np.float32)
+        self._proximal = (mu, radius) if (mu > 0).any() or np.isfinite(radius).any() else None
+        self._segments = np.array_split(np.arange(cfg.nodes.local_steps), snaps.pop() if snaps else 1)
         self._metrics = _metrics(self.task)
         self._broadcast_jit = None
 
     # ------------------------------------------------------------------ setup
 
     def _build_plan(self):
-        cfg, steps = self.cfg, self.cfg.nodes.local_steps
-        hier = np.asarray(self.strategies) == "hierarchical"
-        if not hier.any():
-            return None  # every node trains on its own shard: one data level
-        fr = np.asarray(cfg.nodes.hierarchical_fractions)
-        split = np.floor(fr * steps).astype(np.int64)
-        split[2] = steps - split[:2].sum()  # the remainder goes to fine-tuning on the own shard
-        level_steps = np.where(hier[:, None], split[None, :], np.array([0, 0, steps])[None, :])
-        lr = cfg.nodes.learning_rate
-        scale = np.asarray(cfg.nodes.hierarchical_lr_scale, np.float32)
-        level_lr = np.where(hier[:, None], lr * scale[None, :], lr).astype(np.float32)
-        levels = [
-            Level(name, level_steps[:, j], level_lr[:, j])
-            for j, name in enumerate(("general", "groups", "own"))
-        ]
+        """The per-node curriculum (steps and learning rate per level) of the strategies' settings."""
+        level_steps = np.asarray([st.level_steps for st in self.settings], np.int64)
+        if not level_steps[:, :2].any():
+            return None  # every node trains on its own shard only: one data level
+        level_lr = np.asarray([st.level_lr for st in self.settings], np.float32)
+        levels = [Level(name, level_steps[:, j], level_lr[:, j]) for j, name in enumerate(LEVELS)]
         return plan(levels, self.data)
 
     def init(self, key: jax.Array, params: PyTree) -> TrainState:
@@ -228,27 +216,29 @@ class Fleet:
                 proximal=prox,
             )
             losses.append(mesh_lib.to_host(log.loss))
-            if self.soup_nodes.size:
+            if self.snapshot_nodes.size:
                 snapshots.append(state.params)
         loss = np.concatenate(losses, 0).mean(0)
         return state, loss, snapshots
 
     def _soups(self, stacked: PyTree, snapshots: list[PyTree]) -> PyTree:
-        """Replace each soup node's row by the greedy soup of its snapshots (held-out accuracy)."""
-        if not self.soup_nodes.size:
+        """Each node that took snapshots submits what its strategy's submit hook makes of them."""
+        if not self.snapshot_nodes.size:
             return stacked
         held = self.data.heldout
+        # One batched evaluation of every snapshot of every node, then each hook picks its own.
         scores = np.stack([self.trainer.evaluate(s, held)["accuracy"] for s in snapshots], 0)
         out = stacked
-        for i in self.soup_nodes:
+        for i in self.snapshot_nodes:
             ingredients = [jax.tree.map(functools.partial(_row, i=int(i)), s) for s in snapshots]
-            soup = greedy_soup(
+            final = jax.tree.map(functools.partial(_row, i=int(i)), stacked)
+            submitted = self.strategies[i].submit(
+                final,
                 ingredients,
                 lambda p: float(self._metrics(p, held)["accuracy"]),
-                metric="accuracy",
                 scores=scores[:, i].tolist(),
             )
-            out = jax.tree.map(lambda x, s, i=int(i): x.at[i].set(s.astype(x.dtype)), out, soup.params)
+            out = jax.tree.map(lambda x, s, i=int(i): x.at[i].set(s.astype(x.dtype)), out, submitted)
         return out
 
     # ------------------------------------------------------------------ evaluation

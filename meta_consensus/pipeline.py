@@ -1,182 +1,88 @@
 """The coordinator's merge: Byzantine vote -> convex weights -> (optional) DP step, as one Aggregator.
 
-The merge of a round is built from the config as one
-:class:`~consensus.base.Aggregator` (``update(stacked, state, params, *, mask,
-batch) -> (consensus, state)``):
+The merge of a round is composed from the library's own combinators, each config
+section building its part:
 
-1. **vote**: any rule of :mod:`consensus.aggregators` (after optional
-   pre-aggregators) on the nodes that answered with a valid candidate. With
-   ``vote.groups = G`` the vote is hierarchical: the rule runs inside each of
-   G contiguous node groups (for example the nodes of one host), then
-   ``vote.top_rule`` votes over the G group results. The vote's
-   ``info.selected`` is the set of *accepted* nodes.
-2. **weights**: ``objective = "vote"`` keeps the vote's output; any other
-   objective re-weighs the accepted nodes on the capped simplex (uniform,
-   quadratic model of the held-out loss, mixture NLL of their held-out
-   predictions, or closest to the vote's output) and merges them in one pass.
-   A cap below ``1 / accepted`` would make the problem infeasible; the cap is
-   raised to ``1 / accepted`` and the round's info says so.
-3. **DP** (``dp.enabled``): the whole pipeline is wrapped by
-   :func:`consensus.dp.privatize`: node updates are clipped to C around the
-   last consensus before the vote, the pipeline's merged update is clipped to
-   C again (a projection that leaves convex combinations of clipped updates
-   unchanged), and Gaussian noise of std ``z * 2C`` is added. **Sensitivity
-   assumption**: the merged update always lies in the C-ball, so adding,
-   removing or replacing one node moves it by at most 2C, whatever the vote
-   and the weights do with the data (they are data-dependent, so no smaller
-   bound holds). The one exception is plain DP-FedAvg (vote "mean", objective
-   "vote" or "uniform", no groups, no pre-aggregators), which uses
-   :func:`consensus.dp.dp_fedavg` and its sensitivity C / n.
+1. **vote** (``[vote]``): any registered rule of :data:`consensus.registry.RULES`
+   after optional pre-aggregators (:func:`consensus.process`), on the nodes that
+   answered with a valid candidate; with ``vote.groups = G`` a
+   :func:`consensus.grouped_vote` over G contiguous node groups (for example the
+   nodes of one host). f is ``floor(fault_tolerance * answered)`` or the absolute
+   ``num_byzantine`` (see :class:`~meta_consensus.config.VoteConfig`), so the vote is
+   built for the round's f (and cached per f).
+2. **weights** (``[weights]``): :func:`consensus.convex.convex_merge` with the
+   objective's weigher (:mod:`meta_consensus.objectives`) and ``vote=`` the vote
+   above: only the nodes the vote accepted may get weight. ``objective = "vote"``
+   keeps the vote's output. A cap below ``1 / accepted`` is raised to it.
+3. **DP** (``[dp]``): :func:`consensus.dp.privatize` with ``project=True``: node
+   updates are clipped to C around the last consensus, the merged update is
+   projected onto the C-ball and Gaussian noise of std ``z * 2C`` is added
+   (sensitivity 2C for any vote and weights; see ``privatize``). Plain DP-FedAvg
+   (vote "mean", objective "vote" or "uniform", no groups, no pre-aggregators)
+   uses :func:`consensus.dp.dp_fedavg` and its sensitivity C / n.
+
+:class:`MergePipeline` is the system's handle on that aggregator: it injects the
+round's DP key, says what the round will cost in privacy, and reads the round's
+report (accepted nodes, weights, timings, DP numbers) from the state, so the
+coordinator never looks inside the states.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import math
-import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from consensus import registry, tree
-from consensus.aggregators import process
-from consensus.base import AggregationInfo, Aggregator, empty_info, get_info
-from consensus.convex.curvature import softmax_gauss_newton
-from consensus.convex.mixture import mixture_nll_weights
-from consensus.convex.problems import ProblemCache
-from consensus.convex.qp import ConvexWeights
-from consensus.convex.weights import anchor_weights, trust_region_quadratic_weights
-from consensus.dp import AdaptiveClipConfig, dp_fedavg, privatize
+from consensus import registry
+from consensus.aggregators import grouped_vote, process
+from consensus.base import Aggregator, get_info
+from consensus.convex.merge import SolverFailure, convex_merge
+from consensus.dp import AdaptiveClipConfig, dp_fedavg, privacy_event, privatize
 from consensus.mesh import to_host
+from consensus.privacy import PrivacyEvent
 from meta_consensus.config import Config, ConfigError, plain_fedavg
+from meta_consensus.objectives import OBJECTIVES
 from strategies.tasks.base import Task
 
 PyTree = Any
 
-
-class RoundFailure(RuntimeError):
-    """The round cannot produce a consensus (solver failure, ...); the previous consensus stays."""
+RoundFailure = SolverFailure  # the round cannot produce a consensus; the previous consensus stays
 
 
-class PipelineState(NamedTuple):
-    """State of the merge pipeline (arrays only, so it checkpoints as is).
-
-    Attributes:
-      vote: the vote rule's state (one per group, then the top rule's, when hierarchical).
-      info: the round's AggregationInfo: ``selected`` = accepted by the vote,
-        ``weights`` = each node's weight in the consensus.
-      solve_ms: convex solve time of the round (0 for "vote" / "uniform").
-      cap: the weight cap used (after raising it to 1 / accepted when needed; NaN: none).
-    """
-
-    vote: Any
-    info: AggregationInfo
-    solve_ms: jax.Array
-    cap: jax.Array
+def vote_f(cfg: Config, answered: int) -> int:
+    """f of the vote (per group when grouped) in a round in which ``answered`` nodes answered."""
+    v = cfg.vote
+    return v.group_f(cfg.nodes.count // v.groups) if v.groups > 1 else v.f(answered)
 
 
-def _rule(name: str, f: int, cfg: Config) -> Aggregator:
-    if name == "centered_clipping":
-        return registry.make(name, f, clip_radius=cfg.vote.clip_norm)
-    return registry.make(name, f)
-
-
-def build_vote(cfg: Config) -> Aggregator:
-    """The vote of a config (flat, or hierarchical over ``vote.groups`` groups)."""
-    v, n = cfg.vote, cfg.nodes.count
-    groups = v.groups if v.groups > 1 else 1
-    size = n // groups
-    f = (
-        v.f(n)
-        if groups == 1
-        else (
-            v.num_byzantine // groups
-            if v.num_byzantine is not None
-            else int(math.floor(v.fault_tolerance * size))
-        )
-    )
-    pre = []
-    for p in v.pre:
-        pre.append(
-            registry.make("clip", max_norm=v.clip_norm)
-            if p == "clip"
-            else registry.make("nnm", f)
-        )
-    inner = _rule(v.rule, f, cfg)
+def build_vote(cfg: Config, answered: int | None = None) -> Aggregator:
+    """The vote of a config for a round in which ``answered`` nodes answered (default: all)."""
+    v = cfg.vote
+    f = vote_f(cfg, cfg.nodes.count if answered is None else answered)
+    pre = [registry.make(p, f, **v.pre_options.get(p, {})) for p in v.pre]
+    inner = registry.make(v.rule, f, **v.options)
     inner = process(inner, pre=pre) if pre else inner
-    if groups == 1:
+    if v.groups <= 1:
         return inner
-    top = _rule(v.top_rule, v.top_num_byzantine, cfg)
-    return hierarchical_vote(inner, top, groups)
+    top = registry.make(v.top_rule, v.top_num_byzantine, **v.top_options)
+    return grouped_vote(inner, top, v.groups)
 
 
-class HierarchicalVoteState(NamedTuple):
-    """State of :func:`hierarchical_vote`: each group's rule state, the top rule's, the node-level info."""
+@dataclasses.dataclass
+class MergeReport:
+    """What the merge did in one round, read from its state (host values)."""
 
-    groups: tuple
-    top: Any
-    info: AggregationInfo
-
-
-def hierarchical_vote(inner: Aggregator, top: Aggregator, groups: int) -> Aggregator:
-    """Vote in each of ``groups`` contiguous node blocks with ``inner``, then over the results with ``top``.
-
-    A node is accepted when its group's vote accepted it and the top vote accepted
-    its group; its weight is the product of the two (exact for linear rules).
-    """
-
-    def init(params):
-        return HierarchicalVoteState(
-            tuple(inner.init(params) for _ in range(groups)), top.init(params), empty_info()
-        )
-
-    def update(stacked, state, params=None, *, mask=None, **extra):
-        n = tree.num_nodes(stacked)
-        size = n // groups
-        mask = jnp.ones((n,), bool) if mask is None else jnp.asarray(mask, bool)
-        results, states, infos = [], [], []
-        for g in range(groups):
-            rows = slice(g * size, (g + 1) * size)
-            sub = jax.tree.map(lambda x, rows=rows: x[rows], stacked)
-            merged, st = inner.update(sub, state.groups[g], params, mask=mask[rows], **extra)
-            results.append(merged)
-            states.append(st)
-            infos.append(get_info(st))
-        group_stack = tree.stack(results)
-        group_ok = jnp.stack([jnp.any(i.selected) for i in infos])
-        merged, top_state = top.update(group_stack, state.top, params, mask=group_ok, **extra)
-        top_info = get_info(top_state)
-        valid = jnp.concatenate([i.valid for i in infos])
-        selected = jnp.concatenate([i.selected & top_info.selected[g] for g, i in enumerate(infos)])
-        weights = jnp.concatenate([i.weights * top_info.weights[g] for g, i in enumerate(infos)])
-        linear = bool(top_info.linear) and all(bool(i.linear) for i in infos)
-        info = AggregationInfo(valid, selected, weights, linear)
-        return merged, HierarchicalVoteState(tuple(states), top_state, info)
-
-    return Aggregator(init, update, f"hierarchical({inner.name}->{top.name})", None)
-
-
-@functools.lru_cache(maxsize=16)
-def _true_label_probs(task: Task):
-    @jax.jit
-    def probs(stacked, batch):
-        def one(p):
-            logits = task.apply(p, batch["x"]).astype(jnp.float32)
-            logp = jax.nn.log_softmax(logits, axis=-1)
-            return jnp.exp(
-                jnp.take_along_axis(logp, batch["y"][..., None].astype(jnp.int32), -1)[..., 0]
-            ).reshape(-1)
-
-        return jax.vmap(one)(stacked)
-
-    return probs
-
-
-@functools.lru_cache(maxsize=16)
-def _task_metrics(task: Task):
-    return jax.jit(task.metrics)
+    accepted: np.ndarray
+    weights: np.ndarray
+    seconds: dict[str, float]
+    solve_ms: float = 0.0
+    weight_cap: float = math.nan
+    clip_norm: float = math.nan
+    noise_std: float = math.nan
 
 
 class MergePipeline:
@@ -189,119 +95,92 @@ class MergePipeline:
         self.task = task
         k = cfg.weights.max_examples
         self.heldout = heldout if k is None else {name: v[:k] for name, v in heldout.items()}
-        self.vote = build_vote(cfg)
-        self.cache = ProblemCache()
-        self.timing: dict[str, float] = {}
-        self._probs = _true_label_probs(task)
-        self._metrics = _task_metrics(task)
-        self.plain_fedavg = plain_fedavg(cfg)
-        if cfg.weights.objective == "quadratic" and cfg.task.name != "digits":
+        spec = OBJECTIVES[cfg.weights.objective]
+        if spec.classification and getattr(task, "kind", "classification") != "classification":
             raise ConfigError(
-                "weights.objective = 'quadratic' needs a classification task (task.name = 'digits')"
+                f"weights.objective = {spec.name!r} needs a classification task, not {cfg.task.name!r}"
             )
-        merge = Aggregator(self._init, self._update, f"{self.vote.name}+{cfg.weights.objective}", None)
+        self._weigher = spec.build(cfg.weights, task, self.heldout)
+        self.noise_multiplier = noise_multiplier
+        self.plain_fedavg = plain_fedavg(cfg)
+        self._by_f: dict[int, Aggregator] = {}
+        self.vote = build_vote(cfg)
+        self.aggregator = self.for_answered(cfg.nodes.count)
+
+    # ---------------------------------------------------------------- composition
+
+    def for_answered(self, answered: int) -> Aggregator:
+        """The merge aggregator of a round in which ``answered`` nodes gave a valid candidate.
+
+        Every f shares one state layout (the rules' states do not depend on f), so a
+        state carries over from a round with one f to a round with another.
+        """
+        f = vote_f(self.cfg, answered)
+        if f not in self._by_f:
+            self._by_f[f] = self._compose(build_vote(self.cfg, answered))
+        return self._by_f[f]
+
+    def _compose(self, vote: Aggregator) -> Aggregator:
+        cfg = self.cfg
+        if self._weigher is None:
+            merge = vote
+        else:
+            on_fallback = "raise" if cfg.weights.on_solver_failure == "fail" else "use"
+            merge = convex_merge(
+                self._weigher, vote=vote, on_fallback=on_fallback, name=f"{vote.name}+{cfg.weights.objective}"
+            )
         d = cfg.dp
         if not d.enabled:
-            self.aggregator = merge
-        else:
-            adaptive = AdaptiveClipConfig(d.target_quantile, d.adaptive_lr) if d.adaptive else None
-            n = cfg.nodes.count
-            if self.plain_fedavg:
-                self.aggregator = dp_fedavg(d.clip_norm, noise_multiplier, adaptive=adaptive, key=0)
-            else:
-                merge = merge._replace(sensitivity=lambda clip, m: 2.0 * clip)
-                self.aggregator = privatize(
-                    merge, d.clip_norm, noise_multiplier, expected_nodes=n, adaptive=adaptive, key=0
-                )
+            return merge
+        adaptive = AdaptiveClipConfig(d.target_quantile, d.adaptive_lr) if d.adaptive else None
+        if self.plain_fedavg:
+            return dp_fedavg(d.clip_norm, self.noise_multiplier, adaptive=adaptive, key=0)
+        return privatize(
+            merge,
+            d.clip_norm,
+            self.noise_multiplier,
+            expected_nodes=cfg.nodes.count,
+            adaptive=adaptive,
+            key=0,
+            project=True,
+        )
 
-    # ---------------------------------------------------------------- the merge aggregator
+    # ---------------------------------------------------------------- the round
 
-    def _init(self, params: PyTree) -> PipelineState:
-        return PipelineState(self.vote.init(params), empty_info(), jnp.float32(0.0), jnp.float32(jnp.nan))
+    def init(self, params: PyTree) -> Any:
+        return self.aggregator.init(params)
 
-    def _update(self, stacked, state: PipelineState, params=None, *, mask=None, post_clip=None, **extra):
-        del extra
-        t0 = time.perf_counter()
-        voted, vote_state = self.vote.update(stacked, state.vote, params, mask=mask)
-        vinfo = get_info(vote_state)
-        accepted = np.asarray(to_host(vinfo.selected & vinfo.valid), bool)  # waits for the vote
-        t1 = time.perf_counter()
-        objective = self.cfg.weights.objective
-        solve_ms, cap = 0.0, math.nan
-        if objective == "vote":
-            merged, info = voted, vinfo
-        else:
-            if not accepted.any():
-                raise RoundFailure("the vote accepted no node")
-            w, solve_ms, cap = self._weights(stacked, params, voted, accepted)
-            wj = jnp.asarray(w, jnp.float32)
-            merged = jax.block_until_ready(tree.weighted_sum(stacked, wj))
-            info = AggregationInfo(vinfo.valid, jnp.asarray(accepted), wj, True)
-        # Host-side telemetry of the last update (wall seconds), read by the coordinator's round info.
-        self.timing = {"vote": t1 - t0, "weights": time.perf_counter() - t1}
-        if post_clip is not None:
-            merged = _clip_delta(merged, params, post_clip)
-        return merged, PipelineState(vote_state, info, jnp.float32(solve_ms), jnp.float32(cap))
+    def with_key(self, state: Any, key: jax.Array) -> Any:
+        """The state with the round's DP noise key (a retry never reuses noise); as is without DP."""
+        return state._replace(key=jax.random.key_data(key)) if self.cfg.dp.enabled else state
 
-    def _weights(self, stacked, params, voted, accepted: np.ndarray) -> tuple[np.ndarray, float, float]:
-        cfg = self.cfg.weights
-        k = int(accepted.sum())
-        if cfg.objective == "uniform":
-            return accepted / k, 0.0, math.nan
-        cap = None if cfg.max_weight is None else max(cfg.max_weight, 1.0 / k)
-        # No solver warm start: a resumed run must solve exactly as an uninterrupted one.
-        opts = {
-            "lambda_reg": cfg.lambda_reg,
-            "max_weight": cap,
-            "mask": accepted,
-            "cache": self.cache,
-            "solver_options": {"warm_start": False},
-        }
-        if cfg.objective == "mixture_nll":
-            probs = to_host(self._probs(stacked, self.heldout))
-            # Damped Newton on the cached QP: as fast as the exponential-cone form at this size, and
-            # on near-degenerate probabilities it solved rounds where the conic form failed in Clarabel.
-            res = mixture_nll_weights(np.asarray(probs, np.float64), method="newton", **opts)
-        elif cfg.objective == "anchor":
-            res = anchor_weights(stacked, voted, **opts)
-        else:  # quadratic, with the trust region on the true held-out loss
-            x, y = self.heldout["x"], self.heldout["y"]
-            ref = tree.weighted_sum(stacked, jnp.asarray(accepted / k, jnp.float32))
+    def privacy_event(self, state: Any) -> PrivacyEvent | None:
+        """What the next update will cost in privacy (None without DP)."""
+        return privacy_event(state) if self.cfg.dp.enabled else None
 
-            def logits_fn(p, xi):
-                return self.task.apply(p, xi[None])[0]
+    def update(self, stacked: PyTree, state: Any, params: PyTree, valid: np.ndarray) -> tuple[PyTree, Any]:
+        """Merge the valid candidates. Raises RoundFailure (solver, empty vote) or ByzantineToleranceError."""
+        agg = self.for_answered(int(np.sum(valid)))
+        merged, state = agg.update(stacked, state, params, mask=jnp.asarray(valid))
+        return jax.block_until_ready(merged), state
 
-            model = softmax_gauss_newton(logits_fn, ref, x, y)
-            res = trust_region_quadratic_weights(
-                stacked,
-                ref,
-                model.grad,
-                model.curvature,
-                lambda p: float(self._metrics(p, self.heldout)["loss"]),
-                loss=float(model.loss),
-                **opts,
-            )
-        return self._check(res), 1e3 * res.solve_time, math.nan if cap is None else cap
-
-    def _check(self, res: ConvexWeights) -> np.ndarray:
-        if res.fallback and self.cfg.weights.on_solver_failure == "fail":
-            cause = res.message.split("; fell back")[0]  # the library's fallback is not taken here
-            raise RoundFailure(f"convex weights: solver failure ({res.status}): {cause}")
-        return np.asarray(res.weights, np.float64)
-
-
-@jax.jit
-def _clip_delta(merged: PyTree, params: PyTree, radius: jax.Array) -> PyTree:
-    """``params + clip_radius(merged - params)``: the whole-tree update projected onto the radius ball."""
-    sq = sum(
-        jnp.sum(jnp.square(m.astype(jnp.float32) - p.astype(jnp.float32)))
-        for m, p in zip(jax.tree.leaves(merged), jax.tree.leaves(params), strict=True)
-    )
-    scale = jnp.minimum(1.0, radius / jnp.maximum(jnp.sqrt(sq), 1e-30))
-    return jax.tree.map(
-        lambda m, p: (p.astype(jnp.float32) + scale * (m.astype(jnp.float32) - p.astype(jnp.float32))).astype(
-            m.dtype
-        ),
-        merged,
-        params,
-    )
+    def report(self, state: Any) -> MergeReport:
+        """The round's accepted nodes, weights, timings and DP numbers, read from the state."""
+        info = get_info(state)
+        dp = self.cfg.dp.enabled
+        merge_state = state.inner if dp and not self.plain_fedavg else state
+        result = getattr(merge_state, "result", None)
+        rep = MergeReport(
+            accepted=np.asarray(to_host(info.selected & info.valid), bool),
+            weights=np.asarray(to_host(info.weights), np.float64),
+            seconds=dict(getattr(merge_state, "seconds", {})),
+        )
+        if result is not None:
+            rep.solve_ms = 1e3 * result.solve_time
+            k = int(rep.accepted.sum())
+            cap = self.cfg.weights.max_weight
+            rep.weight_cap = math.nan if cap is None or k == 0 else max(cap, 1.0 / k)
+        if dp:
+            rep.clip_norm = float(state.dp.clip_norm)
+            rep.noise_std = float(state.dp.noise_std)
+        return rep

@@ -62,6 +62,9 @@ class Task(Protocol):
       never split), one entry per dimension of the leaf.
     * ``flip_labels(batch)`` returns the batch with corrupted targets (label
       flipping attack). It must be a pure jittable function.
+    * ``kind`` (optional, default "classification"): "classification" when
+      ``apply`` returns (rows, classes) logits for integer labels ``y``; any other
+      value (e.g. "language") turns off the objectives that need per-class logits.
     """
 
     name: str

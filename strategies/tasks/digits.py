@@ -18,27 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from strategies.tasks.base import (
-    Array,
-    Batch,
-    PyTree,
-    TaskData,
-    cross_entropy,
-    dirichlet_partition,
-    dominant_groups,
-    hosted_nodes,
-    masked_mean,
-    pad_stack,
-    param_dtype,
-    split_module,
-)
+from strategies.tasks.base import Array, PyTree, TaskData, param_dtype, split_module
+from strategies.tasks.classification import ClassifierMethods, classification_splits
 
 NUM_CLASSES = 10
 NUM_FEATURES = 64
@@ -82,7 +70,7 @@ def _load() -> tuple[np.ndarray, np.ndarray]:
 
 
 @dataclasses.dataclass(frozen=True)
-class DigitsTask:
+class DigitsTask(ClassifierMethods):
     """The digits classification task.
 
     Args:
@@ -109,6 +97,7 @@ class DigitsTask:
     split_seed: int = 0
     dominant_mass: float = 0.8
     name: str = "digits"
+    kind: ClassVar[str] = "classification"  # what the weight objectives may assume (see Task)
 
     def __post_init__(self):
         if not 0.0 <= self.dropout < 1.0:
@@ -143,25 +132,6 @@ class DigitsTask:
         rate = self.dropout if train else 0.0
         return model(x, dropout=rate, key=key)
 
-    def loss(self, params: PyTree, batch: Batch, key: Array | None = None) -> Array:
-        """Mean cross entropy (float32) over the batch rows (``batch["mask"]`` when present)."""
-        logits = self.apply(params, batch["x"], train=key is not None, key=key)
-        return masked_mean(cross_entropy(logits, batch["y"]), batch.get("mask"))
-
-    def metrics(self, params: PyTree, batch: Batch) -> dict[str, Array]:
-        """``{"loss", "accuracy"}`` as float32 scalars."""
-        logits = self.apply(params, batch["x"])
-        mask = batch.get("mask")
-        correct = (jnp.argmax(logits, axis=-1) == batch["y"]).astype(jnp.float32)
-        loss = masked_mean(cross_entropy(logits, batch["y"]), mask)
-        return {"loss": loss, "accuracy": masked_mean(correct, mask)}
-
-    def flip_labels(self, batch: Batch) -> Batch:
-        """Label flipping attack: y -> 9 - y."""
-        out = dict(batch)
-        out["y"] = (NUM_CLASSES - 1 - batch["y"]).astype(batch["y"].dtype)
-        return out
-
     def splits(
         self,
         num_nodes: int,
@@ -180,7 +150,6 @@ class DigitsTask:
         """
         from sklearn.model_selection import train_test_split
 
-        hosted = hosted_nodes(num_nodes, process_index, process_count)
         x, y = _load()
         idx = np.arange(len(y))
         rest, test = train_test_split(
@@ -190,36 +159,17 @@ class DigitsTask:
         train, held = train_test_split(
             rest, test_size=held_share, random_state=self.split_seed + 1, stratify=y[rest]
         )
-        train = np.sort(train)
-        rng = np.random.default_rng(seed)
-        if num_nodes == 1:
-            shards = [np.arange(len(train))]
-        else:
-            shards = dirichlet_partition(y[train], num_nodes, alpha, rng, min_size=8)
-        local = [train[shards[i]] for i in hosted]
-        size = max(len(s) for s in shards)  # the same padded size on every process
-        groups = np.stack([dominant_groups(y[r], NUM_CLASSES, mass=self.dominant_mass) for r in local])
-        train_groups = pad_stack([y[r] for r in local], size)
-        counts = np.array([len(r) for r in local], np.int32)
-        # Global ids (rows of the bundled data set) of each hosted node's examples, -1 on padding:
-        # lets callers check that processes hold disjoint shards.
-        example_ids = pad_stack([r.astype(np.int64) for r in local], size)
-        for i, c in enumerate(counts):
-            train_groups[i, c:] = -1
-            example_ids[i, c:] = -1
-        return TaskData(
+        return classification_splits(
+            x,
+            y,
+            train=train,
+            heldout=held,
+            test=test,
             num_nodes=num_nodes,
-            node_ids=hosted,
-            train={"x": pad_stack([x[r] for r in local], size), "y": pad_stack([y[r] for r in local], size)},
-            train_count=counts,
-            train_groups=train_groups,
-            general={"x": x[train], "y": y[train]},
-            general_groups=y[train],
-            heldout={"x": x[held], "y": y[held]},
-            test={"x": x[test], "y": y[test]},
-            node_groups=groups,
-            group_names=tuple(str(c) for c in range(NUM_CLASSES)),
+            num_classes=NUM_CLASSES,
+            seed=seed,
+            alpha=alpha,
+            dominant_mass=self.dominant_mass,
             process_index=process_index,
             process_count=process_count,
-            meta={"example_ids": example_ids, "alpha": alpha, "seed": seed},
         )

@@ -35,7 +35,7 @@ import math
 import os
 import sysconfig
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -434,6 +434,7 @@ class TextTask:
     families: tuple[tuple[str, tuple[str, ...]], ...] = FAMILIES
     root: str | None = None
     name: str = "text"
+    kind: ClassVar[str] = "language"  # what the weight objectives may assume (see Task)
 
     def __post_init__(self):
         if self.d_model % self.num_heads:

@@ -19,8 +19,10 @@ def test_default_is_valid_and_shows_the_whole_idea():
 
 
 def test_toml_round_trip_gives_an_equal_config(tmp_path):
-    cfg = config.load(None, ["weights.max_weight=none", "nodes.proximal_radius=inf", "vote.num_byzantine=1"])
-    assert cfg.weights.max_weight is None and math.isinf(cfg.nodes.proximal_radius)
+    cfg = config.load(
+        None, ["weights.max_weight=none", "nodes.options.convexity.radius=inf", "vote.num_byzantine=1"]
+    )
+    assert cfg.weights.max_weight is None and math.isinf(cfg.nodes.options["convexity"]["radius"])
     path = tmp_path / "c.toml"
     path.write_text(config.dumps(cfg))
     assert config.load(path) == cfg
@@ -44,7 +46,10 @@ def test_overrides_parse_toml_values():
     [
         ("vote.rulez=krum", "unknown key(s) ['rulez'] in [vote]; valid keys: ['rule'"),
         ("colour=red", "unknown key(s) ['colour'] in the top level"),
-        ("vote.rule=kruum", "vote.rule = 'kruum' is not valid; choose one of ['mean', 'median'"),
+        (
+            "vote.rule=kruum",
+            "vote.rule = 'kruum' is not valid; choose one of ['mean', 'weighted_mean', 'median'",
+        ),
         (
             "weights.objective=entropy",
             "choose one of ['vote', 'uniform', 'quadratic', 'mixture_nll', 'anchor']",
@@ -60,7 +65,7 @@ def test_overrides_parse_toml_values():
         ("on_failure=panic", "choose one of ['continue', 'stop']"),
         (
             "byzantine.attack=sign_flip",
-            "byzantine.options ['z'] are not options of the 'sign_flip' attack; valid options: ['scale']",
+            "byzantine.options: ['z'] are not options of the 'sign_flip' attack; valid options: ['scale']",
         ),
         ("byzantine.options={zz = 1.0}", "valid options: ['z']"),
     ],

@@ -1,0 +1,160 @@
+"""Registry of weight objectives: how the system weighs the nodes its vote accepted.
+
+Each entry builds a :class:`~consensus.convex.merge.Weigher` (or None: keep the vote's
+own output) from the ``[weights]`` section, the task and the coordinator's held-out
+data, for :func:`consensus.convex.convex_merge` to run after the vote. The held-out
+data is the coordinator's own, never node data.
+
+Adding an objective is one function ``build(weights_cfg, task, heldout) -> Weigher``
+and one :func:`register_objective` call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from consensus import tree
+from consensus.convex.curvature import softmax_gauss_newton
+from consensus.convex.merge import Weigher
+from consensus.convex.mixture import mixture_nll_weights
+from consensus.convex.problems import ProblemCache
+from consensus.convex.qp import ConvexWeights
+from consensus.convex.weights import anchor_weights, trust_region_quadratic_weights
+from consensus.mesh import to_host
+from consensus.registry import Registry
+from strategies.tasks.base import Task
+
+Builder = Callable[[Any, Task, Mapping[str, np.ndarray]], Weigher | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveSpec:
+    """A registered weight objective.
+
+    Attributes:
+      name: its config name.
+      build: ``build(weights_cfg, task, heldout) -> Weigher | None`` (None: the vote's output).
+      summary: one line for docs and errors.
+      classification: needs a classification task (per-class logits).
+    """
+
+    name: str
+    build: Builder
+    summary: str
+    classification: bool = False
+
+
+OBJECTIVES: Registry[ObjectiveSpec] = Registry("weight objective")
+
+
+def register_objective(name: str, build: Builder, summary: str, *, classification: bool = False):
+    return OBJECTIVES.register(name, ObjectiveSpec(name, build, summary, classification))
+
+
+def _options(cfg: Any, mask: np.ndarray, cache: ProblemCache) -> dict[str, Any]:
+    """Solver options shared by the objectives; the cap is raised to 1 / accepted when below it."""
+    k = int(mask.sum())
+    cap = None if cfg.max_weight is None else max(cfg.max_weight, 1.0 / k)
+    # No solver warm start: a resumed run must solve exactly as an uninterrupted one.
+    return {
+        "lambda_reg": cfg.lambda_reg,
+        "max_weight": cap,
+        "mask": mask,
+        "cache": cache,
+        "solver_options": {"warm_start": False},
+    }
+
+
+def _uniform(cfg, task, heldout) -> Weigher:
+    def weigh(stacked, params, mask, **extra):
+        k = int(mask.sum())
+        return ConvexWeights(
+            weights=mask / k, objective=0.0, status="uniform", solve_time=0.0, fallback=False,
+            message="", accepted=mask.copy(), objective_name="uniform",
+        )  # fmt: skip
+
+    return weigh
+
+
+@functools.lru_cache(maxsize=16)
+def _true_label_probs(task: Task):
+    @jax.jit
+    def probs(stacked, batch):
+        def one(p):
+            logits = task.apply(p, batch["x"]).astype(jnp.float32)
+            logp = jax.nn.log_softmax(logits, axis=-1)
+            y = batch["y"][..., None].astype(jnp.int32)
+            return jnp.exp(jnp.take_along_axis(logp, y, -1)[..., 0]).reshape(-1)
+
+        return jax.vmap(one)(stacked)
+
+    return probs
+
+
+def _mixture_nll(cfg, task, heldout) -> Weigher:
+    cache, probs_fn = ProblemCache(), _true_label_probs(task)
+
+    def weigh(stacked, params, mask, **extra):
+        probs = np.asarray(to_host(probs_fn(stacked, heldout)), np.float64)
+        # Damped Newton on the cached QP: as fast as the exponential-cone form at this size, and
+        # on near-degenerate probabilities it solved rounds where the conic form failed in Clarabel.
+        return mixture_nll_weights(probs, method="newton", **_options(cfg, mask, cache))
+
+    return weigh
+
+
+def _anchor(cfg, task, heldout) -> Weigher:
+    cache = ProblemCache()
+
+    def weigh(stacked, params, mask, *, voted=None, **extra):
+        return anchor_weights(stacked, voted, **_options(cfg, mask, cache))
+
+    return weigh
+
+
+@functools.lru_cache(maxsize=16)
+def _metrics(task: Task):
+    return jax.jit(task.metrics)
+
+
+def _quadratic(cfg, task, heldout) -> Weigher:
+    cache, metrics = ProblemCache(), _metrics(task)
+    x, y = heldout["x"], heldout["y"]
+
+    def logits_fn(p, xi):
+        return task.apply(p, xi[None])[0]
+
+    def weigh(stacked, params, mask, **extra):
+        k = int(mask.sum())
+        ref = tree.weighted_sum(stacked, jnp.asarray(mask / k, jnp.float32))
+        model = softmax_gauss_newton(logits_fn, ref, x, y)
+        return trust_region_quadratic_weights(
+            stacked,
+            ref,
+            model.grad,
+            model.curvature,
+            lambda p: float(metrics(p, heldout)["loss"]),
+            loss=float(model.loss),
+            **_options(cfg, mask, cache),
+        )
+
+    return weigh
+
+
+register_objective("vote", lambda cfg, task, heldout: None, "the vote's own output is the consensus")
+register_objective("uniform", _uniform, "plain mean of the nodes the vote accepted")
+register_objective(
+    "quadratic",
+    _quadratic,
+    "trust-region quadratic (Gauss-Newton) model of the held-out loss",
+    classification=True,
+)
+register_objective("mixture_nll", _mixture_nll, "NLL of the mixture of the nodes' held-out predictions")
+register_objective("anchor", _anchor, "the convex combination of accepted nodes closest to the vote's output")

@@ -1,0 +1,205 @@
+"""Node strategies as composable objects: what each node does between two consensus rounds.
+
+A strategy says, for one node:
+
+* :meth:`NodeStrategy.settings` - its per-node settings: a **data schedule** (steps and
+  learning rate on each curriculum level: the general pool, its own groups of it, its own
+  shard) and the parameters of the trainer's per-node **transform** (a proximal pull of
+  strength ``proximal_mu`` towards the last consensus and a projection onto the L2 ball of
+  ``proximal_radius`` around it, applied after the optax update: ``mu = 0, radius = inf`` is
+  plain training);
+* :meth:`NodeStrategy.submit` - a **submit hook**: what the node sends to the coordinator,
+  from its final parameters and the snapshots taken along the round (e.g. a soup);
+  ``evaluate(params) -> float`` scores a tree on the node's held-out data and ``scores``
+  are the snapshots' scores when the caller computed them in one batched call.
+
+The trainer never branches on strategy names: every node runs the same jitted, vmapped
+step with its own settings (a table of per-node numbers), so mixed strategies still train
+in one call. A new strategy is a class with these two methods plus one
+:func:`register_strategy` call; it does not edit the trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from consensus.registry import Registry, RegistryError
+
+PyTree = Any
+LEVELS = ("general", "groups", "own")
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeSettings:
+    """One node's settings for the trainer (see the module docstring).
+
+    Attributes:
+      level_steps: steps on the general pool, the node's groups of it, and its own shard.
+      level_lr: learning rate on each of the three levels.
+      proximal_mu: strength of the proximal pull towards the last consensus (0: none).
+      proximal_radius: radius of the L2 ball around the last consensus (inf: no projection).
+      snapshots: how many snapshots of its parameters the node takes along the round
+        (0: none; the submit hook receives them).
+    """
+
+    level_steps: tuple[int, int, int]
+    level_lr: tuple[float, float, float]
+    proximal_mu: float = 0.0
+    proximal_radius: float = math.inf
+    snapshots: int = 0
+
+
+class NodeStrategy(Protocol):
+    """What a node strategy provides (see the module docstring)."""
+
+    name: str
+
+    def settings(self, local_steps: int, learning_rate: float) -> NodeSettings: ...
+
+    def submit(
+        self,
+        final: PyTree,
+        snapshots: Sequence[PyTree],
+        evaluate: Callable[[PyTree], float],
+        scores: Sequence[float] | None = None,
+    ) -> PyTree: ...
+
+
+class _SubmitFinal:
+    def submit(self, final, snapshots, evaluate, scores=None):
+        """Submit the final parameters."""
+        del snapshots, evaluate, scores
+        return final
+
+
+@dataclasses.dataclass(frozen=True)
+class Local(_SubmitFinal):
+    """Plain local training on the node's own shard; submits its final parameters."""
+
+    name: str = "local"
+
+    def settings(self, local_steps: int, learning_rate: float) -> NodeSettings:
+        return NodeSettings((0, 0, local_steps), (learning_rate,) * 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hierarchical(_SubmitFinal):
+    """A curriculum: the general pool, then the node's own groups of it, then its own shard.
+
+    Args:
+      fractions: shares of the round's steps on the three levels (sum 1); the remainder
+        of the rounding goes to the own shard.
+      lr_scale: learning-rate multipliers of the three levels.
+    """
+
+    fractions: tuple[float, float, float] = (0.5, 0.25, 0.25)
+    lr_scale: tuple[float, float, float] = (1.0, 1.0, 0.5)
+    name: str = "hierarchical"
+
+    def __post_init__(self):
+        fr = tuple(self.fractions)
+        if len(fr) != 3 or any(x < 0 for x in fr) or abs(sum(fr) - 1.0) > 1e-6:
+            raise ValueError(f"hierarchical: fractions must be three shares >= 0 that sum to 1, got {fr}")
+        if len(self.lr_scale) != 3 or any(x <= 0 for x in self.lr_scale):
+            raise ValueError(f"hierarchical: lr_scale must be three multipliers > 0, got {self.lr_scale}")
+
+    def settings(self, local_steps: int, learning_rate: float) -> NodeSettings:
+        general, groups = (int(math.floor(f * local_steps)) for f in self.fractions[:2])
+        steps = (general, groups, local_steps - general - groups)
+        return NodeSettings(steps, tuple(learning_rate * s for s in self.lr_scale))
+
+
+@dataclasses.dataclass(frozen=True)
+class Convexity(_SubmitFinal):
+    """Proximal / convex-constrained training that keeps the node mergeable with the consensus.
+
+    Args:
+      mu: proximal pull towards the last consensus (FedProx's mu).
+      radius: the node stays in the L2 ball of this radius around the last consensus.
+    """
+
+    mu: float = 0.5
+    radius: float = math.inf
+    name: str = "convexity"
+
+    def __post_init__(self):
+        if not self.mu >= 0:
+            raise ValueError(f"convexity: mu must be >= 0, got {self.mu}")
+        if not self.radius > 0:
+            raise ValueError(f"convexity: radius must be > 0, got {self.radius}")
+
+    def settings(self, local_steps: int, learning_rate: float) -> NodeSettings:
+        return NodeSettings((0, 0, local_steps), (learning_rate,) * 3, self.mu, self.radius)
+
+
+@dataclasses.dataclass(frozen=True)
+class Soup:
+    """Incremental soup: snapshots along the round, submits their greedy soup (Wortsman et al. 2022).
+
+    Args:
+      snapshots: checkpoints taken at evenly spaced steps of the round (the last at its end).
+    """
+
+    snapshots: int = 4
+    name: str = "soup"
+
+    def __post_init__(self):
+        if not (isinstance(self.snapshots, int) and self.snapshots >= 1):
+            raise ValueError(f"soup: snapshots must be a positive int, got {self.snapshots!r}")
+
+    def settings(self, local_steps: int, learning_rate: float) -> NodeSettings:
+        if self.snapshots > local_steps:
+            raise ValueError(
+                f"soup: {self.snapshots} snapshots need at least as many local steps ({local_steps})"
+            )
+        return NodeSettings((0, 0, local_steps), (learning_rate,) * 3, snapshots=self.snapshots)
+
+    def submit(self, final, snapshots, evaluate, scores=None):
+        """The greedy soup of the snapshots on held-out accuracy (``scores``: theirs, if known)."""
+        from strategies.soup import greedy_soup
+
+        del final  # the last snapshot is the final parameters
+        return greedy_soup(list(snapshots), evaluate, metric="accuracy", scores=scores).params
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategySpec:
+    """A registered node strategy: ``factory(**options) -> NodeStrategy``."""
+
+    name: str
+    factory: Callable[..., NodeStrategy]
+    summary: str = ""
+
+    @property
+    def options(self) -> list[str]:
+        return [k for k in inspect.signature(self.factory).parameters if k != "name"]
+
+    def build(self, **options: Any) -> NodeStrategy:
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            raise RegistryError(
+                f"node strategy {self.name!r} takes no option(s) {unknown}; valid options: {self.options}"
+            )
+        return self.factory(**options)
+
+
+STRATEGIES: Registry[StrategySpec] = Registry("node strategy")
+
+
+def register_strategy(name: str, factory: Callable[..., NodeStrategy]) -> StrategySpec:
+    """Register a node strategy class or factory under ``name`` (its keyword arguments are its options)."""
+    doc = (inspect.getdoc(factory) or "").split("\n", 1)[0]
+    return STRATEGIES.register(name, StrategySpec(name, factory, doc))
+
+
+register_strategy("local", Local)
+register_strategy("hierarchical", Hierarchical)
+register_strategy("convexity", Convexity)
+register_strategy("soup", Soup)
