@@ -24,14 +24,11 @@ labels (f = 1, cap 1/(n - 1)).
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
 import platform
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -41,6 +38,7 @@ import optax
 from scipy import optimize
 from sklearn.datasets import load_digits
 
+from benchmarks import harness
 from consensus import tree
 from consensus.convex import problems
 from consensus.convex.curvature import empirical_fisher, softmax_gauss_newton
@@ -49,8 +47,6 @@ from consensus.convex.mixture import mixture_nll_weights
 from consensus.convex.problems import ProblemCache
 from consensus.convex.qp import solve_qp_weights
 from consensus.convex.weights import anchor_weights
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 # ----------------------------------------------------------------------------- part 1: timing
 
@@ -522,17 +518,16 @@ def targets(timing: list[dict]) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small grid, under a minute")
-    args = ap.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    ap = harness.parser(__doc__, "small grid, under a minute")
+    args = harness.parse(ap, argv)
     if args.quick:
         ns, ms, repeats = [4, 16, 64], [1000], 5
         quality_runs = [("softmax_regression", 8, False), ("mlp_64_32_10", 8, True)]
     else:
         ns, ms, repeats = [4, 8, 16, 32, 64], [1000, 10000], 15
         quality_runs = [(t, 8, noisy) for t in TASKS for noisy in (False, True)]
-    load_before = [round(x, 2) for x in os.getloadavg()]
+    load_before = harness.load_average()
     # Warm-up: imports, cvxpy's first canonicalisation, jax dispatch.
     solve_qp_weights(np.eye(3), np.zeros(3), cache=ProblemCache())
     mixture_nll_weights(np.full((3, 10), 0.5), cache=ProblemCache())
@@ -556,15 +551,14 @@ def main() -> None:
         machine=f"{platform.machine()}, {jax.device_count()} jax device(s) ({jax.default_backend()}), "
         f"python {platform.python_version()}",
         load_before=load_before,
-        load_after=[round(x, 2) for x in os.getloadavg()],
+        load_after=harness.load_average(),
         cpus=os.cpu_count(),
         timing=timing,
         targets=targets(timing),
         quality=qual,
     )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "convex.json").write_text(json.dumps(result, indent=2))
-    (RESULTS / "convex.md").write_text(markdown(result))
+    settings = {"quick": args.quick, "n": ns, "m": ms, "repeats": repeats, "quality_runs": quality_runs}
+    harness.save("convex", args.quick, result, markdown(result), settings=settings)
     print(markdown(result))
 
 

@@ -29,7 +29,6 @@ in the process (jit compilation, cvxpy build), so they are re-solve times.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -39,7 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import markdown_table
+from benchmarks import harness
+from benchmarks.harness import markdown_table
 from benchmarks.quality_common import (
     class_probs,
     header,
@@ -292,9 +292,8 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one seed, fewer local steps")
-    args = parser.parse_args(argv)
+    parser = harness.parser(__doc__, "one seed, fewer local steps")
+    args = harness.parse(parser, argv)
     settings = dict(
         quick=args.quick,
         alphas=[0.1, 0.5, 10.0],

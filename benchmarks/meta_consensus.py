@@ -27,7 +27,6 @@ node trained this round from the consensus). The table states the epsilon the le
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -35,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import markdown_table
+from benchmarks import harness
+from benchmarks.harness import markdown_table
 from benchmarks.quality_common import header, mean_std, plot_path, pm, pyplot, save
 from meta_consensus import MetaConsensus, RoundInfo, config
 
@@ -313,9 +313,8 @@ def markdown(res: Mapping[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one seed")
-    args = parser.parse_args(argv)
+    parser = harness.parser(__doc__, "one seed")
+    args = harness.parse(parser, argv)
     base = config.load(None)
     settings = {
         "quick": args.quick,

@@ -21,22 +21,19 @@ Not here yet: accuracy against epsilon in {1, 3, 8, inf}, which needs the node t
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import harness
 from consensus import dp, tree
 from consensus.privacy import calibrate_noise, pld_epsilon, rdp_epsilon
 from consensus.privacy.pld import DiscretePld, sampled_gaussian_pld
 
-RESULTS = Path(__file__).resolve().parent / "results"
 DELTA = 1e-5
 
 
@@ -221,11 +218,8 @@ def _markdown(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--quick", action="store_true", help="fewer repeats, coarser PLD grid (under a minute)"
-    )
-    args = parser.parse_args(argv)
+    parser = harness.parser(__doc__, "fewer repeats, coarser PLD grid (under a minute)")
+    args = harness.parse(parser, argv)
     t0 = time.perf_counter()
     res = dict(
         quick=args.quick,
@@ -237,12 +231,9 @@ def main(argv: list[str] | None = None) -> dict:
         mechanism=mechanism(args.quick),
     )
     res["total_s"] = time.perf_counter() - t0
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = "privacy_quick" if args.quick else "privacy"
-    (RESULTS / f"{stem}.json").write_text(json.dumps(res, indent=2))
-    (RESULTS / f"{stem}.md").write_text(_markdown(res))
+    jpath, mpath = harness.save("privacy", args.quick, res, _markdown(res), settings={"quick": args.quick})
     print(_markdown(res))
-    print(f"total {res['total_s']:.1f} s -> {RESULTS / stem}.{{json,md}}")
+    print(f"total {res['total_s']:.1f} s -> {jpath}, {mpath}")
     return res
 
 

@@ -31,7 +31,6 @@ literature, the tuning runs are not charged to the privacy budget. The issue's t
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import time
@@ -41,7 +40,8 @@ import jax
 import numpy as np
 import optax
 
-from benchmarks.common import markdown_table
+from benchmarks import harness
+from benchmarks.harness import markdown_table
 from benchmarks.quality_common import (
     header,
     iid_clients,
@@ -271,9 +271,8 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds, one seed, no tuning")
-    args = parser.parse_args(argv)
+    parser = harness.parser(__doc__, "fewer rounds, one seed, no tuning")
+    args = harness.parse(parser, argv)
     q_nominal = 0.1
     settings = dict(
         quick=args.quick,

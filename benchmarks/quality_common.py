@@ -1,18 +1,15 @@
-"""Shared helpers of the quality benchmarks (soups, convex_quality, privacy_quality).
+"""Shared helpers of the quality benchmarks (soups, convex_quality, privacy_quality, robustness).
 
 Training n nodes from one global tree, evaluating single and stacked params trees on a
-batch, the predictive probabilities the convex weights need, and the result-file and
-plot conventions of :mod:`benchmarks.common` (``<name>.json`` + ``<name>.md``, a ``_quick``
-suffix with ``--quick``, PNG plots beside them).
+batch, and the predictive probabilities the convex weights need. Arguments, timing and
+result files (``<name>[_quick].json`` / ``.md`` / ``.png``) are :mod:`benchmarks.harness`'s,
+re-exported here for the scripts that import them from this module.
 """
 
 from __future__ import annotations
 
 import functools
-import statistics
-import sys
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -20,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from benchmarks.common import RESULTS, machine, write_results
+from benchmarks.harness import command, header, mean_std, plot_path, pm, pyplot, save, stem
 from strategies import NodeData, NodeTrainer, TaskData
 from strategies.tasks import Task, pad_index_table
 
@@ -154,69 +151,9 @@ def single_logits(task: Task):
 
 # ----------------------------------------------------------------------------- reporting
 
-
-def mean_std(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for a single value)."""
-    vals = [float(v) for v in values]
-    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
-
-
-def pm(values: Sequence[float], digits: int = 3) -> str:
-    """``mean ± std`` over seeds (just the value for one seed)."""
-    m, s = mean_std(values)
-    return f"{m:.{digits}f}" if len(values) == 1 else f"{m:.{digits}f} ± {s:.{digits}f}"
-
-
-def command(name: str, quick: bool) -> str:
-    return f"python -m benchmarks.{name}" + (" --quick" if quick else "")
-
-
-def stem(name: str, quick: bool) -> str:
-    return f"{name}_quick" if quick else name
-
-
-def header(title: str, name: str, quick: bool, settings: Mapping[str, Any]) -> list[str]:
-    """Top of a result markdown: title, command, machine and settings."""
-    m = machine()
-    lines = [f"# {title}", "", f"Command: `{command(name, quick)}`", ""]
-    lines.append(
-        f"Machine: {m['processor']}, {m['cpu_count']} cores, {m['platform']}, python {m['python']}, "
-        f"jax {m['jax']} ({m['backend']})."
-    )
-    lines.append("")
-    lines.append("Settings: " + "; ".join(f"{k} = {v}" for k, v in settings.items()) + ".")
-    lines.append("")
-    return lines
-
-
-def save(name: str, quick: bool, payload: dict[str, Any], markdown: str) -> tuple[Path, Path]:
-    """Write ``<name>[_quick].json`` / ``.md`` with the machine and command added to the payload."""
-    payload = {"command": command(name, quick), "argv": sys.argv, "machine": machine(), **payload}
-    return write_results(stem(name, quick), _strict_json(payload), markdown)
-
-
-def _strict_json(x: Any) -> Any:
-    """Non-finite floats as the strings "inf", "-inf", "nan": json.dumps would write Infinity/NaN,
-    which is not JSON and which strict readers (jq, JavaScript) reject."""
-    if isinstance(x, Mapping):
-        return {str(k): _strict_json(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_strict_json(v) for v in x]
-    if isinstance(x, float | np.floating) and not np.isfinite(x):
-        return str(float(x))
-    return x
-
-
-def pyplot():
-    """matplotlib's pyplot on the Agg backend (no display on the benchmark machines)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_path(name: str, quick: bool, suffix: str = "") -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    return RESULTS / f"{stem(name, quick)}{suffix}.png"
+# The result-file conventions are the harness's; re-exported for the quality scripts.
+__all__ = [
+    "class_probs", "command", "header", "iid_clients", "mean_std", "metrics", "mixture_metrics",
+    "plot_path", "pm", "pretrain", "pyplot", "save", "shared_pool", "single_logits", "stacked_metrics",
+    "stem", "subset", "trainer_for", "true_label_probs", "unstack",
+]

@@ -42,7 +42,6 @@ whether it holds.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import time
@@ -52,7 +51,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from benchmarks.common import markdown_table
+from benchmarks import harness
+from benchmarks.harness import markdown_table
 from benchmarks.quality_common import header, mean_std, metrics, plot_path, pyplot, save, trainer_for
 from consensus import ByzantineToleranceError, get_info, process, registry
 from consensus.base import Aggregator
@@ -574,9 +574,8 @@ def markdown(res: Mapping[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one seed, fewer rounds and alphas")
-    args = parser.parse_args(argv)
+    parser = harness.parser(__doc__, "one seed, fewer rounds and alphas")
+    args = harness.parse(parser, argv)
     settings = Settings(**QUICK) if args.quick else Settings()
     t0 = time.perf_counter()
     runs = run_all(settings, log=lambda s: print(s, flush=True))

@@ -25,14 +25,14 @@ report says for how many seeds that holds and by how much.
 
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from benchmarks.common import markdown_table
+from benchmarks import harness
+from benchmarks.harness import markdown_table
 from benchmarks.quality_common import (
     class_probs,
     header,
@@ -335,9 +335,8 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer seeds, ingredients and steps")
-    args = parser.parse_args(argv)
+    parser = harness.parser(__doc__, "fewer seeds, ingredients and steps")
+    args = harness.parse(parser, argv)
     settings = dict(
         quick=args.quick,
         seeds=[0, 1] if args.quick else list(range(8)),

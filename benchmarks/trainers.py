@@ -25,7 +25,6 @@ scan's time x n; target: ratio >= 1), and the bytes of the stacked state
 
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Any
 
@@ -34,7 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from benchmarks.common import machine, markdown_table, write_results
+from benchmarks import harness
+from benchmarks.harness import machine, markdown_table
 from strategies.tasks.digits import DigitsTask
 from strategies.trainer import NodeTrainer
 
@@ -138,10 +138,9 @@ def bench_task(task, data, *, batch: int, steps: int, repeats: int, nodes: tuple
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats (under a minute)")
+    parser = harness.parser(__doc__, "fewer steps and repeats (under a minute)")
     parser.add_argument("--no-text", action="store_true", help="skip the text task")
-    args = parser.parse_args(argv)
+    args = harness.parse(parser, argv)
     repeats = 3 if args.quick else 10
     nodes = (1, 4, 8)
     tasks: list[tuple[str, Any, dict]] = [
@@ -199,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
         print(name, summary, flush=True)
         for r in rows:
             print("  ", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
-    jpath, mpath = write_results("trainers_quick" if args.quick else "trainers", results, "".join(md))
+    settings = {"quick": args.quick, "repeats": repeats, "nodes": nodes, "text": not args.no_text}
+    jpath, mpath = harness.save("trainers", args.quick, results, "".join(md), settings=settings)
     print(f"wrote {jpath} and {mpath}")
 
 
