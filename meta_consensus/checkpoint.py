@@ -13,11 +13,23 @@ One checkpoint per saved round, ``<run>/checkpoints/<round>/``, with two items:
 
 orbax writes each checkpoint to a temporary directory and renames it when
 complete, so a run killed while saving leaves the previous checkpoints intact.
+Saves are asynchronous: :meth:`RunCheckpoints.save` returns once the arrays are
+copied off the devices and the files are written by a background thread while
+the next rounds run; orbax finishes a save before it starts the next one, and
+:meth:`RunCheckpoints.wait` / :meth:`RunCheckpoints.close` finish the last one.
+
+A checkpoint that cannot be read (files overwritten or cut short) is skipped by
+:meth:`RunCheckpoints.restore_intact`, which falls back to the newest intact one
+(``keep_checkpoints`` > 1 exists for this) and moves the damaged ones aside to
+``<run>/checkpoints.damaged/`` (never deleted), so the resumed run can write
+those rounds again. A checkpoint of a different config is not damage: it stops
+the resume with a :class:`CheckpointError`.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -36,9 +48,25 @@ from strategies.trainer import TrainState
 PyTree = Any
 
 
+class CheckpointError(ValueError):
+    """A run cannot continue from its checkpoints: a different config, or none intact (a user error)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SkippedCheckpoint:
+    """A checkpoint that could not be restored: its round, why, and where it was moved."""
+
+    step: int
+    reason: str
+    moved_to: Path | None = None
+
+
 def fingerprint(cfg: Config) -> str:
-    """Hash of everything that changes the run's numbers (name, paths and the round count excluded)."""
-    d = cfg.replace(name="_", output_dir="_", rounds=1, checkpoint_every=0, keep_checkpoints=1)
+    """Hash of everything that changes the run's numbers (name, paths, the round count and the
+    operational settings excluded)."""
+    d = cfg.replace(
+        name="_", output_dir="_", rounds=1, checkpoint_every=0, keep_checkpoints=1, heartbeat_timeout_s=1
+    )
     return hashlib.sha256(dumps(d).encode()).hexdigest()[:16]
 
 
@@ -72,7 +100,7 @@ def _abstract(tree: PyTree) -> PyTree:
 class RunCheckpoints:
     """Save and restore :class:`CoordinatorState` + history under ``<run_dir>/checkpoints``."""
 
-    def __init__(self, run_dir: Path, cfg: Config):
+    def __init__(self, run_dir: Path, cfg: Config, *, asynchronous: bool = True):
         import orbax.checkpoint as ocp
 
         self._ocp = ocp
@@ -81,12 +109,20 @@ class RunCheckpoints:
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=cfg.keep_checkpoints, enable_async_checkpointing=False, create=True
+                max_to_keep=cfg.keep_checkpoints, enable_async_checkpointing=asynchronous, create=True
             ),
         )
 
     def latest(self) -> int | None:
         return self.manager.latest_step()
+
+    def steps(self) -> list[int]:
+        """The rounds with a checkpoint, oldest first."""
+        return sorted(int(s) for s in self.manager.all_steps())
+
+    def wait(self) -> None:
+        """Block until the last asynchronous save is on disk."""
+        self.manager.wait_until_finished()
 
     def save(self, state: CoordinatorState, history: list[RoundInfo]) -> None:
         ocp = self._ocp
@@ -111,7 +147,6 @@ class RunCheckpoints:
             args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)),
             force=True,
         )
-        self.manager.wait_until_finished()
 
     def restore(
         self, template: CoordinatorState, step: int | None = None
@@ -123,7 +158,7 @@ class RunCheckpoints:
             raise FileNotFoundError(f"no checkpoint under {self.directory}")
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         if meta["fingerprint"] != fingerprint(self.cfg):
-            raise ValueError(
+            raise CheckpointError(
                 f"checkpoint {self.directory}/{step} was written by a different config "
                 f"(fingerprint {meta['fingerprint']} != {fingerprint(self.cfg)}); resume with the config "
                 "saved in the run directory (config.toml) or start a new run name"
@@ -175,7 +210,59 @@ class RunCheckpoints:
         history = [RoundInfo.from_json(h) for h in meta["history"]]
         return state, history
 
+    def restore_intact(
+        self, template: CoordinatorState, *, move_damaged: bool = True
+    ) -> tuple[CoordinatorState, list[RoundInfo], list[SkippedCheckpoint]]:
+        """The newest checkpoint that restores, and the newer ones skipped as damaged.
+
+        A checkpoint of a different config raises :class:`CheckpointError` at once (it is not
+        damage). The damaged newer ones are moved to ``<run>/checkpoints.damaged/`` (by process 0,
+        the others wait) so that the resumed run can save those rounds again; nothing is moved
+        when none restores (a wrong environment, e.g. another device count, looks like damage
+        to every checkpoint alike). Raises :class:`CheckpointError` naming the folder when
+        there is no checkpoint or none restores.
+        """
+        skipped: list[SkippedCheckpoint] = []
+        for step in reversed(self.steps()):
+            try:
+                state, history = self.restore(template, step)
+            except CheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any read/decode failure means this one is damaged
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                skipped.append(SkippedCheckpoint(step, f"{type(e).__name__}: {first}"))
+                continue
+            if skipped and move_damaged:
+                skipped = self._set_aside(skipped)
+            return state, history, skipped
+        if not skipped:
+            raise CheckpointError(f"no checkpoint to resume from in {self.directory}")
+        raise CheckpointError(
+            f"no intact checkpoint in {self.directory}: "
+            + "; ".join(f"round {s.step}: {s.reason}" for s in skipped)
+        )
+
+    def _set_aside(self, skipped: list[SkippedCheckpoint]) -> list[SkippedCheckpoint]:
+        aside = self.directory.with_name(self.directory.name + ".damaged")
+        moved = []
+        for s in skipped:
+            dest = aside / str(s.step)
+            k = 1
+            while dest.exists():
+                dest, k = aside / f"{s.step}-{k}", k + 1
+            if jax.process_index() == 0:
+                aside.mkdir(parents=True, exist_ok=True)
+                (self.directory / str(s.step)).rename(dest)
+            moved.append(dataclasses.replace(s, moved_to=dest))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("meta_consensus.checkpoints.set_aside")
+        self.manager.reload()
+        return moved
+
     def close(self) -> None:
+        self.manager.wait_until_finished()
         self.manager.close()
 
 

@@ -2,7 +2,7 @@
 
 ::
 
-    meta-consensus run [--config FILE] [--set key=value ...] [--resume] [--quiet]
+    meta-consensus run [--config FILE] [--set key=value ...] [--resume | --overwrite] [--quiet]
     meta-consensus report runs/<name>
 
 ``run`` with no arguments runs the embedded default (digits, 8 nodes with mixed
@@ -10,6 +10,12 @@ strategies, 2 ALIE attackers, Multi-Krum vote, mixture-NLL convex weights, DP).
 A multi-process run starts the same command once per process with
 ``--coordinator HOST:PORT --num-processes P --process-id I``
 (``jax.distributed``); each process hosts a block of the nodes.
+
+Exit codes: 0 done; 1 no round succeeded, or a process of a multi-process run was
+lost; 2 a user error (bad arguments or config, a run directory that holds another
+run, checkpoints of another config or none intact), always one line on stderr
+and no file changed; 130 interrupted (Ctrl-C); 143 stopped by SIGTERM after
+saving a checkpoint (continue with ``--resume``). See docs/operations.md.
 """
 
 from __future__ import annotations
@@ -19,9 +25,31 @@ import os
 import sys
 from pathlib import Path
 
+EXIT_NO_ROUND = 1
+EXIT_PROCESS_LOST = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+EXIT_SIGTERM = 143
+
+
+class UserError(Exception):
+    """A mistake of the user's (arguments, config, files): one line on stderr, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block): ``meta-consensus run: error: ...``."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _fail(message: str) -> int:
+    print(f"meta-consensus: {' '.join(str(message).split())}", file=sys.stderr)
+    return EXIT_USAGE
+
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="meta-consensus", description="Model merging by consensus on JAX.")
+    ap = _Parser(prog="meta-consensus", description="Model merging by consensus on JAX.")
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the rounds of a config (default: the embedded demo)")
     run.add_argument("--config", help="TOML config file (default: the embedded default)")
@@ -32,7 +60,15 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a config value, e.g. --set rounds=5 --set vote.rule=median",
     )
-    run.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    again = run.add_mutually_exclusive_group()
+    again.add_argument(
+        "--resume", action="store_true", help="continue from the run's newest intact checkpoint"
+    )
+    again.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="if runs/<name> holds an earlier run, move it aside to runs/<name>.old-<k> (never deleted)",
+    )
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--coordinator", help="jax.distributed coordinator address HOST:PORT (multi-process)")
     run.add_argument("--num-processes", type=int, default=1)
@@ -58,40 +94,81 @@ def _start_jax(args: argparse.Namespace) -> None:
     import jax
 
     if args.num_processes > 1:
-        if not args.coordinator:
-            raise SystemExit("meta-consensus: --num-processes > 1 needs --coordinator HOST:PORT")
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(
             coordinator_address=args.coordinator,
             num_processes=args.num_processes,
             process_id=args.process_id,
             initialization_timeout=120,
+            heartbeat_timeout_seconds=args.heartbeat_timeout,
         )
 
 
+def _check_run_args(args: argparse.Namespace) -> None:
+    """Argument combinations argparse cannot check, before jax starts."""
+    if args.num_processes < 1:
+        raise UserError(f"--num-processes must be >= 1, got {args.num_processes}")
+    if args.num_processes > 1 and not args.coordinator:
+        raise UserError("--num-processes > 1 needs --coordinator HOST:PORT")
+    if not 0 <= args.process_id < args.num_processes:
+        raise UserError(f"--process-id must be in [0, {args.num_processes - 1}], got {args.process_id}")
+    if args.local_devices is not None and args.local_devices < 1:
+        raise UserError(f"--local-devices must be >= 1, got {args.local_devices}")
+
+
+def _last_checkpoint(run_dir: Path) -> str:
+    ckpts = run_dir / "checkpoints"
+    steps = sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) if ckpts.is_dir() else []
+    return f"round {steps[-1]} in {ckpts}" if steps else f"none in {ckpts}"
+
+
 def run(args: argparse.Namespace) -> int:
-    _start_jax(args)
-    import jax
+    from meta_consensus import config
 
-    from meta_consensus import MetaConsensus, config
-
+    _check_run_args(args)
     try:
         cfg = config.load(args.config, args.set)
     except config.ConfigError as e:
-        print(f"meta-consensus: bad config: {e}", file=sys.stderr)
-        return 2
+        raise UserError(f"bad config: {e}") from e
+    args.heartbeat_timeout = cfg.heartbeat_timeout_s
+    _start_jax(args)
+    import jax
+
+    from consensus.base import ByzantineToleranceError
+    from meta_consensus import MetaConsensus
+    from meta_consensus.checkpoint import CheckpointError
+    from meta_consensus.run import RunDirectoryError
+
     main = jax.process_index() == 0
+    try:
+        system = MetaConsensus(cfg, progress=not args.quiet)
+    except ValueError as e:  # e.g. too many Byzantine nodes for the rule
+        raise UserError(f"bad config: {e}") from e
     if main:
         print(
             f"meta-consensus: run {cfg.name!r} -> {cfg.run_dir}/ "
             f"({cfg.rounds} rounds, {cfg.nodes.count} nodes)"
         )
     try:
-        system = MetaConsensus(cfg, progress=not args.quiet)
-    except ValueError as e:  # e.g. too many Byzantine nodes for the rule
-        print(f"meta-consensus: bad config: {e}", file=sys.stderr)
-        return 2
-    result = system.train(resume=args.resume)
+        result = system.train(resume=args.resume, overwrite=args.overwrite)
+    except (RunDirectoryError, CheckpointError) as e:
+        raise UserError(str(e)) from e
+    except ByzantineToleranceError as e:  # the rule's precondition, checked when the state is built
+        raise UserError(f"bad config: {e}") from e
+    except Exception as e:
+        if args.num_processes == 1:
+            raise
+        # A peer that died shows up here as a failed collective (gloo) or coordination call.
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        print(
+            f"meta-consensus: process {jax.process_index()} of {args.num_processes} lost contact with the "
+            f"run ({type(e).__name__}: {first}); last checkpoint: {_last_checkpoint(cfg.run_dir)}; "
+            "restart every process with --resume",
+            file=sys.stderr,
+            flush=True,
+        )
+        # Leave without jax.distributed's shutdown barrier, which would wait for the lost process.
+        os._exit(EXIT_PROCESS_LOST)
     if main:
         print(result.table(cfg))
         if result.stopped:
@@ -102,6 +179,18 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.num_processes > 1:
         jax.distributed.shutdown()
+    if result.terminated:
+        if main:
+            print(f"meta-consensus: stopped by SIGTERM: {result.stopped}", file=sys.stderr)
+        return EXIT_SIGTERM
+    if result.succeeded == 0:
+        if main:
+            print(
+                f"meta-consensus: no round succeeded ({len(result.history)} attempts logged in "
+                f"{cfg.run_dir / 'metrics.jsonl'})",
+                file=sys.stderr,
+            )
+        return EXIT_NO_ROUND
     return 0
 
 
@@ -113,10 +202,15 @@ def report_cmd(args: argparse.Namespace) -> int:
     cfg_path, metrics = run_dir / "config.toml", run_dir / "metrics.jsonl"
     for p in (cfg_path, metrics):
         if not p.is_file():
-            print(f"meta-consensus report: {p} not found (is {run_dir} a run directory?)", file=sys.stderr)
-            return 2
-    cfg = config.load(cfg_path)
-    history = load_history(metrics)
+            raise UserError(f"report: {p} not found (is {run_dir} a run directory?)")
+    try:
+        cfg = config.load(cfg_path)
+    except config.ConfigError as e:
+        raise UserError(f"report: {e}") from e
+    try:
+        history = load_history(metrics)
+    except (ValueError, TypeError, KeyError) as e:  # json.JSONDecodeError is a ValueError
+        raise UserError(f"report: {metrics} is not a metrics log of this version ({e})") from e
     text = report.table(cfg, history)
     print(text)
     (run_dir / "table.txt").write_text(text + "\n")
@@ -125,11 +219,18 @@ def report_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+COMMANDS = {"run": run, "report": report_cmd}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "run":
-        return run(args)
-    return report_cmd(args)
+    try:
+        return COMMANDS[args.command](args)
+    except UserError as e:
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        print("meta-consensus: interrupted; continue with --resume from the last checkpoint", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

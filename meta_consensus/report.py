@@ -57,7 +57,7 @@ def table(cfg: Config, history: Sequence[RoundInfo], seconds: float | None = Non
     if cfg.dp.enabled:
         lines.append(
             f"privacy: epsilon = {last.epsilon:.4g} at delta = {cfg.dp.delta:g} ({cfg.dp.accountant}); "
-            f"RDP {last.epsilon_rdp:.4g}, PLD {last.epsilon_pld:.4g}; node-level, sensitivity "
+            f"{_both_accountants(history, last)}; node-level, sensitivity "
             f"{'C / n (DP-FedAvg)' if plain_fedavg(cfg) else '2C'}"
         )
         if last.epsilon > 100:
@@ -73,6 +73,23 @@ def table(cfg: Config, history: Sequence[RoundInfo], seconds: float | None = Non
     for h in fails[-3:]:
         lines.append(f"round {h.round + 1} (attempt {h.attempt}) failed: {h.reason}")
     return "\n".join(lines)
+
+
+def _both_accountants(history: Sequence[RoundInfo], last: RoundInfo) -> str:
+    """``RDP x, PLD y`` of ``last``; the comparison accountant is logged only at checkpoints and
+    at the last round, so when ``last`` lacks it the newest round that has it is named."""
+    text = []
+    for name, attr in (("RDP", "epsilon_rdp"), ("PLD", "epsilon_pld")):
+        value = getattr(last, attr)
+        if math.isnan(value):
+            earlier = [
+                h for h in history if h.ok and h.round <= last.round and not math.isnan(getattr(h, attr))
+            ]
+            if earlier:
+                text.append(f"{name} {getattr(earlier[-1], attr):.4g} (after round {earlier[-1].round + 1})")
+                continue
+        text.append(f"{name} {value:.4g}")
+    return ", ".join(text)
 
 
 def plot(cfg: Config, history: Sequence[RoundInfo], run_dir: Path) -> list[Path]:

@@ -13,26 +13,58 @@ the run), ``metrics.jsonl`` (one :class:`RoundInfo` per line),
 ``tensorboard/`` (event files), ``accuracy.png`` and ``weights.png``,
 ``table.txt`` and ``checkpoints/`` (orbax, every ``checkpoint_every`` rounds
 and at the end, the last ``keep_checkpoints`` kept). ``train(resume=True)``
-continues from the latest checkpoint; the rounds after it are run again with
-the same keys, so the result equals an uninterrupted run's bit for bit.
+continues from the latest intact checkpoint; the rounds after it are run again
+with the same keys, so the result equals an uninterrupted run's bit for bit.
+
+The user's files are never lost: a fresh run into a directory that already
+holds a run raises :class:`RunDirectoryError` before any file is touched, unless
+``overwrite=True`` moves the earlier run aside to ``<name>.old-<k>`` (never
+deleted). SIGTERM (a preempted machine, a scheduler's stop) lets the current
+round finish, saves its checkpoint and returns with ``RunResult.terminated``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from meta_consensus import report
 from meta_consensus.checkpoint import RunCheckpoints
 from meta_consensus.config import Config, dumps
 from meta_consensus.coordinator import Coordinator, CoordinatorState, PrivacyBudgetStop, RoundInfo
+from strategies.tasks.base import Task
 
 PyTree = Any
+
+# The files whose presence marks a directory as holding a run.
+RUN_FILES = ("config.toml", "metrics.jsonl", "checkpoints")
+
+
+class RunDirectoryError(RuntimeError):
+    """The run directory cannot be used as asked (a user error; nothing was written)."""
+
+
+def existing_run_files(run_dir: Path) -> list[str]:
+    """Which of a run's files ``run_dir`` already holds."""
+    return [f for f in RUN_FILES if (Path(run_dir) / f).exists()]
+
+
+def move_aside(run_dir: Path) -> Path:
+    """Rename ``run_dir`` to the first free sibling ``<name>.old-<k>`` and return the new path."""
+    run_dir = Path(run_dir)
+    k = 1
+    while (dest := run_dir.with_name(f"{run_dir.name}.old-{k}")).exists():
+        k += 1
+    run_dir.rename(dest)
+    return dest
 
 
 @dataclasses.dataclass
@@ -46,6 +78,9 @@ class RunResult:
       stopped: why the run stopped early ("" when it ran every round).
       seconds: wall time of the rounds.
       run_dir: where the outputs are (None when nothing was written).
+      terminated: the run stopped on SIGTERM after saving its last finished round.
+      notes: what the run did to the files besides its outputs (an earlier run moved aside,
+        damaged checkpoints skipped), one line each.
     """
 
     consensus_params: PyTree
@@ -54,6 +89,13 @@ class RunResult:
     stopped: str
     seconds: float
     run_dir: Path | None
+    terminated: bool = False
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def succeeded(self) -> int:
+        """How many rounds succeeded (0: the run produced nothing)."""
+        return sum(h.ok for h in self.history)
 
     def table(self, cfg: Config) -> str:
         return report.table(cfg, self.history, self.seconds)
@@ -64,17 +106,21 @@ class MetaConsensus:
 
     Args:
       config: the run :class:`~meta_consensus.config.Config`.
+      task: a Task object to train on instead of the one ``config.task.name`` names (for
+        example from :func:`strategies.tasks.task_from_arrays`).
       write: write the run directory (logs, plots, checkpoints); only process 0
         writes logs, every process takes part in checkpoints.
       progress: show a progress bar per round.
     """
 
-    def __init__(self, config: Config, *, write: bool = True, progress: bool = True):
+    def __init__(
+        self, config: Config, *, task: Task | None = None, write: bool = True, progress: bool = True
+    ):
         self.cfg = config
         self.process_index = jax.process_index()
         self.process_count = jax.process_count()
         self.coordinator = Coordinator(
-            config, process_index=self.process_index, process_count=self.process_count
+            config, task=task, process_index=self.process_index, process_count=self.process_count
         )
         self.write = write
         self.is_main = self.process_index == 0
@@ -82,37 +128,75 @@ class MetaConsensus:
         self.run_dir = Path(config.run_dir)
 
     def train(
-        self, *, resume: bool = False, max_rounds: int | None = None, initial_params: PyTree | None = None
+        self,
+        *,
+        resume: bool = False,
+        overwrite: bool = False,
+        max_rounds: int | None = None,
+        initial_params: PyTree | None = None,
     ) -> RunResult:
         """Run the rounds (all of them, or up to ``max_rounds`` more).
 
         Args:
-          resume: continue from the latest checkpoint of ``runs/<name>`` (a fresh start when
-            there is none).
+          resume: continue from the newest intact checkpoint of ``runs/<name>`` (a fresh start
+            when there is none; :class:`~meta_consensus.checkpoint.CheckpointError` when there
+            are checkpoints but none restores, or they are of another config).
+          overwrite: when ``runs/<name>`` already holds a run and ``resume`` is False, move it
+            aside to ``runs/<name>.old-<k>`` (without it: :class:`RunDirectoryError`).
           max_rounds: stop after this many rounds of this call (for tests and notebooks).
           initial_params: the first consensus (default: the task's init from the seed).
         """
         cfg = self.cfg
         co = self.coordinator
         state = co.init(cfg.seed, initial_params)
+        notes: list[str] = []
+        if self.write:
+            self._claim_run_dir(resume, overwrite, notes)
         history: list[RoundInfo] = []
         ckpt = RunCheckpoints(self.run_dir, cfg) if self.write and cfg.checkpoint_every > 0 else None
         log = report.RunLog(self.run_dir, enabled=self.write and self.is_main)
-        if resume and ckpt is not None and ckpt.latest() is not None:
-            state, history = ckpt.restore(state)
-            log.restart(history)
-        elif self.write and self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            log.restart([])
+        saved = -1  # the round of the newest checkpoint on disk
+        try:
+            if resume and ckpt is not None and ckpt.steps():
+                state, history, skipped = ckpt.restore_intact(state)
+                saved = state.round
+                for s in skipped:
+                    notes.append(
+                        f"warning: checkpoint of round {s.step} is damaged ({s.reason}); skipped and "
+                        f"moved to {s.moved_to}; resuming from round {state.round}"
+                    )
+                log.restart(history)
+            elif self.write and self.is_main:
+                log.restart([])
+        except BaseException:
+            if ckpt is not None:
+                ckpt.close()
+            raise
         if self.write and self.is_main:
+            for line in notes:
+                print(f"meta-consensus: {line}", file=sys.stderr)
             (self.run_dir / "config.toml").write_text(dumps(cfg))
 
         bar = self._bar(state.round)
         stopped = ""
+        terminated = False
         t0 = time.perf_counter()
         done_now = 0
+        sigterm = _SigtermFlag()
         try:
             while state.round < cfg.rounds and (max_rounds is None or done_now < max_rounds):
+                if sigterm.agreed(self.process_count):
+                    terminated = True
+                    if ckpt is not None and saved != state.round:
+                        ckpt.save(state, history)
+                        saved = state.round
+                    where = (
+                        f"checkpoint of round {saved} saved; continue with --resume"
+                        if ckpt is not None
+                        else "no checkpoint (checkpoint_every = 0)"
+                    )
+                    stopped = f"SIGTERM after round {state.round} of {cfg.rounds}: {where}"
+                    break
                 try:
                     state, infos = self._round_with_retries(state)
                 except PrivacyBudgetStop as e:
@@ -130,24 +214,64 @@ class MetaConsensus:
                     state.round % cfg.checkpoint_every == 0 or state.round == cfg.rounds
                 ):
                     ckpt.save(state, history)
+                    saved = state.round
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix_str(self._postfix(infos[-1]))
         finally:
+            sigterm.restore()
             if bar is not None:
                 bar.close()
             log.close()
             if ckpt is not None:
-                ckpt.close()
+                ckpt.close()  # waits for the last asynchronous save
         seconds = time.perf_counter() - t0
         result = RunResult(
-            state.consensus, history, state, stopped, seconds, self.run_dir if self.write else None
+            state.consensus,
+            history,
+            state,
+            stopped,
+            seconds,
+            self.run_dir if self.write else None,
+            terminated=terminated,
+            notes=notes,
         )
         if self.write and self.is_main:
             text = report.table(cfg, history, sum(sum(h.seconds.values()) for h in history))
             (self.run_dir / "table.txt").write_text(text + "\n")
             report.plot(cfg, history, self.run_dir)
         return result
+
+    def _claim_run_dir(self, resume: bool, overwrite: bool, notes: list[str]) -> None:
+        """Refuse (or, with ``overwrite``, move aside) an earlier run before any file is written.
+
+        Process 0 decides and every process learns the decision, so that all of them stop
+        together instead of the others waiting for a process that left.
+        """
+        problem = ""
+        if self.is_main:
+            found = existing_run_files(self.run_dir)
+            if found and not resume:
+                if overwrite:
+                    moved = move_aside(self.run_dir)
+                    notes.append(f"moved the earlier run in {self.run_dir} to {moved}")
+                else:
+                    problem = (
+                        f"{self.run_dir} already holds a run ({', '.join(found)}): continue it with "
+                        "--resume, move it aside with --overwrite, or choose another name (--set name=...)"
+                    )
+            elif found and resume and self.cfg.checkpoint_every == 0:
+                problem = (
+                    f"cannot resume {self.run_dir}: this config writes no checkpoints (checkpoint_every = 0)"
+                )
+        if self.process_count > 1:
+            from jax.experimental import multihost_utils
+
+            refused = multihost_utils.broadcast_one_to_all(np.int32(bool(problem)))
+            if int(refused) and not problem:
+                problem = f"process 0 refused the run directory {self.run_dir} (see its message)"
+        if problem:
+            raise RunDirectoryError(problem)
 
     def _round_with_retries(self, state: CoordinatorState) -> tuple[CoordinatorState, list[RoundInfo]]:
         infos = []
@@ -182,3 +306,34 @@ class MetaConsensus:
         if info.epsilon:
             s += f" eps {info.epsilon:.3g}"
         return s
+
+
+class _SigtermFlag:
+    """Set by SIGTERM; checked between rounds so the run stops after a finished, saved round.
+
+    Installed only on the main thread (Python's rule for signal handlers); elsewhere it stays
+    unset and SIGTERM keeps its default action. In a multi-process run the flag is agreed on
+    (any process's SIGTERM stops all of them at the same round), since saving is collective.
+    """
+
+    def __init__(self):
+        self.set = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.set = True
+
+    def agreed(self, process_count: int) -> bool:
+        if process_count == 1:
+            return self.set
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.int32(self.set))
+        return bool(np.any(flags))
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
