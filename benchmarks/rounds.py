@@ -25,13 +25,13 @@ Warm-up rounds (compilation) are excluded; the remaining rounds are averaged.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import machine, markdown_table, write_results
+from benchmarks import harness
+from benchmarks.harness import machine, markdown_table
 from meta_consensus import config
 from meta_consensus.checkpoint import RunCheckpoints
 from meta_consensus.coordinator import Coordinator
@@ -107,10 +107,9 @@ def _machine_line() -> str:
     return f"{m['processor']}, {m['cpu_count']} cores, jax {m['jax']} ({m['backend']})"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer rounds")
-    args = ap.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    ap = harness.parser(__doc__, "fewer rounds")
+    args = harness.parse(ap, argv)
     rounds, warmup = (3, 2) if args.quick else (8, 2)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,7 +149,8 @@ def main() -> None:
             "",
         ]
     )
-    write_results("rounds_quick" if args.quick else "rounds", {"machine": machine(), "results": results}, md)
+    settings = {"quick": args.quick, "rounds": rounds, "warmup": warmup, "settings": list(SETTINGS)}
+    harness.save("rounds", args.quick, {"results": results}, md, settings=settings)
     print(md)
 
 
