@@ -68,8 +68,30 @@ def _text(**options: Any) -> Task:
     return TextTask(**options)
 
 
+def _fashion_mnist(
+    model: str = "mlp",
+    hidden: tuple[int, ...] = (256,),
+    channels: tuple[int, int] = (16, 32),
+    data_dir: str | None = None,
+    heldout_size: int = 5000,
+    limit: int | None = None,
+) -> Task:
+    """Fashion-MNIST (70,000 28x28 images) from its IDX files, an MLP or a small CNN."""
+    from strategies.tasks.fashion_mnist import FashionMNISTTask
+
+    return FashionMNISTTask(
+        model=model,
+        hidden=tuple(hidden),
+        channels=tuple(channels),
+        data_dir=data_dir,
+        heldout_size=heldout_size,
+        limit=limit,
+    )
+
+
 register_task("digits", _digits)
 register_task("text", _text)
+register_task("fashion_mnist", _fashion_mnist)
 
 # The methods every task must have (the Task protocol), for the error on an object that lacks some.
 TASK_METHODS = ("init", "apply", "loss", "metrics", "logical_axes", "flip_labels", "splits")

@@ -1,0 +1,121 @@
+"""What every image / feature classification task shares: its loss and metrics, and its node protocol.
+
+The node protocol (digits, Fashion-MNIST): fixed train / held-out / test
+splits; the training split is partitioned over the nodes by
+:func:`~strategies.tasks.base.dirichlet_partition` over the classes (label
+skew, alpha); the general pool shared by every node is the whole training
+split; each node specializes in its dominant classes (the fewest covering
+``dominant_mass`` of its shard); a process keeps the examples of its hosted
+nodes only.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import jax.numpy as jnp
+import numpy as np
+
+from strategies.tasks.base import (
+    Array,
+    Batch,
+    PyTree,
+    TaskData,
+    cross_entropy,
+    dirichlet_partition,
+    dominant_groups,
+    hosted_nodes,
+    masked_mean,
+    pad_stack,
+)
+
+
+class ClassifierMethods:
+    """Loss, metrics and the label-flipping attack of a task whose ``apply`` returns (B, C) logits."""
+
+    num_classes: ClassVar[int] = 10
+
+    def apply(self, params: PyTree, inputs: Array, *, train: bool = False, key: Array | None = None) -> Array:
+        raise NotImplementedError
+
+    def loss(self, params: PyTree, batch: Batch, key: Array | None = None) -> Array:
+        """Mean cross entropy (float32) over the batch rows (``batch["mask"]`` when present)."""
+        logits = self.apply(params, batch["x"], train=key is not None, key=key)
+        return masked_mean(cross_entropy(logits, batch["y"]), batch.get("mask"))
+
+    def metrics(self, params: PyTree, batch: Batch) -> dict[str, Array]:
+        """``{"loss", "accuracy"}`` as float32 scalars."""
+        logits = self.apply(params, batch["x"])
+        mask = batch.get("mask")
+        correct = (jnp.argmax(logits, axis=-1) == batch["y"]).astype(jnp.float32)
+        loss = masked_mean(cross_entropy(logits, batch["y"]), mask)
+        return {"loss": loss, "accuracy": masked_mean(correct, mask)}
+
+    def flip_labels(self, batch: Batch) -> Batch:
+        """Label flipping attack: y -> C - 1 - y."""
+        out = dict(batch)
+        out["y"] = (self.num_classes - 1 - batch["y"]).astype(batch["y"].dtype)
+        return out
+
+
+def classification_splits(
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    train: np.ndarray,
+    heldout: np.ndarray,
+    test: np.ndarray,
+    num_nodes: int,
+    num_classes: int,
+    seed: int,
+    alpha: float,
+    dominant_mass: float,
+    process_index: int = 0,
+    process_count: int = 1,
+    min_size: int = 8,
+    group_names: tuple[str, ...] | None = None,
+) -> TaskData:
+    """The :class:`TaskData` of a classification data set given the row indices of its three splits.
+
+    The partition depends on ``seed`` and ``alpha`` only (every process computes
+    the same one from the labels); a process keeps the rows of its hosted nodes'
+    shards. With ``num_nodes=1`` the single shard is the whole training split.
+
+    Args:
+      x, y: every example (rows) and its int class.
+      train, heldout, test: disjoint row indices of the three splits.
+    """
+    hosted = hosted_nodes(num_nodes, process_index, process_count)
+    train = np.sort(np.asarray(train))
+    rng = np.random.default_rng(seed)
+    if num_nodes == 1:
+        shards = [np.arange(len(train))]
+    else:
+        shards = dirichlet_partition(y[train], num_nodes, alpha, rng, min_size=min_size)
+    local = [train[shards[i]] for i in hosted]
+    size = max(len(s) for s in shards)  # the same padded size on every process
+    groups = np.stack([dominant_groups(y[r], num_classes, mass=dominant_mass) for r in local])
+    train_groups = pad_stack([y[r] for r in local], size)
+    counts = np.array([len(r) for r in local], np.int32)
+    # Global ids (rows of the data set) of each hosted node's examples, -1 on padding:
+    # lets callers check that processes hold disjoint shards.
+    example_ids = pad_stack([r.astype(np.int64) for r in local], size)
+    for i, c in enumerate(counts):
+        train_groups[i, c:] = -1
+        example_ids[i, c:] = -1
+    return TaskData(
+        num_nodes=num_nodes,
+        node_ids=hosted,
+        train={"x": pad_stack([x[r] for r in local], size), "y": pad_stack([y[r] for r in local], size)},
+        train_count=counts,
+        train_groups=train_groups,
+        general={"x": x[train], "y": y[train]},
+        general_groups=y[train],
+        heldout={"x": x[heldout], "y": y[heldout]},
+        test={"x": x[test], "y": y[test]},
+        node_groups=groups,
+        group_names=group_names or tuple(str(c) for c in range(num_classes)),
+        process_index=process_index,
+        process_count=process_count,
+        meta={"example_ids": example_ids, "alpha": alpha, "seed": seed},
+    )
