@@ -320,6 +320,7 @@ def test_single_node_learns_bytes_well_below_uniform_and_unigram():
     assert after["accuracy"][0] > 0.3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "config",
     [mesh_lib.MeshConfig(node=4, model=2), mesh_lib.MeshConfig(node=2, data=2, model=2, fsdp=True)],

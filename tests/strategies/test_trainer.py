@@ -77,6 +77,7 @@ def _trained():
     return state, *TRAINER.fit(state, DATA.own(), STEPS, record=True)
 
 
+@pytest.mark.slow
 def test_vmapped_nodes_equal_independent_single_model_loops():
     _, state, log = _trained()
     for i in range(N):
@@ -134,6 +135,7 @@ def _unsharded_8():
     return task, data, run, run(None)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "config",
     [
@@ -192,6 +194,7 @@ def test_schedule_gates_nodes():
     assert _max_diff(_node(out.params, 0), _node(free.params, 0)) < 1e-7
 
 
+@pytest.mark.slow
 def test_bf16_remat_and_evaluate():
     state, a, _ = _trained()
     remat = NodeTrainer(TASK, optax.adam, {"learning_rate": LR}, batch_size=B, remat=True)
