@@ -28,10 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, Literal, TypeVar
 
 from consensus import aggregators as agg
+from consensus.aggregators.bucketing import bucket_requirement
+from consensus.aggregators.filters import SMEA_MAX_SUBSETS
 from consensus.base import Aggregator, ByzantineToleranceError, PreAggregator
 
 Kind = Literal["coordinatewise", "vector", "pre", "merge"]
@@ -227,6 +230,65 @@ register(
     sensitivity="C (each node's delta clipped to max_norm = C)",
 )
 register("nnm", agg.nnm, "pre", takes_f=True, precondition=lambda n, f: _need(n > 2 * f, f"n > 2f = {2 * f}"))
+
+# Server-guided and adaptive rules (issue 17: robust when honest nodes disagree).
+_honest_majority = lambda n, f: _need(n > 2 * f, f"n > 2f = {2 * f}")  # noqa: E731
+register(
+    "fltrust",
+    agg.fltrust,
+    "vector",
+    precondition=_at_least_one,
+    sensitivity="2 ||g|| (the output update lies in the ball of the server update's norm)",
+    needs=("params", "server_update"),
+)
+register(
+    "server_monna",
+    agg.server_monna,
+    "vector",
+    takes_f=True,
+    precondition=lambda n, f: _need(n > f, f"n > f = {f}"),
+    sensitivity="C / (n - f) once the selection is fixed; 2C in general (output in the C-ball)",
+    needs=("params", "server_update"),
+)
+register(
+    "arc",
+    agg.arc,
+    "pre",
+    takes_f=True,
+    precondition=_honest_majority,
+    sensitivity="not bounded by a fixed C (the clip threshold is the data's (k+1)-th largest norm)",
+)
+register("dnc", agg.dnc, "vector", takes_f=True, precondition=_honest_majority, needs=("key",))
+register(
+    "signguard",
+    agg.signguard,
+    "vector",
+    precondition=_at_least_one,
+    sensitivity="not bounded by a fixed C (deltas clipped to the median norm)",
+    needs=("key",),
+)
+register("caf", agg.caf, "vector", takes_f=True, precondition=_honest_majority)
+register(
+    "smea",
+    agg.smea,
+    "vector",
+    takes_f=True,
+    precondition=lambda n, f: _need(n > 2 * f, f"n > 2f = {2 * f}")
+    or _need(
+        math.comb(n, f) <= SMEA_MAX_SUBSETS,
+        f"C(n, f) = {math.comb(n, f)} <= {SMEA_MAX_SUBSETS} subsets",
+    ),
+)
+register("meamed", agg.meamed, "coordinatewise", takes_f=True, precondition=_honest_majority)
+register(
+    "bucketing",
+    agg.bucketing,
+    "vector",
+    takes_f=True,
+    precondition=lambda n, f: bucket_requirement(n, f, 2),
+    sensitivity="the inner rule's (geometric median by default: 2C)",
+    needs=("key",),
+)
 
 
 def vote_rules() -> list[str]:

@@ -74,7 +74,12 @@ def test_nan_nodes_excluded_and_reported_by_every_rule():
     for name in registry.vote_rules():
         kwargs = {"weights": np.ones(12)} if name == "weighted_mean" else {}
         agg = registry.make(name, 1, **kwargs)
-        merged, state = agg.update(stacked, agg.init(params), params)
+        # What the rule needs besides the stack (registry.RuleSpec.needs): a key, the server's update.
+        needs = registry.RULES[name].needs
+        extra = {"key": jax.random.key(0)} if "key" in needs else {}
+        if "server_update" in needs:
+            extra["server_update"] = jax.tree.map(jnp.ones_like, params)
+        merged, state = agg.update(stacked, agg.init(params), params, **extra)
         info = consensus.get_info(state)
         assert np.isfinite(np.asarray(merged["w"])).all(), name
         assert not np.asarray(info.valid)[[4, 8]].any(), name

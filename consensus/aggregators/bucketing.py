@@ -1,0 +1,112 @@
+"""Bucketing (Karimireddy, He and Jaggi 2022, ICLR, "Byzantine-Robust Learning on Heterogeneous
+Datasets via Bucketing")."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from consensus.aggregators._common import (
+    RuleState,
+    check_f,
+    check_stacked,
+    init_rule_state,
+    static_count,
+    valid_nodes,
+)
+from consensus.aggregators._robust import require_key
+from consensus.base import AggregationInfo, Aggregator, ByzantineToleranceError, get_info
+from kernels import robust as robust_kernels
+
+
+def bucket_requirement(n: int, f: int, bucket_size: int) -> str | None:
+    """None when n nodes in buckets of ``bucket_size`` leave a majority of buckets free of Byzantine nodes."""
+    buckets = math.ceil(n / bucket_size)
+    if buckets > 2 * f:
+        return None
+    return (
+        f"ceil(n / s) = ceil({n} / {bucket_size}) = {buckets} buckets > 2f = {2 * f}: each of the f "
+        "Byzantine nodes can spoil a different bucket, so too many buckets can be bad "
+        "(use smaller buckets, or fewer f)"
+    )
+
+
+def bucket_matrix(key: jax.Array, valid: jax.Array, bucket_size: int) -> jax.Array:
+    """(B, n) averaging matrix: a keyed random permutation cut into B = ceil(n / s) consecutive buckets.
+
+    Row b averages the valid nodes of bucket b (all zero when it has none).
+    """
+    n = valid.shape[0]
+    buckets = math.ceil(n / bucket_size)
+    position = jnp.argsort(jax.random.permutation(key, n))  # node j sits at position[j]
+    member = (position[None, :] // bucket_size == jnp.arange(buckets)[:, None]) & valid[None, :]
+    count = jnp.sum(member.astype(jnp.float32), axis=1, keepdims=True)
+    return member.astype(jnp.float32) / jnp.maximum(count, 1.0)
+
+
+def bucketing(
+    num_byzantine: int, bucket_size: int = 2, inner: str | Aggregator = "geometric_median"
+) -> Aggregator:
+    """Bucketing (Karimireddy et al. 2022): average random buckets of s nodes, then a robust rule.
+
+    A random permutation (from ``key=``, a jax.random key passed to
+    ``update``) cuts the n nodes into B = ceil(n / s) buckets of s consecutive
+    nodes; each bucket is replaced by the mean of its valid nodes, and the
+    ``inner`` rule (a registered rule name, built with the same f, or an
+    Aggregator) merges the B bucket means. Averaging shrinks the honest
+    buckets' heterogeneity by about 1/s, but each Byzantine node spoils its
+    whole bucket: with f Byzantine nodes up to f buckets are bad, so the rule
+    needs B > 2f (the paper's condition f s < n / 2, roughly) on top of the
+    inner rule's own precondition on B nodes; it refuses other settings with
+    a message saying so (ByzantineToleranceError). At f = 4 of 16 only s = 1
+    (no bucketing) satisfies it.
+    ``info.weights`` are the inner weights pulled back to the nodes.
+    Cost: one finiteness pass, one pass writing the B bucket means, and the
+    inner rule on B / n of the stack. DP sensitivity: the inner rule's.
+    """
+    f = check_f("bucketing", num_byzantine)
+    if not isinstance(bucket_size, int) or bucket_size < 1:
+        raise ValueError(f"bucketing: bucket_size must be a positive int, got {bucket_size!r}")
+    if isinstance(inner, str):
+        from consensus import registry
+
+        spec = registry.RULES[inner]
+        if spec.kind not in ("coordinatewise", "vector") or spec.needs:
+            raise ValueError(f"bucketing: inner must be a plain n -> 1 rule, got {inner!r} ({spec.kind})")
+        inner_spec = spec
+        inner_agg = spec.build(f if spec.takes_f else None)
+    elif isinstance(inner, Aggregator):
+        inner_spec, inner_agg = None, inner
+    else:
+        raise TypeError(f"bucketing: inner must be a rule name or an Aggregator, got {type(inner).__name__}")
+
+    def refuse(n_now: int) -> None:
+        need = bucket_requirement(n_now, f, bucket_size)
+        if need is None and inner_spec is not None:
+            need = inner_spec.requirement(math.ceil(n_now / bucket_size), f)
+            need = None if need is None else f"the inner {inner_spec.name} on the buckets: {need}"
+        if need is not None:
+            raise ByzantineToleranceError(
+                f"bucketing: cannot tolerate f={f} Byzantine nodes with n={n_now} valid nodes; needs {need}."
+            )
+
+    def update(stacked, state, params=None, *, mask=None, key=None, **extra):
+        del state
+        key = require_key("bucketing", key)
+        n = check_stacked(stacked, params)
+        refuse(n)
+        valid = valid_nodes(stacked, mask)
+        m = static_count(valid)
+        if m is not None:
+            refuse(m)
+        mixing = bucket_matrix(key, valid, bucket_size)
+        means = jax.tree.map(lambda x: robust_kernels.mix_rows(x, mixing).astype(x.dtype), stacked)
+        merged, inner_state = inner_agg.update(means, inner_agg.init(params), params, **extra)
+        info = get_info(inner_state)
+        weights = mixing.T @ info.weights
+        selected = valid & ((mixing.T @ info.selected.astype(jnp.float32)) > 0)
+        return merged, RuleState(AggregationInfo(valid, selected, weights, info.linear))
+
+    return Aggregator(init_rule_state, update, "bucketing")

@@ -1,0 +1,138 @@
+"""Server-guided rules: the coordinator's own update on a small clean root set is the trusted reference.
+
+Rules that see only the nodes' updates cannot tell honest disagreement from an
+attack when the honest nodes are heterogeneous (Allouah et al. 2023, "Fixing
+by Mixing"); a coordinator that holds a little data of its own is not bound the
+same way. Both rules take that data as ``server_update``: the server's *delta*
+``g = server_params - params``, a tree with the params' structure (for
+example a few local SGD steps from the current consensus on a root set split
+off the coordinator's held-out data). They assume the root set is clean and
+roughly representative of the honest nodes' joint distribution.
+
+Cost: one streamed pass for the nodes' Gram matrix together with their inner
+products with g (:func:`kernels.robust.gram_with_rows`) and one weighted-sum pass.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from consensus.aggregators import view as views
+from consensus.aggregators._common import (
+    RuleState,
+    check_f,
+    check_stacked,
+    init_rule_state,
+    require_count,
+    static_count,
+)
+from consensus.aggregators._robust import (
+    check_server_finite,
+    nan_if,
+    require_params,
+    server_stats,
+)
+from consensus.base import AggregationInfo, Aggregator, require
+
+
+def _require_server(rule: str, server_update):
+    if server_update is None:
+        raise ValueError(
+            f"{rule}: needs the server's update as update(..., server_update=g), a tree like params "
+            "holding the coordinator's delta (server params - params) on its root set"
+        )
+    return server_update
+
+
+def fltrust_weights(gram, cross, server_sq, valid):
+    """FLTrust's coefficients a (x = params + sum_i a_i d_i) and trust scores from Gram statistics."""
+    norms = jnp.sqrt(jnp.maximum(jnp.diagonal(gram), 0.0))
+    server_norm = jnp.sqrt(jnp.maximum(server_sq, 0.0))
+    positive = valid & (norms > 0)
+    safe = jnp.where(positive, norms, 1.0)
+    cos = cross / (safe * jnp.maximum(server_norm, 1e-30))
+    trust = jnp.where(positive, jnp.maximum(cos, 0.0), 0.0)
+    total = jnp.sum(trust)
+    a = jnp.where(total > 0, trust * (server_norm / safe) / jnp.where(total > 0, total, 1.0), 0.0)
+    return a, trust
+
+
+def fltrust() -> Aggregator:
+    """FLTrust (Cao, Fang, Liu and Gong 2021, NDSS, "FLTrust: Byzantine-robust Federated Learning via
+    Trust Bootstrapping").
+
+    With node deltas d_i = x_i - params and the server's delta g (``server_update``):
+
+    .. math::
+        TS_i = \\mathrm{ReLU}(\\cos(d_i, g)), \\qquad
+        x = \\mathrm{params} + \\frac{1}{\\sum_j TS_j}
+            \\sum_i TS_i \\frac{\\lVert g \\rVert}{\\lVert d_i \\rVert} d_i
+
+    Every node's update is rescaled to the server's norm and weighed by its
+    non-negative cosine to the server's direction. When no valid node has a
+    positive cosine (or a zero update), the output is ``params`` (no step).
+    ``info.weights`` are the coefficients a_i = TS_i ||g|| / (||d_i|| sum TS)
+    (they do not sum to 1), ``info.selected`` the nodes with TS_i > 0. The rule
+    takes no f: its robustness comes from the server's data, not a majority.
+    Needs ``params`` and ``server_update``. Precondition: m >= 1.
+    DP sensitivity: 2 ||g|| (the output update is a convex combination of
+    vectors of norm ||g||, so it lies in the ||g||-ball whatever the nodes send).
+    """
+
+    def update(stacked, state, params=None, *, mask=None, server_update=None, **extra):
+        del state, extra
+        params = require_params("fltrust", params)
+        server_update = _require_server("fltrust", server_update)
+        check_stacked(stacked, params)
+        stats = server_stats(stacked, params, server_update, mask)
+        bad = check_server_finite("fltrust", stats.server_sq)
+        m = static_count(stats.valid)
+        require_count("fltrust", m, 0, m != 0, "at least 1 valid node")
+        a, trust = fltrust_weights(stats.gram, stats.cross, stats.server_sq, stats.valid)
+        merged = views.combine(stacked, a, params)
+        info = AggregationInfo(stats.valid, trust > 0, a, True)
+        return nan_if(bad, merged), RuleState(info)
+
+    return Aggregator(init_rule_state, update, "fltrust")
+
+
+def server_monna(num_byzantine: int) -> Aggregator:
+    """MoNNA with the server's update as the trusted reference (after Farhadkhani et al. 2023, ICML,
+    "Robust Collaborative Learning with Linear Gradient Overhead").
+
+    MoNNA has each honest node average its m - f nearest neighbours. Here the
+    coordinator plays that honest node with its own update g on its root set:
+    the output is params plus the mean of the m - f valid node deltas nearest
+    to g (squared distances ||d_i - g||^2 = G_ii - 2 <d_i, g> + ||g||^2; ties to
+    the lower index). g itself is not averaged in. At most f of the averaged
+    nodes are Byzantine, and each is no farther from g than the farthest
+    honest node kept. Needs ``params`` and ``server_update``.
+    Precondition: m > f (at least one node to average; ValueError otherwise,
+    NaN under an outer jit). DP sensitivity: as the uniform mean of m - f
+    nodes once the selection is fixed, C / (m - f) for deltas clipped to C.
+    """
+    f = check_f("server_monna", num_byzantine)
+
+    def update(stacked, state, params=None, *, mask=None, server_update=None, **extra):
+        del state, extra
+        params = require_params("server_monna", params)
+        server_update = _require_server("server_monna", server_update)
+        n = check_stacked(stacked, params)
+        require("server_monna", n, f, n > f, f"n > f = {f}")
+        stats = server_stats(stacked, params, server_update, mask)
+        bad = check_server_finite("server_monna", stats.server_sq)
+        m = static_count(stats.valid)
+        require_count("server_monna", m, f, m is not None and m > f, f"n > f = {f}")
+        d2 = jnp.diagonal(stats.gram) - 2.0 * stats.cross + stats.server_sq
+        order = jnp.argsort(jnp.where(stats.valid, d2, jnp.inf), stable=True)
+        rank = jnp.argsort(order, stable=True)
+        k = jnp.sum(stats.valid.astype(jnp.int32)) - f
+        chosen = stats.valid & (rank < k)
+        w = chosen.astype(jnp.float32) / jnp.maximum(k, 1).astype(jnp.float32)
+        merged = views.combine(stacked, w, params)
+        if m is None:
+            too_few = k < 1
+            bad = too_few if bad is None else bad | too_few
+        return nan_if(bad, merged), RuleState(AggregationInfo(stats.valid, chosen, w, True))
+
+    return Aggregator(init_rule_state, update, "server_monna")
