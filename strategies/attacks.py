@@ -114,6 +114,137 @@ def mimic(key: jax.Array, honest: PyTree, num_byzantine: int, target: int = 0) -
     return jax.tree.map(lambda x: jnp.broadcast_to(x[target], (num_byzantine, *x.shape[1:])), honest)
 
 
+def _flat(honest: PyTree) -> jax.Array:
+    """(h, D) float32: the honest updates, every leaf flattened and concatenated (node side, small)."""
+    leaves = jax.tree_util.tree_leaves(honest)
+    h = leaves[0].shape[0]
+    return jnp.concatenate([x.reshape(h, -1).astype(jnp.float32) for x in leaves], axis=1)
+
+
+def _unflat(vec: jax.Array, num_byzantine: int, like: PyTree) -> PyTree:
+    leaves, treedef = jax.tree_util.tree_flatten(like)
+    out, start = [], 0
+    for x in leaves:
+        size = int(np.prod(x.shape[1:]))
+        piece = vec[start : start + size].reshape(x.shape[1:])
+        out.append(jnp.broadcast_to(piece, (num_byzantine, *x.shape[1:])).astype(x.dtype))
+        start += size
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+PERTURBATIONS = ("std", "unit", "sign")
+
+
+def _perturbation(H: jax.Array, mu: jax.Array, kind: str) -> jax.Array:
+    if kind == "std":  # inverse standard deviation
+        return -jnp.sqrt(jnp.mean(jnp.square(H - mu[None]), axis=0))
+    if kind == "unit":  # inverse unit vector of the mean
+        return -mu / jnp.maximum(jnp.linalg.norm(mu), 1e-30)
+    if kind == "sign":  # inverse sign of the mean
+        return -jnp.sign(mu)
+    raise ValueError(f"unknown perturbation {kind!r}; valid choices: {list(PERTURBATIONS)}")
+
+
+def _largest_gamma(ok: Callable[[jax.Array], jax.Array], gamma_max: float, steps: int) -> jax.Array:
+    """The largest gamma in [0, gamma_max] with ok(gamma), by bisection (ok holds on an interval)."""
+
+    def body(_, carry):
+        lo, hi = carry
+        mid = 0.5 * (lo + hi)
+        good = ok(mid)
+        return jnp.where(good, mid, lo), jnp.where(good, hi, mid)
+
+    lo, _ = jax.lax.fori_loop(0, steps, body, (jnp.float32(0.0), jnp.float32(gamma_max)))
+    return jnp.where(ok(jnp.float32(gamma_max)), jnp.float32(gamma_max), lo)
+
+
+def _min_max_sum(honest, num_byzantine, gamma_max, perturbation, steps, use_sum):
+    H = _flat(honest)
+    mu = jnp.mean(H, axis=0)
+    p = _perturbation(H, mu, perturbation)
+    G = jnp.dot(H, H.T, precision=jax.lax.Precision.HIGHEST)
+    sq = jnp.diagonal(G)
+    pair = jnp.maximum(sq[:, None] + sq[None, :] - 2.0 * G, 0.0)
+    # ||mu + g p - h_i||^2 = ||mu - h_i||^2 + 2 g <mu - h_i, p> + g^2 ||p||^2, from small statistics.
+    base = jnp.sum(jnp.square(H - mu[None]), axis=1)
+    lin = 2.0 * ((H - mu[None]) @ -p)
+    pp = jnp.sum(jnp.square(p))
+    if use_sum:
+        bound = jnp.max(jnp.sum(pair, axis=1))
+
+        def ok(g):
+            return jnp.sum(base + g * lin + g * g * pp) <= bound
+    else:
+        bound = jnp.max(jnp.sqrt(pair))
+
+        def ok(g):
+            return jnp.sqrt(jnp.max(jnp.maximum(base + g * lin + g * g * pp, 0.0))) <= bound
+
+    gamma = _largest_gamma(ok, gamma_max, steps)
+    return _unflat(mu + gamma * p, num_byzantine, honest)
+
+
+def min_max(
+    key: jax.Array,
+    honest: PyTree,
+    num_byzantine: int,
+    gamma_max: float = 50.0,
+    perturbation: str = "std",
+    steps: int = 40,
+) -> PyTree:
+    """Min-max (Shejwalkar and Houmansadr 2021, NDSS, "Manipulating the Byzantine").
+
+    Every Byzantine node sends mu + gamma p, with mu the honest mean update, p
+    the perturbation (``"std"``: -sigma coordinate-wise, the paper's strongest
+    in most settings; ``"unit"``: -mu / ||mu||; ``"sign"``: -sign(mu)) and gamma
+    the largest value in [0, gamma_max] whose update is no farther from any
+    honest update than the honest updates are from each other:
+    max_i ||m - h_i|| <= max_{i,j} ||h_i - h_j||. gamma by bisection
+    (``steps`` halvings, the paper's Algorithm 1).
+    """
+    del key
+    return _min_max_sum(honest, num_byzantine, gamma_max, perturbation, steps, use_sum=False)
+
+
+def min_sum(
+    key: jax.Array,
+    honest: PyTree,
+    num_byzantine: int,
+    gamma_max: float = 50.0,
+    perturbation: str = "std",
+    steps: int = 40,
+) -> PyTree:
+    """Min-sum (Shejwalkar and Houmansadr 2021): as :func:`min_max`, but the constraint is on sums of
+    squared distances: sum_i ||m - h_i||^2 <= max_j sum_i ||h_j - h_i||^2."""
+    del key
+    return _min_max_sum(honest, num_byzantine, gamma_max, perturbation, steps, use_sum=True)
+
+
+def fltrust_aware(key: jax.Array, honest: PyTree, num_byzantine: int, cosine: float = 0.1) -> PyTree:
+    """An attack adapted to FLTrust: keep a positive trust score, spend the rest on harm.
+
+    FLTrust weighs each update by ReLU(cos) to the server's update and rescales
+    it to the server's norm. The attacker does not see the server's update and
+    takes the honest mean mu as its proxy: every Byzantine node sends
+    ||mu|| (cosine * mu_hat + sqrt(1 - cosine^2) * p_hat), where p_hat is the
+    unit inverse-std direction (-sigma) made orthogonal to mu. Its cosine to mu
+    is exactly ``cosine`` > 0 (so FLTrust trusts it) and its norm the honest
+    mean's (the trusted norm, as far as the attacker can tell).
+    """
+    del key
+    if not 0.0 < cosine <= 1.0:
+        raise ValueError(f"fltrust_aware: cosine must be in (0, 1], got {cosine}")
+    H = _flat(honest)
+    mu = jnp.mean(H, axis=0)
+    norm = jnp.linalg.norm(mu)
+    mu_hat = mu / jnp.maximum(norm, 1e-30)
+    p = -jnp.sqrt(jnp.mean(jnp.square(H - mu[None]), axis=0))
+    p = p - jnp.dot(p, mu_hat) * mu_hat
+    p_hat = p / jnp.maximum(jnp.linalg.norm(p), 1e-30)
+    bad = norm * (cosine * mu_hat + float(np.sqrt(1.0 - cosine**2)) * p_hat)
+    return _unflat(bad, num_byzantine, honest)
+
+
 ATTACKS: dict[str, Attack] = {
     "sign_flip": sign_flip,
     "gaussian": gaussian,
@@ -121,6 +252,9 @@ ATTACKS: dict[str, Attack] = {
     "ipm": ipm,
     "nonfinite": nonfinite,
     "mimic": mimic,
+    "min_max": min_max,
+    "min_sum": min_sum,
+    "fltrust_aware": fltrust_aware,
 }
 
 
