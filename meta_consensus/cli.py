@@ -4,6 +4,7 @@
 
     meta-consensus run [--config FILE] [--set key=value ...] [--resume | --overwrite] [--quiet]
     meta-consensus report runs/<name>
+    meta-consensus merge --method NAME [--set method.PARAM=VALUE ...] [--base BASE] --out DIR INPUT...
 
 ``run`` with no arguments runs the embedded default (digits, 8 nodes with mixed
 strategies, 2 ALIE attackers, Multi-Krum vote, mixture-NLL convex weights, DP).
@@ -81,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     rep = sub.add_parser("report", help="redraw the table and plots of a run directory")
     rep.add_argument("run_dir")
+    from meta_consensus import merge as merging  # light: imports jax only when a merge runs
+
+    merging.add_parser(sub)
     return ap
 
 
@@ -219,7 +223,17 @@ def report_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": run, "report": report_cmd}
+def merge_cmd(args: argparse.Namespace) -> int:
+    """``meta-consensus merge``: see :mod:`meta_consensus.merge`."""
+    from meta_consensus import merge as merging
+
+    try:
+        return merging.merge_cmd(args)
+    except merging.user_errors() as e:
+        raise UserError(str(e)) from e
+
+
+COMMANDS = {"run": run, "report": report_cmd, "merge": merge_cmd}
 
 
 def main(argv: list[str] | None = None) -> int:

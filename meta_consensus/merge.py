@@ -1,0 +1,581 @@
+"""``meta-consensus merge``: merge checkpoints made anywhere with any registered rule, streaming leaf by leaf.
+
+::
+
+    meta-consensus merge --method trimmed_mean --num-byzantine 1 --out merged/ a.safetensors b/ c/ d/
+    meta-consensus merge --method krum --num-byzantine 1 --override '^head\\.=median' --out merged/ IN...
+    meta-consensus merge --config merge.toml
+
+Any rule of :data:`consensus.registry.RULES` that maps n inputs to one
+(kinds "coordinatewise", "vector", "merge"; pre-aggregators are n -> n and are
+refused) merges the inputs, with ``--set method.PARAM=VALUE`` for its
+parameters, ``--num-byzantine F`` for the rules that take f, ``--base BASE``
+for the rules that need ``params`` (merge methods over task vectors) and
+``--override PATTERN=METHOD`` for a different rule on the keys a regular
+expression matches (as mergekit's slices do; the first matching override wins).
+
+Streaming (memory about (2n + 2) times the largest leaf, not n models): every
+input is a memory-mapped :class:`~consensus.io.CheckpointReader` and the output
+a :class:`~consensus.io.ShardedWriter` that appends one tensor at a time.
+
+* Coordinate-wise rules and merge methods run leaf by leaf: the n copies of
+  one leaf are stacked (host buffer, then device copy), merged, cast and
+  written. A merge method's statistics (TIES' trimming, DARE's drop) are then
+  per tensor, as in mergekit; a rule that needs a key gets ``fold_in(key(seed),
+  leaf index)``.
+* Vector rules (Krum, Multi-Krum, geometric median, centered clipping) need
+  whole-model distances. A first pass over the leaves sums the Gram matrix
+  ``G = sum_leaves (X - c)(X - c)^T`` (float64 on the host), centred on ``c`` =
+  the base when given, else the coordinate-wise median of the inputs (the
+  library's own centre for ``params=None``). The rule then runs on an n x n
+  embedding ``E = U sqrt(Lambda)`` of ``G = U Lambda U^T``, which has the same
+  inner products and distances as the inputs, so it selects and weighs the
+  same inputs as on the full models; its weights ``w`` (``info.weights``) give
+  each output leaf in the second pass as ``c + sum_i w_i (x_i - c)``. Only rules
+  whose output is that linear combination (``info.linear``) can stream this way
+  (Bulyan's coordinate-wise second stage cannot, and is refused).
+
+Non-float tensors (integer step counters, boolean masks) are copied when every
+input holds the same value and are an error otherwise. Convex merge weights
+need held-out data, which checkpoints alone do not carry: they are not offered
+here (use :mod:`consensus.convex` from Python).
+
+Every user error (inputs with different keys, shapes or dtypes, an unknown
+method or parameter, too few inputs for the rule, an existing output folder)
+is found before anything is written and raises :class:`MergeError`; the CLI
+prints it on one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# jax and the library are imported in the functions that use them: building the CLI parser
+# (``meta-consensus --help``, ``run``, ``report``) must not pay for importing jax.
+
+REPORT_NAME = "merge_report.json"
+MERGE_KINDS = ("coordinatewise", "vector", "merge")
+
+
+class MergeError(ValueError):
+    """A user error of the merge command (found before any output is written)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleChoice:
+    """One rule with its parameters (the default one, or an override's)."""
+
+    method: str
+    params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    num_byzantine: int | None = None
+    pattern: str | None = None  # None for the default rule
+
+    @property
+    def spec(self) -> Any:
+        from consensus.registry import RULES
+
+        return RULES[self.method]
+
+    def label(self) -> str:
+        return self.method if self.pattern is None else f"{self.method} (override {self.pattern!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class MergePlan:
+    """What to merge, how, and where (built by :func:`plan_from_args` or :func:`plan_from_toml`)."""
+
+    inputs: tuple[str, ...]
+    out: str
+    rule: RuleChoice
+    overrides: tuple[RuleChoice, ...] = ()
+    base: str | None = None
+    dtype: str | None = None
+    shard_size: int | None = None
+    seed: int = 0
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def parse_value(text: str) -> Any:
+    """A TOML value (``3``, ``0.5``, ``true``, ``[1, 2]``, ``"s"``) or, failing that, the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_sets(items: Sequence[str]) -> dict[str, Any]:
+    """``["method.beta=0.1", ...]`` -> ``{"beta": 0.1}``; the prefix must be ``method.``."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key.startswith("method.") or key == "method.":
+            raise MergeError(f"--set {item!r}: expected method.PARAM=VALUE (e.g. --set method.max_iter=50)")
+        out[key.removeprefix("method.")] = parse_value(value)
+    return out
+
+
+def parse_override(text: str) -> RuleChoice:
+    """``PATTERN=METHOD[,PARAM=VALUE...][,num_byzantine=F]`` -> a RuleChoice for the matching keys."""
+    pattern, eq, rest = text.partition("=")  # so a pattern holds no '='
+    if not eq or not pattern or not rest:
+        raise MergeError(f"--override {text!r}: expected PATTERN=METHOD[,PARAM=VALUE...]")
+    method, *pairs = rest.split(",")
+    params: dict[str, Any] = {}
+    for pair in pairs:
+        k, eq2, v = pair.partition("=")
+        if not eq2:
+            raise MergeError(f"--override {text!r}: {pair!r} is not PARAM=VALUE")
+        params[k.strip()] = parse_value(v)
+    f = params.pop("num_byzantine", None)
+    return RuleChoice(method.strip(), params, f, pattern)
+
+
+def plan_from_toml(path: str | Path, **overrides: Any) -> MergePlan:
+    """A plan from a TOML file; keyword arguments (from the command line) win over its values.
+
+    Keys: ``method``, ``num_byzantine``, ``inputs`` (list), ``out``, ``base``,
+    ``dtype``, ``shard_size``, ``seed``, ``[params]`` (the method's parameters)
+    and ``[[overrides]]`` tables with ``pattern``, ``method``, ``num_byzantine``
+    and ``params``.
+    """
+    path = Path(path)
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise MergeError(f"cannot read merge config {path}: {e}") from e
+    known = {
+        "method",
+        "num_byzantine",
+        "inputs",
+        "out",
+        "base",
+        "dtype",
+        "shard_size",
+        "seed",
+        "params",
+        "overrides",
+    }
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        raise MergeError(f"{path}: unknown keys {unknown}; valid keys: {sorted(known)}")
+    values = {k: v for k, v in overrides.items() if v not in (None, [], (), {})}
+    method = values.get("method", doc.get("method"))
+    if not method:
+        raise MergeError(f'{path}: no method (set method = "..." or pass --method)')
+    params = {**dict(doc.get("params", {})), **values.get("params", {})}
+    f = values.get("num_byzantine", doc.get("num_byzantine"))
+    over = []
+    for o in doc.get("overrides", []):
+        if "pattern" not in o or "method" not in o:
+            raise MergeError(f"{path}: every [[overrides]] needs a pattern and a method, got {o}")
+        over.append(RuleChoice(o["method"], dict(o.get("params", {})), o.get("num_byzantine"), o["pattern"]))
+    over += list(values.get("overrides", []))
+    return MergePlan(
+        inputs=tuple(values.get("inputs", doc.get("inputs", ()))),
+        out=values.get("out", doc.get("out")) or "",
+        rule=RuleChoice(method, params, f),
+        overrides=tuple(over),
+        base=values.get("base", doc.get("base")),
+        dtype=values.get("dtype", doc.get("dtype")),
+        shard_size=_size(values.get("shard_size", doc.get("shard_size"))),
+        seed=int(values.get("seed", doc.get("seed", 0))),
+    )
+
+
+def _size(text: Any) -> int | None:
+    from consensus.io import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise MergeError(f"shard size: {e}") from e
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_rule(choice: RuleChoice, n: int, has_base: bool) -> None:
+    from consensus.registry import RULES
+
+    spec = choice.spec  # RegistryError lists the valid names
+    if spec.kind not in MERGE_KINDS:
+        valid = RULES.names(lambda s: s.kind in MERGE_KINDS)
+        raise MergeError(
+            f"{choice.method} is a {spec.kind!r} rule (n -> n), not a merge; valid methods: {valid}"
+        )
+    spec.check_params(choice.params)
+    missing = [p for p in spec.required if p not in choice.params and p not in spec.defaults]
+    if missing:
+        raise MergeError(f"{choice.label()} needs parameter(s) {missing} (--set method.NAME=VALUE)")
+    if spec.takes_f and choice.num_byzantine is None:
+        raise MergeError(
+            f"{choice.label()} needs --num-byzantine F (how many of the {n} inputs may be Byzantine)"
+        )
+    f = choice.num_byzantine or 0
+    if f < 0:
+        raise MergeError(f"num_byzantine must be >= 0, got {f}")
+    spec.check(n, f)  # ByzantineToleranceError naming the rule, n, f and the requirement
+    if "params" in spec.needs and not has_base:
+        raise MergeError(
+            f"{choice.label()} merges task vectors: it needs --base BASE (the common pre-trained model)"
+        )
+    unsupported = sorted(set(spec.needs) - {"params", "key"})
+    if unsupported:
+        raise MergeError(f"{choice.label()} needs {unsupported}, which the merge command cannot provide")
+    try:
+        spec.build(choice.num_byzantine if spec.takes_f else None, **choice.params)
+    except (TypeError, ValueError) as e:
+        raise MergeError(f"{choice.label()}: {e}") from e
+
+
+def _check_inputs(readers: Sequence[Any], base: Any | None) -> None:
+    ref = readers[0]
+    for r in [*readers[1:], *([base] if base is not None else [])]:
+        missing = [k for k in ref.specs if k not in r.specs]
+        extra = [k for k in r.specs if k not in ref.specs]
+        if missing or extra:
+            parts = ([f"lacks {missing[:5]}"] if missing else []) + (
+                [f"has extra {extra[:5]}"] if extra else []
+            )
+            raise MergeError(f"{r.path} does not have the keys of {ref.path}: {'; '.join(parts)}")
+        for k, (shape, dtype) in ref.specs.items():
+            s, d = r.specs[k]
+            if s != shape or d != dtype:
+                raise MergeError(f"{k!r} is {d}{list(s)} in {r.path} but {dtype}{list(shape)} in {ref.path}")
+
+
+def assign_rules(keys: Sequence[str], plan: MergePlan) -> dict[str, RuleChoice]:
+    """key -> its rule (the first matching override, else the default); an unused override is an error."""
+    compiled = []
+    for o in plan.overrides:
+        try:
+            compiled.append((re.compile(o.pattern or ""), o))
+        except re.error as e:
+            raise MergeError(f"override pattern {o.pattern!r} is not a regular expression: {e}") from e
+    out, used = {}, set()
+    for k in keys:
+        choice = plan.rule
+        for i, (rx, o) in enumerate(compiled):
+            if rx.search(k):
+                choice, _ = o, used.add(i)
+                break
+        out[k] = choice
+    unused = [o.pattern for i, (_, o) in enumerate(compiled) if i not in used]
+    if unused:
+        raise MergeError(
+            f"override pattern(s) {unused} match no key of the inputs (keys look like {keys[:3]})"
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------- merging
+
+
+def _stack(readers: Sequence[Any], key: str) -> np.ndarray:
+    shape, dtype = readers[0].specs[key]
+    buf = np.empty((len(readers), *shape), dtype)
+    for i, r in enumerate(readers):
+        buf[i] = r.get(key)
+    return buf
+
+
+def _as_compute(x: np.ndarray) -> Any:
+    """Floating leaves are merged in float32 (bfloat16 / float16 inputs too) and cast back on output."""
+    import jax.numpy as jnp
+
+    return jnp.asarray(x, jnp.float32 if np.dtype(x.dtype).itemsize <= 4 else x.dtype)
+
+
+def _centre(stacked: Any, base: np.ndarray | None) -> Any:
+    import jax.numpy as jnp
+
+    if base is not None:
+        return _as_compute(base)
+    safe = jnp.where(jnp.isfinite(stacked), stacked, jnp.zeros((), stacked.dtype))
+    return jnp.median(safe, axis=0)
+
+
+def _vector_weights(choice: RuleChoice, gram: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Weights and selection of a vector rule run on an n x n embedding with Gram matrix ``gram``."""
+    import jax.numpy as jnp
+
+    from consensus.base import get_info
+
+    n = len(gram)
+    g = np.where(valid[:, None] & valid[None, :], gram, 0.0)
+    lam, u = np.linalg.eigh(g)
+    embedding = (u * np.sqrt(np.clip(lam, 0.0, None))).astype(np.float32)
+    rule = choice.spec.build(choice.num_byzantine if choice.spec.takes_f else None, **choice.params)
+    stacked, centre = {"e": jnp.asarray(embedding)}, {"e": jnp.zeros((n,), jnp.float32)}
+    _, state = rule.update(stacked, rule.init(centre), centre, mask=jnp.asarray(valid))
+    info = get_info(state)
+    if not info.linear:
+        raise MergeError(
+            f"{choice.label()}: its output is not a weighted combination of the inputs, so it cannot be "
+            "merged leaf by leaf from whole-model weights; use a coordinate-wise rule or a linear vector rule"
+        )
+    return np.asarray(info.weights, np.float64), np.asarray(info.selected)
+
+
+def _rule_key(choice: RuleChoice) -> str:
+    return json.dumps([choice.method, choice.pattern], default=str)
+
+
+def merge_checkpoints(plan: MergePlan, *, progress: bool = True, overwrite: bool = False) -> dict[str, Any]:
+    """Run a merge plan: check everything, then stream the inputs into ``plan.out``; returns the report."""
+    import jax.numpy as jnp
+    from tqdm.auto import tqdm
+
+    from consensus import io as ckpt
+    from consensus import tree as tree_lib
+    from consensus.base import ByzantineToleranceError
+
+    if len(plan.inputs) < 1:
+        raise MergeError("no inputs: give the checkpoints to merge (files or folders)")
+    if not plan.out:
+        raise MergeError("no output folder: give --out DIR")
+    out = Path(plan.out)
+    if out.exists() and not overwrite:
+        raise MergeError(f"output {out} exists; choose a new folder (nothing is ever overwritten)")
+    out_dtype = None
+    if plan.dtype is not None:
+        try:
+            names = {d.name: d for d in ckpt.safetensors.DTYPE_CODES.values()}
+            out_dtype = names.get(plan.dtype) or ckpt.safetensors.DTYPE_CODES.get(plan.dtype.upper())
+            if out_dtype is None:
+                raise MergeError(f"--dtype {plan.dtype!r} is not a safetensors dtype; valid: {sorted(names)}")
+            ckpt.safetensors.dtype_code(out_dtype)
+        except ckpt.CheckpointError as e:
+            raise MergeError(f"--dtype {plan.dtype!r}: {e}") from e
+    n = len(plan.inputs)
+    try:
+        for choice in (plan.rule, *plan.overrides):
+            _check_rule(choice, n, plan.base is not None)
+    except ByzantineToleranceError as e:
+        raise MergeError(f"{e} ({n} inputs given)") from e
+
+    readers = [ckpt.CheckpointReader(p) for p in plan.inputs]
+    base = ckpt.CheckpointReader(plan.base) if plan.base else None
+    try:
+        _check_inputs(readers, base)
+        keys = list(readers[0].specs)
+        rules = assign_rules(keys, plan)
+        specs = {}
+        for k, (shape, dtype) in readers[0].specs.items():
+            specs[k] = (shape, out_dtype if (out_dtype is not None and _is_float(dtype)) else dtype)
+        report: dict[str, Any] = {
+            "method": plan.rule.method,
+            "params": dict(plan.rule.params),
+            "num_byzantine": plan.rule.num_byzantine,
+            "overrides": [
+                {
+                    "pattern": o.pattern,
+                    "method": o.method,
+                    "params": dict(o.params),
+                    "num_byzantine": o.num_byzantine,
+                }
+                for o in plan.overrides
+            ],
+            "inputs": [str(p) for p in plan.inputs],
+            "base": plan.base,
+            "dtype": plan.dtype,
+            "seed": plan.seed,
+            "vector_rules": {},
+            "leaves": {},
+        }
+        total = len(keys)
+        vector_groups: dict[str, list[str]] = {}
+        for k in keys:
+            if rules[k].spec.kind == "vector" and _is_float(readers[0].specs[k][1]):
+                vector_groups.setdefault(_rule_key(rules[k]), []).append(k)
+        weights: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        bar = tqdm(
+            total=total + sum(len(v) for v in vector_groups.values()), disable=not progress, unit="leaf"
+        )
+        for group, group_keys in vector_groups.items():
+            gram, finite = np.zeros((n, n)), np.ones(n, bool)
+            for k in group_keys:  # pass 1: the Gram matrix of the whole slice, one leaf at a time
+                x = _as_compute(_stack(readers, k)).reshape(n, -1)
+                c = _centre(x, None if base is None else base.get(k).reshape(-1))
+                finite &= np.asarray(jnp.all(jnp.isfinite(x), axis=1))
+                gram += tree_lib.gram_f64({"x": jnp.where(jnp.isfinite(x), x, 0.0)}, {"x": c})
+                bar.update(1)
+            choice = rules[group_keys[0]]
+            w, selected = _vector_weights(choice, gram, finite)
+            weights[group] = (w, selected)
+            report["vector_rules"][choice.label()] = {
+                "leaves": len(group_keys),
+                "weights": [round(float(v), 8) for v in w],
+                "selected": [plan.inputs[i] for i in np.flatnonzero(selected)],
+                "excluded_nonfinite": [plan.inputs[i] for i in np.flatnonzero(~finite)],
+            }
+        with ckpt.atomic_directory(out, overwrite=overwrite) as tmp:
+            writer = ckpt.ShardedWriter(
+                tmp, specs, shard_size=plan.shard_size, metadata={"merged_by": "meta-consensus merge"}
+            )
+            try:
+                for index, k in enumerate(keys):  # pass 2: merge and write leaf by leaf
+                    shape, dtype = specs[k]
+                    merged, leaf_report = _merge_leaf(
+                        readers, base, k, rules[k], weights.get(_rule_key(rules[k])), plan.seed, index
+                    )
+                    writer.write(k, np.asarray(merged).astype(dtype).reshape(shape))
+                    report["leaves"][k] = leaf_report
+                    bar.update(1)
+            finally:
+                writer.abort()
+            writer.close()
+            (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
+        bar.close()
+    finally:
+        for r in [*readers, *([base] if base else [])]:
+            r.close()
+    return report
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    import ml_dtypes
+
+    return bool(np.issubdtype(dtype, np.floating)) or np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16)
+
+
+def _merge_leaf(
+    readers: Sequence[Any],
+    base: Any | None,
+    key: str,
+    choice: RuleChoice,
+    vector: tuple[np.ndarray, np.ndarray] | None,
+    seed: int,
+    index: int,
+) -> tuple[Any, dict[str, Any]]:
+    import jax
+    import jax.numpy as jnp
+
+    from consensus.base import get_info
+
+    stacked = _stack(readers, key)
+    n = len(readers)
+    if not _is_float(stacked.dtype):
+        if not all(np.array_equal(stacked[0], stacked[i]) for i in range(1, n)):
+            raise MergeError(
+                f"{key!r} is a {stacked.dtype} tensor that differs between inputs; "
+                "only float tensors are merged"
+            )
+        return stacked[0], {"method": "copy (non-float, equal in every input)"}
+    x = _as_compute(stacked)
+    base_leaf = None if base is None else _as_compute(base.get(key))
+    if vector is not None:
+        w, _ = vector
+        flat = x.reshape(n, -1)
+        c = _centre(flat, None if base_leaf is None else base_leaf.reshape(-1))
+        valid = jnp.asarray(w != 0)
+        delta = jnp.where(valid[:, None], flat - c, 0.0)  # a 0-weight input holding NaN contributes nothing
+        merged = c + jnp.tensordot(jnp.asarray(w, jnp.float32), delta, axes=1)
+        return merged, {"method": choice.method, "weights": "whole-model (see vector_rules)"}
+    spec = choice.spec
+    rule = spec.build(choice.num_byzantine if spec.takes_f else None, **choice.params)
+    extra: dict[str, Any] = {}
+    if "key" in spec.needs:
+        extra["key"] = jax.random.fold_in(jax.random.key(seed), index)
+    params = None if base_leaf is None else {"x": base_leaf}
+    merged, state = rule.update(
+        {"x": x}, rule.init(params if params is not None else {"x": x[0]}), params, **extra
+    )
+    info = get_info(state)
+    leaf_report: dict[str, Any] = {
+        "method": choice.method,
+        "selected": [int(i) for i in np.flatnonzero(np.asarray(info.selected))],
+    }
+    if info.linear:
+        leaf_report["weights"] = [round(float(v), 8) for v in np.asarray(info.weights)]
+    return merged["x"], leaf_report
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def add_parser(sub: Any) -> None:
+    """Register the ``merge`` subcommand on the CLI's subparsers."""
+    p = sub.add_parser(
+        "merge", help="merge checkpoints (safetensors files or folders) with a registered rule"
+    )
+    p.add_argument("inputs", nargs="*", metavar="INPUT", help="checkpoints: .safetensors files or folders")
+    p.add_argument("--method", help="a rule of consensus.registry.RULES (median, trimmed_mean, krum, ...)")
+    p.add_argument("--num-byzantine", "-f", type=int, default=None, help="f, for the rules that take one")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="method.PARAM=VALUE", help="a rule parameter"
+    )
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="PATTERN=METHOD[,PARAM=VALUE...]",
+        help="another rule for the keys a regex matches, e.g. '^head\\.=median' (first match wins)",
+    )
+    p.add_argument("--base", help="the common base model (needed by merge methods over task vectors)")
+    p.add_argument("--out", help="output folder (must not exist)")
+    p.add_argument("--dtype", help="output dtype of float tensors (default: the inputs')")
+    p.add_argument("--shard-size", help="shard the output above this size, e.g. 2GB")
+    p.add_argument("--seed", type=int, default=None, help="seed of randomized rules (default 0)")
+    p.add_argument("--config", help="merge TOML file (command-line options win)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def plan_from_args(args: Any) -> MergePlan:
+    overrides = [parse_override(o) for o in args.override]
+    values = {
+        "method": args.method,
+        "params": parse_sets(args.set),
+        "num_byzantine": args.num_byzantine,
+        "inputs": list(args.inputs),
+        "out": args.out,
+        "base": args.base,
+        "dtype": args.dtype,
+        "shard_size": args.shard_size,
+        "seed": args.seed,
+        "overrides": overrides,
+    }
+    if args.config:
+        return plan_from_toml(args.config, **values)
+    if not args.method:
+        raise MergeError("give --method NAME (or --config merge.toml)")
+    return MergePlan(
+        inputs=tuple(args.inputs),
+        out=args.out or "",
+        rule=RuleChoice(args.method, values["params"], args.num_byzantine),
+        overrides=tuple(overrides),
+        base=args.base,
+        dtype=args.dtype,
+        shard_size=_size(args.shard_size),
+        seed=args.seed or 0,
+    )
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """The exception types that are the user's mistake (one line, exit 2 in the CLI)."""
+    from consensus.base import ByzantineToleranceError
+    from consensus.io import CheckpointError, CheckpointKeyError
+    from consensus.registry import RegistryError
+
+    return (MergeError, RegistryError, CheckpointError, CheckpointKeyError, ByzantineToleranceError)
+
+
+def merge_cmd(args: Any) -> int:
+    """The ``merge`` subcommand: 0 on success; user errors raise (the CLI prints one line, exit 2)."""
+    plan = plan_from_args(args)
+    report = merge_checkpoints(plan, progress=not args.quiet)
+    print(
+        f"meta-consensus merge: {len(plan.inputs)} inputs, {len(report['leaves'])} tensors, "
+        f"method {plan.rule.method} -> {plan.out}/ ({REPORT_NAME})"
+    )
+    return 0
