@@ -10,7 +10,7 @@ One flat namespace over small private modules, in the style of optax::
     consensus.get_info(state).selected                # which nodes were kept
 """
 
-from consensus import convex, dp, mesh, privacy
+from consensus import convex, dp, merging, mesh, privacy
 from consensus.aggregators import (
     ClipState,
     MixState,
@@ -65,6 +65,17 @@ from consensus.dp import (
     round_participants,
     sample_participants,
 )
+from consensus.merging import (
+    dare,
+    fisher_merge,
+    karcher_mean,
+    layerwise_weights,
+    model_stock,
+    regmean,
+    slerp,
+    task_arithmetic,
+    ties,
+)
 from consensus.mesh import MeshConfig, make_mesh, stacked_sharding
 from consensus.privacy import PrivacyBudgetExceeded, PrivacyEvent, PrivacyLedger, calibrate_noise
 from consensus.tree import (
@@ -85,6 +96,16 @@ from consensus.tree import (
 )
 
 __all__ = [
+    "dare",
+    "fisher_merge",
+    "karcher_mean",
+    "layerwise_weights",
+    "merging",
+    "model_stock",
+    "regmean",
+    "slerp",
+    "task_arithmetic",
+    "ties",
     "ConvexMergeState",
     "ConvexWeights",
     "MeshConfig",

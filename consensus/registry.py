@@ -36,6 +36,16 @@ from consensus import aggregators as agg
 from consensus.aggregators.bucketing import bucket_requirement
 from consensus.aggregators.filters import SMEA_MAX_SUBSETS
 from consensus.base import Aggregator, ByzantineToleranceError, PreAggregator
+from consensus.merging import (
+    dare,
+    fisher_merge,
+    karcher_mean,
+    model_stock,
+    regmean,
+    slerp,
+    task_arithmetic,
+    ties,
+)
 
 Kind = Literal["coordinatewise", "vector", "pre", "merge"]
 T = TypeVar("T")
@@ -288,6 +298,78 @@ register(
     precondition=lambda n, f: bucket_requirement(n, f, 2),
     sensitivity="the inner rule's (geometric median by default: 2C)",
     needs=("key",),
+)
+
+
+# Merge methods over task vectors (consensus/merging): params = the base model; not robust on
+# their own (compose them with the votes); see each factory's docstring for its paper.
+def _merge_nodes(minimum: int, exact: bool = False):
+    def precondition(n: int, f: int) -> str | None:
+        if exact:
+            return _need(n == minimum, f"exactly {minimum} valid nodes")
+        return _need(n >= minimum, f"at least {minimum} valid node{'s' if minimum > 1 else ''}")
+
+    return precondition
+
+
+register(
+    "task_arithmetic",
+    task_arithmetic,
+    "merge",
+    precondition=_merge_nodes(1),
+    sensitivity="scale * max_i w_i * C (a weighted sum of clipped deltas)",
+    needs=("params",),
+)
+register(
+    "ties",
+    ties,
+    "merge",
+    precondition=_merge_nodes(1),
+    sensitivity="not bounded (one node can flip every elected sign)",
+    needs=("params",),
+    defaults={"density": 0.2},
+)
+register(
+    "dare",
+    dare,
+    "pre",
+    precondition=_merge_nodes(1),
+    sensitivity="that of the rule after it (DARE rescales deltas by 1/density: C / density per node)",
+    needs=("params", "key"),
+    defaults={"density": 0.5},
+)
+register(
+    "model_stock",
+    model_stock,
+    "merge",
+    precondition=_merge_nodes(2),
+    sensitivity="not bounded (t depends on every node)",
+    needs=("params",),
+)
+register(
+    "slerp",
+    slerp,
+    "merge",
+    precondition=_merge_nodes(2, exact=True),
+    sensitivity="not bounded",
+    defaults={"t": 0.5},
+)
+register("karcher_mean", karcher_mean, "merge", precondition=_merge_nodes(1), sensitivity="not bounded")
+register(
+    "fisher_merge",
+    fisher_merge,
+    "merge",
+    precondition=_merge_nodes(1),
+    sensitivity="not bounded (data-dependent coordinate weights)",
+    needs=("params", "fisher"),
+)
+register(
+    "regmean",
+    regmean,
+    "merge",
+    precondition=_merge_nodes(1),
+    sensitivity="not bounded (data-dependent layer weights)",
+    needs=("params", "grams"),
 )
 
 

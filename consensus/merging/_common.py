@@ -1,0 +1,137 @@
+"""Plumbing shared by the merge methods: the base, valid nodes, node weights, checks.
+
+A merge method is an :class:`~consensus.base.Aggregator` whose ``params`` is the
+common base model: node i's *task vector* is ``x_i - params``. Nodes that are
+masked out or hold NaN/Inf take no part (their task vector counts as absent,
+never as zero, in every count and divisor).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from consensus import tree
+from consensus.aggregators import view as views
+from consensus.aggregators._common import RuleState, allowed, init_rule_state, is_concrete, static_count
+from consensus.base import AggregationInfo, ByzantineToleranceError
+
+PyTree = Any
+
+# Re-exported for the method modules.
+__all__ = ["RuleState", "init_rule_state"]
+
+
+def require_base(rule: str, stacked: PyTree, params: PyTree | None) -> tuple[PyTree, int]:
+    """The plain stacked tree (views materialized) and n; raise when the base is missing or mismatched."""
+    if params is None:
+        raise ValueError(
+            f"{rule}: needs the base model: update(stacked, state, params=base); "
+            "task vectors are the node deltas x_i - base"
+        )
+    stacked = views.materialize(stacked) if views.is_view(stacked) else stacked
+    n = tree.num_nodes(stacked)
+    tree.check_stacked_against(stacked, params)
+    return stacked, n
+
+
+def valid_nodes(stacked: PyTree, mask: jax.Array | None, n: int, assume_finite: bool = False) -> jax.Array:
+    """(n,) bool: allowed by ``mask`` and, unless ``assume_finite``, finite in every leaf."""
+    valid = allowed(mask, n)
+    if not assume_finite:
+        valid = valid & tree.finite_mask(stacked)
+    return valid
+
+
+def require_valid_count(rule: str, valid: jax.Array, n: int, minimum: int, exact: bool = False) -> None:
+    """Raise ByzantineToleranceError when a concrete valid count is below ``minimum`` (or not ``minimum``)."""
+    m = static_count(valid)
+    if m is None:
+        return
+    if (exact and m != minimum) or m < minimum:
+        need = f"exactly {minimum}" if exact else f"at least {minimum}"
+        raise ByzantineToleranceError(f"{rule}: {m} valid node(s) out of n={n}; needs {need} valid nodes.")
+
+
+def check_density(rule: str, density: float) -> float:
+    if isinstance(density, bool) or not isinstance(density, (int, float, np.floating)):
+        raise ValueError(f"{rule}: density must be a number in (0, 1], got {density!r}")
+    if not (math.isfinite(density) and 0.0 < density <= 1.0):
+        raise ValueError(f"{rule}: density must be in (0, 1], got {density!r}")
+    return float(density)
+
+
+def check_scale(rule: str, scale: float) -> float:
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"{rule}: scale must be finite, got {scale!r}")
+    return float(scale)
+
+
+def node_weights(rule: str, fixed: jax.Array | None, given: Any, n: int) -> jax.Array:
+    """(n,) float32 node weights: per-call ``given`` over the factory's ``fixed``, default all 1."""
+    w = given if given is not None else fixed
+    if w is None:
+        return jnp.ones((n,), jnp.float32)
+    w = jnp.asarray(w, jnp.float32)
+    if w.shape != (n,):
+        raise ValueError(f"{rule}: weights must have shape ({n},), got {w.shape}")
+    if is_concrete(w) and bool(jnp.any(~jnp.isfinite(w) | (w < 0))):
+        raise ValueError(f"{rule}: weights must be finite and non-negative")
+    return w
+
+
+def fixed_weights(rule: str, weights: Any) -> jax.Array | None:
+    if weights is None:
+        return None
+    w = np.asarray(weights, np.float64)
+    if w.ndim != 1 or not np.all(np.isfinite(w)) or np.any(w < 0):
+        raise ValueError(
+            f"{rule}: weights must be a 1-D vector of finite non-negative numbers, got {weights!r}"
+        )
+    return jnp.asarray(w, jnp.float32)
+
+
+def info(valid: jax.Array, weights: jax.Array, linear: bool) -> AggregationInfo:
+    """Diagnostics: ``weights`` renormalized over the valid nodes (the uniform share if all are 0)."""
+    w = jnp.where(valid, weights, 0.0)
+    total = jnp.sum(w)
+    share = valid.astype(jnp.float32) / jnp.maximum(jnp.sum(valid.astype(jnp.float32)), 1.0)
+    w = jnp.where(total > 0, w / jnp.where(total > 0, total, 1.0), share)
+    return AggregationInfo(valid, valid, w, linear)
+
+
+def leaves_of(*trees: PyTree) -> list[list[jax.Array]]:
+    return [jax.tree_util.tree_leaves(t) for t in trees]
+
+
+def unflatten_like(like: PyTree, leaves: list[jax.Array]) -> PyTree:
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
+
+
+def optimistic(
+    stacked: PyTree, mask: jax.Array | None, n: int, assume_finite: bool, compute
+) -> tuple[PyTree, jax.Array]:
+    """``compute(valid) -> merged`` with the finiteness pass only when it is needed.
+
+    Eagerly, the merge is first computed over the allowed nodes: NaN and Inf
+    survive every method here (they reach the output through a sum with a
+    non-zero coefficient), so a finite output proves every allowed node was
+    finite and the separate finiteness pass is skipped. Under an outer jit that
+    check cannot run, and the finite mask is computed first (one more pass).
+    """
+    leaves = jax.tree_util.tree_leaves(stacked)
+    concrete = all(is_concrete(x) for x in leaves) and (mask is None or is_concrete(mask))
+    if assume_finite:
+        valid = allowed(mask, n)
+        return compute(valid), valid
+    if concrete:
+        valid = allowed(mask, n)
+        merged = compute(valid)
+        if all(bool(jnp.isfinite(y).all()) for y in jax.tree_util.tree_leaves(merged)):
+            return merged, valid
+    valid = valid_nodes(stacked, mask, n)
+    return compute(valid), valid

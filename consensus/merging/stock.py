@@ -1,0 +1,111 @@
+"""Model Stock: move from the base towards the mean by the angle between the task vectors."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from consensus.base import AggregationInfo, Aggregator
+from consensus.merging._common import (
+    info,
+    init_rule_state,
+    leaves_of,
+    optimistic,
+    require_base,
+    require_valid_count,
+    unflatten_like,
+)
+from kernels import gram as gram_kernels
+from kernels import rows as row_kernels
+
+PyTree = Any
+
+
+class StockState(NamedTuple):
+    """State of :func:`model_stock`: the round's info and the per-leaf ratios t (a tree of scalars)."""
+
+    info: AggregationInfo
+    t: PyTree = None
+
+
+def stock_ratio(g: jax.Array, valid: jax.Array) -> jax.Array:
+    """Model Stock's t from the (n, n) Gram matrix of one leaf's task vectors.
+
+    cos = mean over valid pairs i < j of <d_i, d_j> / (|d_i| |d_j|);
+    t = m cos / (1 + (m - 1) cos), m the number of valid nodes. Singular cases
+    (a zero task vector, fewer than 2 valid nodes, or 1 + (m - 1) cos = 0) give
+    t = 0: the leaf keeps the base.
+    """
+    n = g.shape[0]
+    g = g.astype(jnp.float32)
+    g = jnp.where(valid[:, None] & valid[None, :], g, 0.0)
+    norms = jnp.sqrt(jnp.maximum(jnp.diagonal(g), 0.0))
+    pair = valid[:, None] & valid[None, :] & ~jnp.eye(n, dtype=bool)
+    safe = jnp.where(norms > 0, norms, 1.0)
+    cos = g / (safe[:, None] * safe[None, :])
+    m = jnp.sum(valid.astype(jnp.float32))
+    pairs = jnp.sum(pair.astype(jnp.float32))
+    mean_cos = jnp.sum(jnp.where(pair, cos, 0.0)) / jnp.maximum(pairs, 1.0)
+    denom = 1.0 + (m - 1.0) * mean_cos
+    zero = jnp.any(valid & (norms == 0))
+    singular = zero | (pairs == 0) | (denom == 0) | ~jnp.isfinite(mean_cos)
+    return jnp.where(singular, 0.0, m * mean_cos / jnp.where(denom == 0, 1.0, denom))
+
+
+@jax.jit
+def _stock_leaf(x, base, valid):
+    # Rows of invalid nodes may hold NaN: they only reach their own row and column of G,
+    # which stock_ratio masks out.
+    g = gram_kernels.gram(x, base)
+    t = stock_ratio(g, valid)
+    m = jnp.maximum(jnp.sum(valid.astype(jnp.float32)), 1.0)
+    coeffs = jnp.where(valid, t / m, 0.0)
+    # base + t * (mean - base) = base + sum_i (t / m) (x_i - base): one pass.
+    out = row_kernels.weighted_sum(x, coeffs, base, 1.0 - jnp.sum(coeffs))
+    return out.astype(x.dtype), t
+
+
+def model_stock() -> Aggregator:
+    """Model Stock (Jang, Yun and Han, "Model Stock: All we need is just a few fine-tuned models", ECCV 2024).
+
+    Per leaf, with task vectors ``d_i = x_i - theta_0`` of the m valid nodes:
+
+    .. math:: \\cos = \\operatorname{mean}_{i<j} \\frac{\\langle d_i, d_j\\rangle}{\\lVert d_i\\rVert
+              \\lVert d_j\\rVert},\\quad t = \\frac{m \\cos}{1 + (m - 1)\\cos},\\quad
+              \\theta = t\\,\\bar x + (1 - t)\\,\\theta_0
+
+    ``params`` = theta_0 is the base (the paper's pre-trained model). mergekit's
+    ``model_stock`` computes the same t per tensor (it clamps nothing either;
+    a negative mean cosine gives t < 0 here and there). Singular leaves (a zero
+    task vector, or 1 + (m - 1) cos = 0) keep the base (t = 0), as mergekit's
+    zero-norm guard does. ``state.t`` holds the per-leaf ratios.
+    Cost: one Gram pass and one weighted-sum pass per leaf.
+
+    Not robust (the mean of the nodes is the target). Permutation invariant.
+    DP sensitivity: not bounded by this package (t depends on every node).
+    Precondition: at least 2 valid nodes (the angle needs a pair).
+    """
+
+    def update(stacked, state, params=None, *, mask=None, assume_finite=False, **extra):
+        del state, extra
+        stacked, n = require_base("model_stock", stacked, params)
+        ratios = []
+
+        def compute(valid):
+            ratios.clear()
+            outs = []
+            for x, b in zip(*leaves_of(stacked, params), strict=True):
+                y, t = _stock_leaf(x, b, valid)
+                outs.append(y)
+                ratios.append(t)
+            return unflatten_like(params, outs)
+
+        merged, valid = optimistic(stacked, mask, n, assume_finite, compute)
+        require_valid_count("model_stock", valid, n, 2)
+        return merged, StockState(
+            info(valid, jnp.ones((n,), jnp.float32), False), unflatten_like(params, ratios)
+        )
+
+    return Aggregator(lambda params: StockState(init_rule_state().info, None), update, "model_stock")

@@ -1,0 +1,139 @@
+"""TIES-merging: trim, elect sign, disjoint merge (Yadav et al., NeurIPS 2023)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from consensus.base import Aggregator
+from consensus.merging._common import (
+    RuleState,
+    check_density,
+    check_scale,
+    fixed_weights,
+    info,
+    init_rule_state,
+    leaves_of,
+    node_weights,
+    optimistic,
+    require_base,
+    require_valid_count,
+    unflatten_like,
+)
+from consensus.merging._select import kth_largest_bits, magnitude_bits
+from kernels.rows import _tree_sum
+
+PyTree = Any
+ELECTIONS = ("sum", "count")
+
+
+def trim_thresholds(x: jax.Array, base: jax.Array, density: float, valid: jax.Array) -> jax.Array:
+    """(n,) float32: node i keeps the entries of this leaf with ``|x_i - base| >= threshold_i``.
+
+    threshold_i is the k-th largest |x_i - base| over the leaf, k = max(1, int(density * size)),
+    found exactly without sorting (:mod:`consensus.merging._select`). Invalid rows
+    read as zeros (their threshold is 0; they are excluded later anyway).
+    """
+    n = x.shape[0]
+    size = x[0].size
+    k = max(1, int(density * size))
+    if k >= size:
+        return jnp.zeros((n,), jnp.float32)
+    return _thresholds(x, base, valid, k=k)
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def _thresholds(x, base, valid, *, k: int):
+    n = x.shape[0]
+    d = x.astype(jnp.float32) - base.astype(jnp.float32)[None]
+    d = jnp.where(valid.reshape((n,) + (1,) * (x.ndim - 1)), d, 0.0)
+    # NaN's bit pattern is above +inf's: clamp so the search's invariants hold (such rows are dropped).
+    bits = jnp.minimum(magnitude_bits(d).reshape(n, -1), jnp.int32(0x7F800000))
+    return jax.lax.bitcast_convert_type(kth_largest_bits(bits, k), jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("election",))
+def _ties_leaf(x, base, thresholds, w, valid, scale, *, election: str):
+    """One fused pass over the rows: trim, weigh, elect, disjoint mean, add to the base."""
+    b = base.astype(jnp.float32)
+    n = x.shape[0]
+    terms = []
+    for i in range(n):
+        d = x[i].astype(jnp.float32) - b
+        # not(|d| < t) rather than |d| >= t: a NaN entry is kept, so it reaches the output and
+        # the caller's finiteness check excludes the node instead of silently dropping entries.
+        keep = valid[i] & ~(jnp.abs(d) < thresholds[i])
+        terms.append(jnp.where(keep, w[i] * d, 0.0))
+    votes = _tree_sum(terms) if election == "sum" else _tree_sum([jnp.sign(t) for t in terms])
+    elected = jnp.where(votes >= 0, 1.0, -1.0)
+    kept = [jnp.sign(t) == elected for t in terms]  # sign(0) = 0: zeros are never kept
+    num = _tree_sum([jnp.where(k, t, 0.0) for k, t in zip(kept, terms, strict=True)])
+    den = _tree_sum([jnp.where(k, w[i], 0.0) for i, k in enumerate(kept)])
+    den = jnp.where(den == 0, 1.0, den)
+    # 0 where every kept-or-not term is finite, NaN where a valid node holds NaN/Inf: the
+    # non-finite node must poison the output (and be excluded by the caller), not vanish.
+    poison = _tree_sum([t * 0.0 for t in terms])
+    return (b + scale * (num / den) + poison).astype(x.dtype)
+
+
+def ties(density: float, election: str = "sum", scale: float = 1.0, weights: Any = None) -> Aggregator:
+    """TIES-merging (Yadav et al., "TIES-Merging: Resolving Interference When Merging Models", NeurIPS 2023).
+
+    With ``params`` = theta_0 the base and task vectors ``d_i = x_i - theta_0``:
+
+    1. *Trim*: per node and per leaf keep the k = max(1, int(density * size))
+       largest-magnitude entries of d_i, zero the rest. Ties in magnitude at
+       the k-th value are all kept: the rule keeps every entry with
+       ``|d_i| >= t_i``, t_i the exact k-th largest magnitude, so more than k
+       entries survive when several share t_i (mergekit keeps exactly k, and
+       which of the tied entries it keeps depends on torch's argsort order).
+    2. Multiply by the node weights w_i (default 1): ``tau_i = w_i trim(d_i)``.
+    3. *Elect* a sign per coordinate: ``"sum"`` (the paper's and mergekit's
+       default) takes ``sign(sum_i tau_i)``; ``"count"`` takes the majority of
+       ``sign(tau_i)`` (mergekit's ``count``). A zero vote elects +.
+    4. *Disjoint merge*: keep ``tau_i`` where ``sign(tau_i)`` equals the
+       elected sign (zeros are never kept), and divide the sum of the kept
+       entries by the sum of the kept nodes' weights (a divisor of 0 reads 1).
+    5. ``theta = theta_0 + scale * merged`` (the paper's lambda; 1 in mergekit).
+
+    This is mergekit's ``ties`` (``normalize: true``) except for the tie rule
+    of step 1. With ``"sum"`` one large Byzantine delta sets every elected
+    sign (its magnitude outvotes the honest nodes); ``"count"`` is the safer
+    election when some nodes may be Byzantine: an attacker then has one vote
+    per coordinate, though its kept entries still enter the mean where its
+    sign wins. Invalid nodes (masked or non-finite) take no part.
+
+    Cost: the exact per-node thresholds take a few counting passes over the
+    stack (no sort, see :mod:`consensus.merging._select`), then one fused pass.
+    Not permutation-sensitive: the output is invariant to node order.
+    DP sensitivity: not bounded by this package (the elected sign of every
+    coordinate can flip with one node); DP refuses it.
+    Precondition: density in (0, 1], at least 1 valid node.
+    """
+    rho = check_density("ties", density)
+    if election not in ELECTIONS:
+        raise ValueError(f"ties: election must be one of {ELECTIONS}, got {election!r}")
+    lam = check_scale("ties", scale)
+    fixed = fixed_weights("ties", weights)
+
+    def update(stacked, state, params=None, *, mask=None, weights=None, assume_finite=False, **extra):
+        del state, extra
+        stacked, n = require_base("ties", stacked, params)
+        w = node_weights("ties", fixed, weights, n)
+
+        def compute(valid):
+            xs, bs = leaves_of(stacked, params)
+            out = []
+            for x, b in zip(xs, bs, strict=True):
+                t = trim_thresholds(x, b, rho, valid)
+                out.append(_ties_leaf(x, b, t, w, valid, jnp.float32(lam), election=election))
+            return unflatten_like(params, out)
+
+        merged, valid = optimistic(stacked, mask, n, assume_finite, compute)
+        require_valid_count("ties", valid, n, 1)
+        return merged, RuleState(info(valid, w, False))
+
+    return Aggregator(init_rule_state, update, "ties")
