@@ -17,10 +17,12 @@ from strategies.tasks.base import (
     param_dtype,
     split_module,
 )
+from strategies.tasks.custom import ArrayTask, task_from_arrays
 from strategies.tasks.digits import DigitsTask
 from strategies.tasks.text import TextTask
 
 __all__ = [
+    "ArrayTask",
     "Batch",
     "DigitsTask",
     "NodeData",
@@ -38,4 +40,5 @@ __all__ = [
     "pad_stack",
     "param_dtype",
     "split_module",
+    "task_from_arrays",
 ]

@@ -1,0 +1,258 @@
+"""Bring your own model: a :class:`~strategies.tasks.base.Task` from a Flax model and arrays ``(x, y)``.
+
+:func:`task_from_arrays` builds everything the system needs from a model and
+labelled arrays: the Dirichlet node split over the classes, the general pool
+(the whole training split) and the groups (classes), the held-out split the
+coordinator weighs nodes on, and the test split, with cross entropy and accuracy
+unless you pass your own loss and metrics. A custom task in a few lines::
+
+    import flax.nnx as nnx
+    from strategies.tasks import task_from_arrays
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden, self.out = nnx.Linear(20, 32, rngs=rngs), nnx.Linear(32, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(nnx.relu(self.hidden(x)))
+
+    task = task_from_arrays(lambda rngs: MLP(rngs), x, y)   # x (N, 20) float, y (N,) int in 0..2
+    MetaConsensus(config.load(None, ["vote.rule=median"]), task=task).train()
+
+or, from the command line, a module ``my_tasks.py`` with ``def make_task(): return
+task_from_arrays(...)`` and ``meta-consensus run --set task.name=my_tasks:make_task``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from strategies.tasks.base import Array, Batch, PyTree, TaskData, cross_entropy, masked_mean, split_module
+from strategies.tasks.classification import classification_splits
+
+# (logits (B, C), labels (B,)) -> per-row values (B,)
+RowFn = Callable[[Array, Array], Array]
+
+
+def _accuracy(logits: Array, y: Array) -> Array:
+    return (jnp.argmax(logits, axis=-1) == y).astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ArrayTask:
+    """A classification task over arrays in memory (build it with :func:`task_from_arrays`).
+
+    Attributes:
+      name: the task's name in logs and tables.
+      init_fn: ``key -> params`` (a pytree of float arrays).
+      apply_fn: ``(params, x) -> logits (B, C)``.
+      x, y: every example and its int class in ``0..num_classes-1``.
+      split_rows: the row indices of the train, held-out and test splits.
+      num_classes: C.
+      loss_fn: ``(logits, y) -> per-row loss``; metric_fns: name -> ``(logits, y) -> per-row value``.
+      dominant_mass: the classes covering this share of a node's shard are its groups.
+    """
+
+    name: str
+    init_fn: Callable[[Array], PyTree]
+    apply_fn: Callable[[PyTree, Array], Array]
+    x: np.ndarray
+    y: np.ndarray
+    split_rows: tuple[np.ndarray, np.ndarray, np.ndarray]
+    num_classes: int
+    loss_fn: RowFn = cross_entropy
+    metric_fns: Mapping[str, RowFn] = dataclasses.field(default_factory=lambda: {"accuracy": _accuracy})
+    dominant_mass: float = 0.8
+    kind = "classification"
+
+    def init(self, key: Array) -> PyTree:
+        return self.init_fn(key)
+
+    def apply(self, params: PyTree, inputs: Array, *, train: bool = False, key: Array | None = None) -> Array:
+        del train, key
+        dtype = jax.tree.leaves(params)[0].dtype
+        x = inputs.astype(dtype) if jnp.issubdtype(inputs.dtype, jnp.floating) else inputs
+        return self.apply_fn(params, x)
+
+    def loss(self, params: PyTree, batch: Batch, key: Array | None = None) -> Array:
+        logits = self.apply(params, batch["x"], train=key is not None, key=key).astype(jnp.float32)
+        return masked_mean(self.loss_fn(logits, batch["y"]), batch.get("mask"))
+
+    def metrics(self, params: PyTree, batch: Batch) -> dict[str, Array]:
+        logits = self.apply(params, batch["x"]).astype(jnp.float32)
+        mask = batch.get("mask")
+        out = {"loss": masked_mean(self.loss_fn(logits, batch["y"]), mask)}
+        for name, fn in self.metric_fns.items():
+            out[name] = masked_mean(fn(logits, batch["y"]).astype(jnp.float32), mask)
+        return out
+
+    def logical_axes(self, params: PyTree) -> PyTree:
+        """No named model axes: on a mesh the parameters are split over nodes only."""
+        return jax.tree.map(lambda p: (None,) * np.ndim(p), params)
+
+    def flip_labels(self, batch: Batch) -> Batch:
+        """Label flipping attack: y -> C - 1 - y."""
+        return {**batch, "y": (self.num_classes - 1 - batch["y"]).astype(batch["y"].dtype)}
+
+    def splits(
+        self,
+        num_nodes: int,
+        *,
+        seed: int = 0,
+        alpha: float = 0.5,
+        process_index: int = 0,
+        process_count: int = 1,
+    ) -> TaskData:
+        train, heldout, test = self.split_rows
+        return classification_splits(
+            self.x,
+            self.y,
+            train=train,
+            heldout=heldout,
+            test=test,
+            num_nodes=num_nodes,
+            num_classes=self.num_classes,
+            seed=seed,
+            alpha=alpha,
+            dominant_mass=self.dominant_mass,
+            process_index=process_index,
+            process_count=process_count,
+            min_size=1,
+        )
+
+
+def _model_functions(model: Any, example: np.ndarray) -> tuple[Callable, Callable]:
+    """(init_fn, apply_fn) of an NNX constructor, a Linen module, or an (init, apply) pair."""
+    import flax.linen as nn
+    import flax.nnx as nnx
+
+    if isinstance(model, tuple) and len(model) == 2 and all(callable(f) for f in model):
+        return model
+    if isinstance(model, nn.Module):
+
+        def init_linen(key):
+            return model.init(key, jnp.asarray(example[:1]))["params"]
+
+        return init_linen, lambda params, x: model.apply({"params": params}, x)
+    if isinstance(model, nnx.Module):
+        raise TypeError(
+            "task_from_arrays: pass a constructor of the NNX module (`lambda rngs: MyModel(rngs=rngs)`), "
+            "not a built module: the task must make fresh parameters from a key"
+        )
+    if callable(model):
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: model(nnx.Rngs(0))))
+
+        def init_nnx(key):
+            return split_module(model(nnx.Rngs(params=key)))[1]
+
+        return init_nnx, lambda params, x: nnx.merge(graphdef, params)(x)
+    raise TypeError(
+        "task_from_arrays: model must be an NNX constructor `rngs -> nnx.Module`, a flax.linen Module, "
+        f"or a pair (init_fn(key) -> params, apply_fn(params, x) -> logits); got {type(model).__name__}"
+    )
+
+
+def _stratified_split(
+    y: np.ndarray, fractions: tuple[float, float, float], seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Row indices of train / held-out / test with every class split in the given fractions."""
+    rng = np.random.default_rng(seed)
+    parts: list[list[np.ndarray]] = [[], [], []]
+    for c in np.unique(y):
+        rows = rng.permutation(np.flatnonzero(y == c))
+        n_test = int(round(fractions[2] * len(rows)))
+        n_held = int(round(fractions[1] * len(rows)))
+        parts[2].append(rows[:n_test])
+        parts[1].append(rows[n_test : n_test + n_held])
+        parts[0].append(rows[n_test + n_held :])
+    return tuple(np.sort(np.concatenate(p)).astype(np.int64) for p in parts)  # type: ignore[return-value]
+
+
+def task_from_arrays(
+    model: Any,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    heldout: tuple[np.ndarray, np.ndarray] | None = None,
+    test: tuple[np.ndarray, np.ndarray] | None = None,
+    fractions: tuple[float, float, float] = (0.7, 0.1, 0.2),
+    num_classes: int | None = None,
+    loss: RowFn | None = None,
+    metrics: Mapping[str, RowFn] | None = None,
+    name: str = "custom",
+    split_seed: int = 0,
+    dominant_mass: float = 0.8,
+) -> ArrayTask:
+    """A classification :class:`~strategies.tasks.base.Task` from a model and labelled arrays.
+
+    Args:
+      model: an NNX constructor ``rngs -> nnx.Module``, a ``flax.linen`` Module, or a pair
+        ``(init_fn(key) -> params, apply_fn(params, x) -> logits)``; logits are (B, C).
+      x, y: the training examples (N, ...) and their int classes (N,). Without ``heldout``
+        and ``test`` they are split (stratified, ``fractions`` of each class, ``split_seed``)
+        into train / held-out / test; otherwise all of them are training data.
+      heldout, test: optional ``(x, y)`` of the held-out split (the coordinator's data for
+        weights and gates) and the test split (reported numbers only).
+      fractions: train / held-out / test shares when splitting one set.
+      num_classes: C (default: max label + 1).
+      loss: ``(logits, y) -> (B,)`` per-row loss (default cross entropy).
+      metrics: name -> ``(logits, y) -> (B,)`` per-row values averaged over the rows
+        (default ``{"accuracy": ...}``; the system reports "accuracy").
+      name: the task's name in tables.
+      split_seed: seed of the train / held-out / test split.
+      dominant_mass: a node's groups are its classes covering this share of its shard.
+
+    Returns:
+      an :class:`ArrayTask`; the node split (Dirichlet over the classes with the run's alpha
+      and seed), the general pool (the training split) and the groups (the classes) follow.
+    """
+    x, y = np.asarray(x), np.asarray(y)
+    if x.ndim < 2 or y.ndim != 1 or len(x) != len(y):
+        raise ValueError(f"task_from_arrays: x must be (N, ...) and y (N,); got {x.shape} and {y.shape}")
+    if not np.issubdtype(y.dtype, np.integer) or (y.size and y.min() < 0):
+        raise ValueError("task_from_arrays: y must hold non-negative integer classes")
+    if (heldout is None) != (test is None):
+        raise ValueError("task_from_arrays: give both heldout and test, or neither (one set is split)")
+    if heldout is None:
+        if len(fractions) != 3 or min(fractions) <= 0 or abs(sum(fractions) - 1) > 1e-6:
+            raise ValueError(
+                f"task_from_arrays: fractions must be three shares > 0 summing to 1, got {fractions}"
+            )
+        rows = _stratified_split(y, tuple(fractions), split_seed)
+        all_x, all_y = x, y
+    else:
+        hx, hy = (np.asarray(a) for a in heldout)
+        tx, ty = (np.asarray(a) for a in test)
+        for what, (a, b) in (("heldout", (hx, hy)), ("test", (tx, ty))):
+            if a.shape[1:] != x.shape[1:] or len(a) != len(b):
+                raise ValueError(
+                    f"task_from_arrays: {what} x must be (M, {x.shape[1:]}) with one label per row"
+                )
+        all_x, all_y = np.concatenate([x, hx, tx]), np.concatenate([y, hy, ty]).astype(y.dtype)
+        n, h = len(x), len(hx)
+        rows = (np.arange(n), np.arange(n, n + h), np.arange(n + h, len(all_y)))
+    c = int(all_y.max()) + 1 if num_classes is None else int(num_classes)
+    if all_y.max() >= c:
+        raise ValueError(f"task_from_arrays: labels go up to {int(all_y.max())}, num_classes is {c}")
+    init_fn, apply_fn = _model_functions(model, all_x)
+    return ArrayTask(
+        name=name,
+        init_fn=init_fn,
+        apply_fn=apply_fn,
+        x=all_x,
+        y=all_y.astype(np.int32),
+        split_rows=rows,
+        num_classes=c,
+        loss_fn=loss or cross_entropy,
+        metric_fns=dict(metrics) if metrics is not None else {"accuracy": _accuracy},
+        dominant_mass=dominant_mass,
+    )
+
+
+__all__ = ["ArrayTask", "task_from_arrays"]
