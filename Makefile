@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test test-fast lint bench bench-quick clean
+.PHONY: run test test-fast lint bench bench-quick clean data
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "meta-consensus needs Python 3.11 or newer")'
@@ -40,6 +40,14 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	for b in $(BENCHMARKS); do $(BIN)/python -m benchmarks.$$b --quick || exit 1; done
+
+# Fashion-MNIST's IDX files (Debian's dataset-fashion-mnist, under /usr/share/datasets/fashion-mnist/).
+data:
+	@if [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then echo "Fashion-MNIST: already in /usr/share/datasets/fashion-mnist/"; \
+	elif command -v apt-get >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update && apt-get install -y dataset-fashion-mnist; \
+	  else sudo apt-get update && sudo apt-get install -y dataset-fashion-mnist; fi; \
+	else echo "no apt-get here: put the four Fashion-MNIST IDX files (train-images-idx3-ubyte.gz, ...) in a folder and set META_CONSENSUS_FASHION_MNIST=<folder> (or the task option data_dir)"; exit 1; fi
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
