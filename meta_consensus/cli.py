@@ -88,13 +88,17 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _start_jax(args: argparse.Namespace) -> None:
-    # Device count and collectives must be set before jax creates its backends.
+def _set_device_flags(args: argparse.Namespace) -> None:
+    # The CPU device count is read when jax creates its backends: set it before anything imports jax.
     if args.local_devices:
         flags = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = (
             f"{flags} --xla_force_host_platform_device_count={args.local_devices}".strip()
         )
+
+
+def _start_jax(args: argparse.Namespace) -> None:
+    # Collectives and jax.distributed must be set up before jax creates its backends.
     import jax
 
     if args.num_processes > 1:
@@ -126,17 +130,34 @@ def _last_checkpoint(run_dir: Path) -> str:
     return f"round {steps[-1]} in {ckpts}" if steps else f"none in {ckpts}"
 
 
+def _heartbeat_timeout(args: argparse.Namespace) -> int:
+    """The config's ``heartbeat_timeout_s``, read before jax starts (the checked load comes after:
+    jax.distributed must start before anything touches a device, and a bad value is reported then)."""
+    import tomllib
+
+    from meta_consensus.config import Config, apply_overrides, default_text
+
+    try:
+        text = Path(args.config).read_text() if args.config else default_text()
+        value = apply_overrides(tomllib.loads(text), args.set).get("heartbeat_timeout_s")
+        return int(value) if value is not None and int(value) >= 1 else Config.heartbeat_timeout_s
+    except Exception:  # noqa: BLE001 - the real load below says what is wrong
+        return Config.heartbeat_timeout_s
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_run_args(args)
+    _set_device_flags(args)
+    args.heartbeat_timeout = _heartbeat_timeout(args) if args.num_processes > 1 else None
+    _start_jax(args)
+    import jax
+
     from meta_consensus import config
 
-    _check_run_args(args)
     try:
         cfg = config.load(args.config, args.set)
     except config.ConfigError as e:
         raise UserError(f"bad config: {e}") from e
-    args.heartbeat_timeout = cfg.heartbeat_timeout_s
-    _start_jax(args)
-    import jax
 
     from consensus.base import ByzantineToleranceError
     from meta_consensus import MetaConsensus

@@ -23,7 +23,10 @@ import jax.numpy as jnp
 SAMPLE = 4096  # sampled entries per row for the first bracket
 PROBES = 3
 MAX_PASSES = 64  # bisection alone needs at most 32 (31-bit range); a hard stop for safety
-TOP = jnp.int32(0x7F800001)  # above +inf: count(bits >= TOP) = 0 for finite rows
+# above +inf: count(bits >= TOP) = 0 for finite rows. A Python int, not a jax array: an array
+# here would start jax's backends at import, before the CLI sets the device count or starts
+# jax.distributed.
+TOP = 0x7F800001
 
 
 def _counts(bits: jax.Array, probes: jax.Array) -> jax.Array:

@@ -164,3 +164,18 @@ def test_entry_point_refuses_an_existing_run(finished_run):
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert "already holds a run" in proc.stderr and "--resume" in proc.stderr
     assert _snapshot(finished_run) == before
+
+
+@pytest.mark.multiprocess
+def test_importing_the_package_leaves_the_device_count_to_the_cli():
+    """No jax computation at import: --local-devices and jax.distributed must come first."""
+    code = (
+        "import os, meta_consensus.cli, meta_consensus, consensus, strategies\n"
+        "os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=3'\n"
+        "import jax\n"
+        "assert jax.device_count() == 3, jax.devices()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.getcwd()
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
