@@ -4,21 +4,24 @@ For each (n, d) the script times, in one run on one stack:
   * the floor: one numpy pass that sums the (n, d) float32 stack over the node axis;
   * numpy baselines: ``np.mean(x, 0)``, ``np.median(x, 0)`` and a plain numpy Krum
     (pairwise squared distances from ``x @ x.T``, scores, argmin);
-  * every rule of the package, called eagerly as a user would
-    (``agg.update(stacked, state, params)``, params = the global params, so Gram
-    statistics are centred), and reports time / floor.
+  * every rule of the package in three ways a user calls it, each reported as time / floor:
+    ``eager`` (``agg.update(stacked, state, params)``, params = the global params, so Gram
+    statistics are centred on them), ``jit`` (the same call inside the user's own
+    ``jax.jit``) and ``jit, no params`` (``jax.jit(lambda s, st: agg.update(s, st))``);
+  * on two inputs: ``clean`` (honest nodes only) and ``alie`` (f rows replaced by one ALIE
+    vector, repeated: the ties of issue 17).
 Extra memory is XLA's own account of the jitted update (temporaries plus the
 output) divided by the size of the stack. ``clip`` alone is an n -> n map that
 writes a clipped copy of the stack; inside a pipeline (``clip+mean``, as DP and
 robust pipelines use it) it stays a lazy view and writes nothing.
 
     python -m benchmarks.aggregators            # n in {8, 16, 32}, d in {1e5, 1e6, 1e7}
-    python -m benchmarks.aggregators --quick    # n = 16, d in {1e6, 1e7}: under a minute
+    python -m benchmarks.aggregators --quick    # n = 16, d in {1e6, 1e7}
+    python -m benchmarks.aggregators --nodes 16 --sizes 1e7   # the README's table
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 
 import jax
@@ -26,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import consensus
-from benchmarks.common import best_time, machine, markdown_table, write_results
+from benchmarks import harness
+from benchmarks.harness import best_time, machine, markdown_table
 
 # Targets from the issue, as multiples of the floor, at n = 16, d = 1e7.
 TARGETS = {
@@ -38,6 +42,10 @@ TARGETS = {
     "multi_krum": 3.0,
     "bulyan": 4.0,
 }
+# Targets under an outer jit (issue 13), as multiples of the floor at n = 16, d = 1e7, in both
+# jit columns; every other rule: within 10% of its eager time.
+JIT_TARGETS = {"median": 1.0, "trimmed_mean": 1.0, "krum": 2.5, "multi_krum": 2.5, "bulyan": 3.0}
+MODES = ("eager", "jit", "jit, no params")
 GM_ITERS = 10
 TARGET_SIZE = (16, 10_000_000)
 
@@ -87,16 +95,47 @@ def extra_memory_ratio(agg, stacked, params) -> float | None:
         return None
 
 
-def bench_one(n: int, d: int, repeats: int, with_memory: bool, numpy_baselines: bool) -> list[dict]:
+def attacked_stack(x_np: np.ndarray, params_np: np.ndarray, f: int) -> np.ndarray:
+    """f rows replaced by one ALIE vector (the same vector f times, as the attack sends it)."""
+    from strategies import attacks
+
+    n = x_np.shape[0]
+    byz = np.zeros(n, bool)
+    byz[np.linspace(0, n - 1, f).astype(int)] = True
+    out = attacks.apply_attack("alie", jax.random.key(0), {"w": jnp.asarray(x_np)}, byz, {"w": params_np})
+    return np.asarray(out["w"])
+
+
+def timed_call(agg, mode: str, stacked, params):
+    """A no-argument function that runs one update the way ``mode`` says a user would."""
+    state = agg.init(params)
+    if mode == "eager":
+        return lambda: agg.update(stacked, state, params)[0]
+    if mode == "jit":
+        fn = jax.jit(lambda s, st, p: agg.update(s, st, p)[0])
+        return lambda: fn(stacked, state, params)
+    fn = jax.jit(lambda s, st: agg.update(s, st)[0])
+    return lambda: fn(stacked, state)
+
+
+def bench_one(
+    n: int,
+    d: int,
+    repeats: int,
+    with_memory: bool,
+    numpy_baselines: bool,
+    inputs: tuple[str, ...] = ("clean", "alie"),
+    only: set[str] | None = None,
+) -> list[dict]:
     rng = np.random.default_rng(0)
     params_np = rng.standard_normal(d, dtype=np.float32)
     x_np = params_np + 0.01 * rng.standard_normal((n, d), dtype=np.float32)
     params = {"w": jnp.asarray(params_np)}
-    stacked = {"w": jnp.asarray(x_np)}
     f = byzantine_count(n)
     # The floor is the yardstick of every ratio: measure it with more repeats.
     floor = best_time(lambda: x_np.sum(axis=0), max(7, repeats))
-    rows = [dict(n=n, d=d, f=f, rule="floor (numpy sum)", seconds=floor, ratio=1.0)]
+    base = dict(n=n, d=d, f=f)
+    rows = [dict(base, rule="floor (numpy sum)", seconds=floor, ratio=1.0)]
     if numpy_baselines:
         for name, fn in [
             ("numpy mean", lambda: np.mean(x_np, axis=0)),
@@ -104,32 +143,43 @@ def bench_one(n: int, d: int, repeats: int, with_memory: bool, numpy_baselines: 
             ("numpy krum", lambda: numpy_krum(x_np, f)),
         ]:
             t = best_time(fn, max(1, repeats - 1))
-            rows.append(dict(n=n, d=d, f=f, rule=name, seconds=t, ratio=t / floor))
-    for name, agg in rules(n).items():
-        state = agg.init(params)
-        t = best_time(lambda agg=agg, state=state: agg.update(stacked, state, params)[0], repeats)
-        row = dict(n=n, d=d, f=f, rule=name, seconds=t, ratio=t / floor)
-        # The targets are stated for n = 16, d = 1e7; at small d fixed per-call costs dominate.
-        if (n, d) == TARGET_SIZE:
-            if name in TARGETS:
-                row["target"] = TARGETS[name]
-            if name == "geometric_median":
-                row["target"] = GM_ITERS + 2.0
-        if with_memory:
-            row["extra_memory"] = extra_memory_ratio(agg, stacked, params)
-        rows.append(row)
-        gc.collect()
+            rows.append(dict(base, rule=name, seconds=t, ratio=t / floor))
+    for input_name in inputs:
+        stacked = {"w": jnp.asarray(x_np if input_name == "clean" else attacked_stack(x_np, params_np, f))}
+        for name, agg in rules(n).items():
+            if only is not None and name not in only:
+                continue
+            row = dict(base, rule=name, input=input_name)
+            for mode in MODES:
+                t = best_time(timed_call(agg, mode, stacked, params), repeats)
+                row[mode] = t / floor
+                gc.collect()
+            row["seconds"], row["ratio"] = row["eager"] * floor, row["eager"]
+            # The targets are stated for n = 16, d = 1e7; at small d fixed per-call costs dominate.
+            if (n, d) == TARGET_SIZE:
+                if name in TARGETS:
+                    row["target"] = TARGETS[name]
+                if name == "geometric_median":
+                    row["target"] = GM_ITERS + 2.0
+                row["jit target"] = JIT_TARGETS.get(name, round(1.1 * row["eager"], 2))
+            if with_memory and input_name == "clean":
+                row["extra_memory"] = extra_memory_ratio(agg, stacked, params)
+            rows.append(row)
+            gc.collect()
     return rows
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="a subset that runs in under a minute")
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    parser = harness.parser(__doc__, "a subset that runs in a few minutes")
     parser.add_argument("--sizes", type=str, default=None, help="comma list of d, e.g. 1e5,1e6")
     parser.add_argument("--nodes", type=str, default=None, help="comma list of n, e.g. 8,16")
-    args = parser.parse_args(argv)
+    parser.add_argument("--repeats", type=int, default=None, help="best of this many timed calls")
+    parser.add_argument("--rules", type=str, default=None, help="comma list of rule names (default: all)")
+    parser.add_argument("--name", type=str, default=None, help="results file name (default: aggregators)")
+    args = harness.parse(parser, argv)
     if args.quick:
         nodes, sizes, repeats = [16], [1_000_000, 10_000_000], 2
     else:
@@ -138,34 +188,47 @@ def main(argv: list[str] | None = None) -> dict:
         nodes = [int(v) for v in args.nodes.split(",")]
     if args.sizes:
         sizes = [int(float(v)) for v in args.sizes.split(",")]
+    if args.repeats:
+        repeats = args.repeats
+    only = None if not args.rules else set(args.rules.split(","))
     results = []
     for n in nodes:
         for d in sizes:
             # Memory analysis compiles every rule once more: only at the largest size.
-            results += bench_one(n, d, repeats, with_memory=(d == max(sizes)), numpy_baselines=True)
+            memory = d == max(sizes)
+            results += bench_one(n, d, repeats, with_memory=memory, numpy_baselines=True, only=only)
             print(f"done n={n} d={d:.0e}", flush=True)
-    headers = ["n", "d", "f", "rule", "ms", "x floor", "target", "extra mem (x stack)"]
+    headers = ["n", "d", "f", "rule", "input", "eager ms", "eager", "jit", "jit, no params"]
+    headers += ["target (eager)", "target (jit)", "extra mem (x stack)"]
     table = [
         [
             r["n"],
             f"{r['d']:.0e}",
             r["f"],
             r["rule"],
+            r.get("input", ""),
             1e3 * r["seconds"],
             r["ratio"],
+            r.get("jit", ""),
+            r.get("jit, no params", ""),
             r.get("target", ""),
+            r.get("jit target", ""),
             "" if r.get("extra_memory") is None else round(r["extra_memory"], 2),
         ]
         for r in results
     ]
+    command = "python -m benchmarks.aggregators" + (" " + " ".join(argv) if argv else "")
     md = (
         "# Aggregator speed (time / one numpy pass over the stack)\n\n"
-        f"Command: `python -m benchmarks.aggregators{' --quick' if args.quick else ''}`. "
+        f"Command: `{command}`. "
         f"Machine: {machine()['processor']}, {machine()['cpu_count']} cores, jax {jax.__version__} "
-        f"({jax.default_backend()}).\n\n" + markdown_table(headers, table)
+        f"({jax.default_backend()}). Columns eager / jit / jit, no params: time / floor.\n\n"
+        + markdown_table(headers, table)
     )
-    write_results(
-        "aggregators" + ("_quick" if args.quick else ""), {"machine": machine(), "results": results}, md
+    name = args.name or ("aggregators" + ("_quick" if args.quick else ""))
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    harness.write_results(
+        name, {"machine": machine(), "command": command, "settings": settings, "results": results}, md
     )
     print(md)
     return {"results": results}

@@ -151,3 +151,10 @@ def clip(X, c, C):
     norms = np.linalg.norm(D, axis=1)
     scale = np.where(norms > C, C / np.maximum(norms, 1e-300), 1.0)
     return c + D * scale[:, None]
+
+
+def medoid(X, valid):
+    """The valid row with the smallest sum of Euclidean distances to the valid rows (lowest index on ties)."""
+    idx = np.flatnonzero(valid)
+    sums = [sum(np.linalg.norm(X[i] - X[j]) for j in idx) for i in idx]
+    return int(idx[int(np.argmin(sums))])

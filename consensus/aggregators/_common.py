@@ -123,20 +123,82 @@ class GramStats(NamedTuple):
 
 
 def gram_stats(stacked: PyTree, params: PyTree | None, mask: jax.Array | None) -> GramStats:
-    """Gram matrix centred on params (or on the coordinate-wise median), and validity from its diagonal.
+    """Gram matrix centred on params (or, without params, on the nodes' mean), and validity from its diagonal.
 
     A node whose leaves hold NaN/Inf (or overflow float32 when squared) has a
     non-finite diagonal entry, so no separate finiteness pass is needed. For a
     view the Gram matrix of its rows is ``A G A^T`` (cached by the view when a
     pre-aggregator already formed it), centred on the view's centre.
+
+    Without params the Gram matrix is centred on the mean of the allowed nodes,
+    formed inside the same single pass (``kernels.gram.gram_self_centred``; its
+    docstring says why the mean keeps distances accurate). That centre is not
+    returned (``centre`` is None): it serves distances and combinations whose
+    coefficients sum to 1, which do not depend on it. A non-finite node spoils
+    the mean, so when some allowed node comes out invalid the matrix is formed
+    again on the coordinate-wise median (a ``lax.cond`` under an outer jit: the
+    second pass only runs then).
     """
     if views.is_view(stacked):
         return _view_gram_stats(stacked, mask)
     n = tree.num_nodes(stacked)
-    centre = params if params is not None else robust_centre(stacked)
-    g = tree.gram(stacked, centre)
-    valid = allowed(mask, n) & jnp.isfinite(jnp.diagonal(g))
-    return _finish_stats(g, valid, centre)
+    allow = allowed(mask, n)
+    if params is not None:
+        g = tree.gram(stacked, params)
+        return _finish_stats(g, allow & jnp.isfinite(jnp.diagonal(g)), params)
+
+    def robust():
+        g = tree.gram(stacked, robust_centre(stacked))
+        return g, allow & jnp.isfinite(jnp.diagonal(g))
+
+    g = _sum_over_leaves(gram_kernels.gram_self_centred(x, allow) for x in jax.tree_util.tree_leaves(stacked))
+    valid = allow & jnp.isfinite(jnp.diagonal(g))
+    every_allowed_finite = jnp.all(valid == allow)
+    if is_concrete(every_allowed_finite):
+        if not bool(every_allowed_finite):
+            g, valid = robust()
+    else:
+        g, valid = jax.lax.cond(every_allowed_finite, lambda: (g, valid), robust)
+    return _finish_stats(g, valid, None)
+
+
+def _sum_over_leaves(grams) -> jax.Array:
+    total = None
+    for g in grams:
+        total = g if total is None else total + g
+    return total
+
+
+def medoid(sq_dists: jax.Array, valid: jax.Array) -> jax.Array:
+    """Index of the valid node with the smallest sum of distances to the other valid nodes (lowest on ties).
+
+    A robust point of the data (breakdown 1/2, like the coordinate-wise
+    median) that costs n x n work: centered clipping starts from it when no
+    params are given.
+    """
+    dist = jnp.sqrt(jnp.where(valid[:, None] & valid[None, :], sq_dists, 0.0))
+    return jnp.argmin(jnp.where(valid, jnp.sum(dist, axis=1), jnp.inf))
+
+
+def recentre_gram(g: jax.Array, r: jax.Array) -> jax.Array:
+    """The Gram matrix of the same rows centred on row r: G_ij - G_ir - G_rj + G_rr."""
+    gr = g[r]
+    return g - gr[None, :] - gr[:, None] + g[r, r]
+
+
+def under_outer_jit(stacked: PyTree, mask: jax.Array | None) -> bool:
+    """True when the stack or the mask is traced (the update runs inside a user's jit)."""
+    leaves = jax.tree_util.tree_leaves(views.base_of(stacked))
+    return not all(is_concrete(x) for x in leaves) or (mask is not None and not is_concrete(mask))
+
+
+def all_finite(tree_: PyTree) -> jax.Array:
+    """Scalar bool: every entry of every leaf is finite (reads the output, 1/n of the stack)."""
+    checks = [jnp.all(jnp.isfinite(y)) for y in jax.tree_util.tree_leaves(tree_)]
+    out = checks[0]
+    for c in checks[1:]:
+        out = out & c
+    return out
 
 
 def _view_gram_stats(v, mask) -> GramStats:

@@ -12,11 +12,12 @@ from consensus.aggregators import view as views
 from consensus.aggregators._common import (
     RuleState,
     accepts_views,
+    all_finite,
     allowed,
     check_stacked,
     init_rule_state,
-    is_concrete,
     static_count,
+    under_outer_jit,
     uniform_over,
     valid_nodes,
 )
@@ -31,20 +32,26 @@ def _optimistic_sum(stacked, mask, n: int, weights_for):
     NaN and +-Inf always survive a weighted sum with non-zero weights (Inf - Inf
     is NaN), so a finite result proves every allowed node was finite and the
     separate finiteness pass can be skipped. Only when the result is not finite
-    (or under an outer jit, where the check cannot run) does the rule pay for
-    the finiteness pass and a second sum. Returns (merged, valid, weights) or
-    None when the fast path does not apply.
+    does the rule pay for the finiteness pass and a second sum: eagerly by
+    returning None, under an outer jit by a ``lax.cond`` whose second branch
+    (the finiteness pass and the sum over the finite nodes) only runs then.
+    Returns (merged, valid, weights), or None when the fast path does not apply.
     """
-    leaves = jax.tree_util.tree_leaves(views.base_of(stacked))
-    if not all(is_concrete(x) for x in leaves) or (mask is not None and not is_concrete(mask)):
-        return None
     if views.is_view(stacked) and stacked.valid is not None:
         return None
     valid = allowed(mask, n)
     w = weights_for(valid)
     merged = views.weighted_sum(stacked, w)
-    finite = all(bool(jnp.isfinite(y).all()) for y in jax.tree_util.tree_leaves(merged))
-    return (merged, valid, w) if finite else None
+    finite = all_finite(merged)
+    if not under_outer_jit(stacked, mask):
+        return (merged, valid, w) if bool(finite) else None
+
+    def over_finite_nodes():
+        ok = valid_nodes(stacked, mask)
+        w_ok = weights_for(ok)
+        return views.weighted_sum(stacked, w_ok), ok, w_ok
+
+    return jax.lax.cond(finite, lambda: (merged, valid, w), over_finite_nodes)
 
 
 def _require_some(rule: str, valid: jax.Array, n: int) -> None:

@@ -13,14 +13,15 @@ from consensus.aggregators import view as views
 from consensus.aggregators._common import (
     RuleState,
     accepts_views,
+    all_finite,
     allowed,
     check_f,
     check_stacked,
     coordinatewise,
     init_rule_state,
-    is_concrete,
     require_count,
     static_count,
+    under_outer_jit,
     uniform_over,
     valid_nodes,
 )
@@ -34,20 +35,37 @@ def _optimistic(kernel, stacked, mask, n: int, **kwargs):
     With ``poison`` the kernels turn any NaN/Inf of a kept row into NaN at that
     coordinate of the output, so a finite output proves every allowed node was
     finite and the separate finiteness pass is not needed. Returns
-    (merged, valid) or None (non-finite output, an outer jit, or a view whose
+    (merged, valid) or None (non-finite output eagerly, or a view whose
     validity is already known).
+
+    Under an outer jit the same check runs inside the program: when every node
+    is allowed, the static-count kernel (every order position a Python int, as
+    eagerly) runs first and a ``lax.cond`` on its output being finite falls
+    back to the finiteness pass and the traced-count kernel only when it is
+    not. With a traced mask, a first ``lax.cond`` on "every node allowed"
+    chooses between the two.
     """
-    leaves = jax.tree_util.tree_leaves(views.base_of(stacked))
-    if not all(is_concrete(x) for x in leaves) or (mask is not None and not is_concrete(mask)):
-        return None
     if views.is_view(stacked) and (stacked.valid is not None or stacked.mixing is not None):
         return None
     valid = allowed(mask, n)
-    keep, m = _keep_args(valid, n)
-    merged = coordinatewise(kernel, stacked, keep=keep, m=m, poison=True, **kwargs)
-    if all(bool(jnp.isfinite(y).all()) for y in jax.tree_util.tree_leaves(merged)):
-        return merged, valid
-    return None
+    if not under_outer_jit(stacked, mask):
+        keep, m = _keep_args(valid, n)
+        merged = coordinatewise(kernel, stacked, keep=keep, m=m, poison=True, **kwargs)
+        if all(bool(jnp.isfinite(y).all()) for y in jax.tree_util.tree_leaves(merged)):
+            return merged, valid
+        return None
+
+    def over_finite_nodes():
+        ok = valid_nodes(stacked, mask)
+        return coordinatewise(kernel, stacked, keep=ok, **kwargs), ok
+
+    def every_node():
+        merged = coordinatewise(kernel, stacked, keep=None, m=None, poison=True, **kwargs)
+        return jax.lax.cond(all_finite(merged), lambda: (merged, valid), over_finite_nodes)
+
+    if mask is None:
+        return every_node()
+    return jax.lax.cond(jnp.all(valid), every_node, over_finite_nodes)
 
 
 def _keep_args(valid: jax.Array, n: int):
@@ -102,7 +120,8 @@ def trimmed_mean(num_byzantine: int) -> Aggregator:
         n = check_stacked(stacked, params)
         require("trimmed_mean", n, f, n > 2 * f, f"n > 2f = {2 * f}")
         fast = None if assume_finite else _optimistic(sorting.trimmed_mean, stacked, mask, n, f=f)
-        if fast is not None and static_count(fast[1]) > 2 * f:
+        m_fast = None if fast is None else static_count(fast[1])
+        if fast is not None and (m_fast is None or m_fast > 2 * f):
             merged, valid = fast
             return merged, RuleState(AggregationInfo(valid, valid, uniform_over(valid), False))
         valid = valid_nodes(stacked, mask, assume_finite)

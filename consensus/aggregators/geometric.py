@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from consensus.aggregators import view as views
@@ -11,6 +12,8 @@ from consensus.aggregators._common import (
     check_stacked,
     gram_stats,
     init_rule_state,
+    medoid,
+    recentre_gram,
     require_count,
     static_count,
 )
@@ -57,10 +60,13 @@ def centered_clipping(clip_radius: float, iterations: int = 1) -> Aggregator:
                   \\min(1, \\tau / \\lVert x_i - v_l \\rVert)
 
     for ``iterations`` steps from v_0 = ``params`` (the previous consensus, so
-    the previous aggregate *update* is taken as zero; with params=None, v_0 is
-    the coordinate-wise median). Solved in Gram space: one Gram pass and one
-    weighted pass. ``info.weights`` are the coefficients a with
-    v = v_0 + sum_i a_i (x_i - v_0); the rest, 1 - sum(a), stays on v_0.
+    the previous aggregate *update* is taken as zero). With params=None, v_0 is
+    the medoid: the valid node with the smallest sum of distances to the other
+    valid nodes (lowest index on ties), a robust start that costs no pass over
+    the parameters. Solved in Gram space: one Gram pass and one weighted pass.
+    ``info.weights`` are the coefficients a with v = v_0 + sum_i a_i (x_i - v_0);
+    the rest, 1 - sum(a), stays on v_0. Without params they are the weights w of
+    v = sum_i w_i x_i (v_0's share folded into the medoid's weight; they sum to 1).
     Precondition: m >= 1, tau > 0.
     """
     if not clip_radius > 0:
@@ -75,6 +81,17 @@ def centered_clipping(clip_radius: float, iterations: int = 1) -> Aggregator:
         stats = gram_stats(stacked, params, mask)
         m = static_count(stats.valid)
         require_count("centered_clipping", m, 0, m != 0, "at least 1 valid node")
+        if stats.centre is None:
+            # No params (and no view centre): start from the medoid node r, a robust point of the
+            # data found in Gram space. With v_0 = x_r the output is a weighted sum of the rows,
+            # sum_i w_i x_i with w = a + (1 - sum(a)) e_r: one pass, no centre vector to read.
+            r = medoid(stats.sq_dists, stats.valid)
+            g = jnp.where(stats.valid[:, None] & stats.valid[None, :], recentre_gram(stats.gram, r), 0.0)
+            tau = float(clip_radius)
+            a = weiszfeld.centered_clipping_coefficients(g, stats.valid, tau, iterations=iterations)
+            w = a + (1.0 - jnp.sum(a)) * jax.nn.one_hot(r, a.shape[0], dtype=a.dtype)
+            merged = views.weighted_sum(stacked, w)
+            return merged, RuleState(AggregationInfo(stats.valid, stats.valid, w, True))
         a = weiszfeld.centered_clipping_coefficients(
             stats.gram, stats.valid, float(clip_radius), iterations=iterations
         )

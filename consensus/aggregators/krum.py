@@ -42,8 +42,9 @@ def krum(num_byzantine: int) -> Aggregator:
     nearest valid neighbours (itself excluded); the output is the valid node
     with the lowest score (the lowest index on ties). Distances come from a
     Gram matrix centred on ``params`` (pass the current global params) or, if
-    None, on the coordinate-wise median, so they stay accurate when the nodes
-    are close together.
+    None, on the mean of the nodes (formed in the same pass, see
+    ``_common.gram_stats``), so they stay accurate when the nodes are close
+    together.
 
     Precondition: m > 2f + 2 valid nodes (ValueError naming n, f otherwise;
     NaN output under an outer jit).
@@ -134,15 +135,26 @@ def bulyan(num_byzantine: int) -> Aggregator:
         stats = gram_stats(stacked, params, mask)
         m = static_count(stats.valid)
         require_count("bulyan", m, f, m is not None and m >= 4 * f + 3, f"n >= 4f + 3 = {4 * f + 3}")
-        theta_static = None if m is None else m - 2 * f
-        theta = theta_static if theta_static is not None else jnp.sum(stats.valid) - 2 * f
-        if theta_static is not None:
-            chosen = krum_kernels.iterated_krum_select(stats.sq_dists, f, stats.valid, theta_static)
-        else:
+        def with_count(count: int):
+            """Both stages with m = count valid nodes known statically (theta = m - 2f)."""
+            theta = count - 2 * f
+            chosen = krum_kernels.iterated_krum_select(stats.sq_dists, f, stats.valid, theta)
+            merged = coordinatewise(sorting.closest_to_median_mean, stacked, f=f, keep=chosen, m=theta)
+            return merged, chosen
+
+        def traced_count():
             # Under an outer jit the count is traced: select n - 2f and drop the
             # surplus picks (the last ones chosen) beyond theta.
+            theta = jnp.sum(stats.valid) - 2 * f
             chosen = _iterated_prefix(stats.sq_dists, f, stats.valid, n - 2 * f, theta)
-        merged = coordinatewise(sorting.closest_to_median_mean, stacked, f=f, keep=chosen, m=theta_static)
+            return coordinatewise(sorting.closest_to_median_mean, stacked, f=f, keep=chosen), chosen
+
+        if m is not None:
+            merged, chosen = with_count(m)
+        else:
+            # Every node valid (the common case) takes the static-count kernels, ~3x faster than
+            # traced order positions; the traced path only runs when some node is invalid.
+            merged, chosen = jax.lax.cond(jnp.all(stats.valid), lambda: with_count(n), traced_count)
         bad = None if m is not None else jnp.sum(stats.valid) < 4 * f + 3
         info = AggregationInfo(stats.valid, chosen, uniform_over(chosen), False)
         return _finish_nan_if(bad, merged), RuleState(info)

@@ -307,3 +307,41 @@ def test_plain_mean_breaks_under_the_same_attacks():
         attacked = attacks.apply_attack(attack, jax.random.key(0), stacked, byz, params, **ATTACKS[attack])
         out = ref.flatten_tree(run("mean", attacked, params)[0])
         assert np.linalg.norm(out - X.mean(0)) > np.linalg.norm(X - X.mean(0), axis=1).max()
+
+
+def _no_params_centre(name, X, valid):
+    """What a rule centres on when it gets no params (only centered clipping and clip depend on it)."""
+    if name == "centered_clipping":
+        return X[ref.medoid(X, valid)]  # v_0 = the medoid node
+    return np.zeros(X.shape[1])  # clip without params clips the raw rows (around 0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_without_params_jit_equals_eager_and_reference(name):
+    """Issue 13: no params (the Gram centre is the nodes' mean), eager and under an outer jit.
+
+    Inputs: every node valid (the jit fast paths), a traced mask that allows every node, and a
+    mask that drops one node with a NaN in another (the fallbacks: robust centre, finiteness pass).
+    """
+    params = make_params(18)
+    n = N + 4
+    clean = make_nodes(params, n=n, seed=19)
+    with_nan = jax.tree.map(lambda x: x, clean)
+    with_nan["dense"]["w"] = with_nan["dense"]["w"].at[3, 1, 2].set(jnp.nan)
+    drop_one = np.arange(n) != 5
+    cases = [(clean, None), (clean, np.ones(n, bool)), (with_nan, drop_one)]
+    agg = RULES[name].make(n)
+    jitted = jax.jit(lambda s, st, m: agg.update(s, st, mask=m))
+    for stacked, mask in cases:
+        a, sa = agg.update(stacked, agg.init(params), mask=mask)
+        b, sb = jitted(stacked, agg.init(params), None if mask is None else jnp.asarray(mask))
+        ia, ib = consensus.get_info(sa), consensus.get_info(sb)
+        np.testing.assert_allclose(ref.flatten_tree(a), ref.flatten_tree(b), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(ia.valid), np.asarray(ib.valid))
+        np.testing.assert_array_equal(np.asarray(ia.selected), np.asarray(ib.selected))
+        np.testing.assert_allclose(np.asarray(ia.weights), np.asarray(ib.weights), rtol=1e-5, atol=1e-6)
+        X = ref.flatten_stacked(stacked)
+        valid = ref.finite_rows(X) & (np.ones(n, bool) if mask is None else mask)
+        np.testing.assert_array_equal(np.asarray(ia.valid), valid)
+        want = RULES[name].reference(X, valid, _no_params_centre(name, X, valid))
+        assert_close(a, want, scale=3.0)

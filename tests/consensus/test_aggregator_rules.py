@@ -160,7 +160,7 @@ def test_clip_pre_aggregator_bounds_update_norms():
 
 
 def test_registry_lists_valid_choices():
-    with pytest.raises(ValueError, match=r"unknown aggregation rule 'krum2'; valid choices: \['bulyan'"):
+    with pytest.raises(ValueError, match=r"unknown aggregation rule 'krum2'; valid choices: \[.*'bulyan', .*'krum', "):
         registry.make("krum2")
 
 
