@@ -1,0 +1,114 @@
+"""Speed of the server-guided and adaptive robust rules against the memory-bandwidth floor.
+
+Run ``python -m benchmarks.robust_speed [--quick]``. Writes benchmarks/results/robust_speed.json and
+robust_speed.md (``robust_speed_quick.*`` with --quick: d = 1e6 instead of 1e7).
+
+The floor is one numpy pass over the (n, d) float32 stack (``x.sum(axis=0)``), measured in the
+same run, so the ratios hold on a machine shared with other work while the absolute times do not.
+Every rule runs eagerly (``update`` on a concrete stack, as a user calls it) and inside one outer
+``jax.jit``, both on a one-leaf tree of n = 16 nodes, with params as the centre, the server's
+update (FLTrust, server MoNNA) and a key (DnC, SignGuard, bucketing). Targets (issue 17): every
+rule at most 3x the floor, DnC at most 4x.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.harness import best_time, markdown_table, parse, parser, save
+from consensus import aggregators as agg
+from consensus import process
+
+NAME = "robust_speed"
+TARGET = 3.0
+TARGETS = {"dnc": 4.0}
+F = 4
+
+
+def rules(f: int) -> dict[str, Any]:
+    return {
+        "fltrust": agg.fltrust(),
+        "server_monna": agg.server_monna(f),
+        "arc+meamed": process(agg.meamed(f), pre=[agg.arc(f)]),
+        "dnc": agg.dnc(f),
+        "signguard": agg.signguard(),
+        "caf": agg.caf(f),
+        "smea": agg.smea(f),
+        "meamed": agg.meamed(f),
+        "bucketing (f=2)": agg.bucketing(2),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse(parser(__doc__, "d = 1e6 instead of 1e7"), argv)
+    n, d = 16, (1_000_000 if args.quick else 10_000_000)
+    repeats = 3
+    rng = np.random.default_rng(0)
+    x_np = rng.standard_normal((n, d), dtype=np.float32)
+    params = {"w": jnp.asarray(rng.standard_normal(d, dtype=np.float32))}
+    stacked = {"w": jnp.asarray(x_np)}
+    server = {"w": jnp.asarray(0.1 * rng.standard_normal(d, dtype=np.float32))}
+    key = jax.random.key(0)
+    t0 = time.perf_counter()
+    floor = best_time(lambda: x_np.sum(axis=0), 7)
+    rows: list[dict[str, Any]] = []
+    for name, rule in rules(F).items():
+        kw = {"key": key, "server_update": server}
+        state = rule.init(params)
+
+        def eager(rule=rule, state=state, kw=kw):
+            return rule.update(stacked, state, params, **kw)[0]
+
+        jitted = jax.jit(
+            lambda s, p, g, k, rule=rule, state=state: rule.update(s, state, p, key=k, server_update=g)[0]
+        )
+        te = best_time(eager, repeats)
+        tj = best_time(lambda jitted=jitted: jitted(stacked, params, server, key), repeats)
+        target = TARGETS.get(name, TARGET)
+        rows.append(
+            {
+                "rule": name,
+                "eager_s": te,
+                "jit_s": tj,
+                "eager_ratio": te / floor,
+                "jit_ratio": tj / floor,
+                "target": target,
+                "met": bool(max(te, tj) / floor <= target),
+            }
+        )
+        print(f"{name}: eager {te / floor:.2f}x, jit {tj / floor:.2f}x of the floor", flush=True)
+    res = {"n": n, "d": d, "floor_s": floor, "rows": rows, "total_s": time.perf_counter() - t0}
+    lines = [
+        f"# Robust rules: speed against the floor (n = {n}, d = {d:.0e})",
+        "",
+        f"Floor: one numpy pass over the float32 stack, {1e3 * floor:.1f} ms in this run. "
+        "Ratios = time / floor, best of 3; the machine is shared, so absolute times are noisy and "
+        "only the ratios are reported as results. Targets: 3x (DnC 4x), eager and under an outer jit.",
+        "",
+        markdown_table(
+            ["rule", "eager / floor", "jit / floor", "target", "met"],
+            [
+                [
+                    r["rule"],
+                    f"{r['eager_ratio']:.2f}",
+                    f"{r['jit_ratio']:.2f}",
+                    f"{r['target']:g}x",
+                    "yes" if r["met"] else "**no**",
+                ]
+                for r in rows
+            ],
+        ),
+    ]
+    md = "\n".join(lines) + "\n"
+    save(NAME, args.quick, res, md, settings={"n": n, "d": d, "f": F, "quick": args.quick})
+    print(md)
+    return res
+
+
+if __name__ == "__main__":
+    main()
