@@ -97,6 +97,16 @@ def _abstract(tree: PyTree) -> PyTree:
     return jax.tree.map(leaf, tree)
 
 
+def _placed_like(restored: Any, like: Any) -> Any:
+    """``restored`` placed as ``like`` is: on its shardings (orbax did that), and uncommitted where
+    ``like`` is. orbax commits every array it restores to a device; a fresh run's consensus is not
+    committed, so jax moves it next to the mesh-sharded node states in a jitted call, while a
+    committed copy on device 0 makes that call fail (incompatible devices)."""
+    if isinstance(like, jax.Array) and not like.committed and isinstance(restored, jax.Array):
+        return jnp.asarray(np.asarray(restored))
+    return restored
+
+
 class RunCheckpoints:
     """Save and restore :class:`CoordinatorState` + history under ``<run_dir>/checkpoints``."""
 
@@ -169,10 +179,11 @@ class RunCheckpoints:
             "fedavg": template.fedavg,
             "fedavg_nodes": _nodes_dict(template.fedavg_nodes),
         }
-        target = {k: _abstract(v) for k, v in target.items() if v is not None}
-        arrays = self.manager.restore(step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(target)))[
-            "arrays"
-        ]
+        target = {k: v for k, v in target.items() if v is not None}
+        arrays = self.manager.restore(
+            step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(_abstract(target)))
+        )["arrays"]
+        arrays = {k: jax.tree.map(_placed_like, v, target[k]) for k, v in arrays.items()}
 
         def nodes(d: dict[str, Any] | None, like: TrainState | None) -> TrainState | None:
             if d is None or like is None:
