@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, Literal, TypeVar
 
@@ -68,6 +69,12 @@ class RuleSpec:
     needs: frozenset[str] = frozenset()
     summary: str = ""
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    order_matters: bool = False
+
+    @property
+    def permutation_invariant(self) -> bool:
+        """Whether permuting the nodes leaves the output unchanged (not for keyed draws per node position)."""
+        return not self.order_matters and "key" not in self.needs
 
     @property
     def params(self) -> dict[str, inspect.Parameter]:
@@ -160,6 +167,7 @@ def register(
     needs: tuple[str, ...] = (),
     summary: str = "",
     defaults: Mapping[str, Any] | None = None,
+    order_matters: bool = False,
     replace: bool = False,
 ) -> RuleSpec:
     """Register a rule under ``name`` (see :class:`RuleSpec` for the fields)."""
@@ -173,6 +181,7 @@ def register(
         needs=frozenset(needs),
         summary=summary or (inspect.getdoc(factory) or "").split("\n", 1)[0],
         defaults=dict(defaults or {}),
+        order_matters=order_matters,
     )
     return RULES.register(name, spec, replace=replace)
 
@@ -193,6 +202,7 @@ register(
     "coordinatewise",
     precondition=_at_least_one,
     sensitivity="C * max_i w_i (fixed weights)",
+    needs=("weights",),  # at construction (its parameter) or as update(..., weights=...)
 )
 register("median", agg.median, "coordinatewise", precondition=_at_least_one)
 register(
@@ -283,10 +293,12 @@ register(
     agg.smea,
     "vector",
     takes_f=True,
-    precondition=lambda n, f: _need(n > 2 * f, f"n > 2f = {2 * f}")
-    or _need(
-        math.comb(n, f) <= SMEA_MAX_SUBSETS,
-        f"C(n, f) = {math.comb(n, f)} <= {SMEA_MAX_SUBSETS} subsets",
+    precondition=lambda n, f: (
+        _need(n > 2 * f, f"n > 2f = {2 * f}")
+        or _need(
+            math.comb(n, f) <= SMEA_MAX_SUBSETS,
+            f"C(n, f) = {math.comb(n, f)} <= {SMEA_MAX_SUBSETS} subsets",
+        )
     ),
 )
 register("meamed", agg.meamed, "coordinatewise", takes_f=True, precondition=_honest_majority)
@@ -353,6 +365,7 @@ register(
     precondition=_merge_nodes(2, exact=True),
     sensitivity="not bounded",
     defaults={"t": 0.5},
+    order_matters=True,  # SLERP(t) goes from the first node towards the second
 )
 register("karcher_mean", karcher_mean, "merge", precondition=_merge_nodes(1), sensitivity="not bounded")
 register(
@@ -380,6 +393,28 @@ def vote_rules() -> list[str]:
 
 def pre_aggregators() -> list[str]:
     return RULES.names(lambda s: s.kind == "pre")
+
+
+def markdown_table() -> str:
+    """The registry as the markdown table of ``docs/rules.md`` (a test keeps the two equal)."""
+    rows = [
+        "| name | kind | takes f | precondition (n valid nodes) | DP sensitivity | needs | parameters |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, spec in RULES.items():
+        # The requirement text at a symbolic-looking example: f = 1 shows the formula's shape.
+        need = spec.requirement(1, 1 if spec.takes_f else 0) or "n >= 1"
+        need = re.sub(r" = -?\d+(\.\d+)?$", "", need)  # "n > 2f + 2 = 4" -> "n > 2f + 2"
+        params = ", ".join(
+            k if p.default is inspect.Parameter.empty else f"{k}={p.default!r}"
+            for k, p in spec.params.items()
+        )
+        needs = ", ".join(sorted(spec.needs)) or "-"
+        f = "yes" if spec.takes_f else "no"
+        rows.append(
+            f"| `{name}` | {spec.kind} | {f} | {need} | {spec.sensitivity} | {needs} | {params or '-'} |"
+        )
+    return "\n".join(rows) + "\n"
 
 
 def make(name: str, f: int | None = None, **params: Any) -> Aggregator | PreAggregator:

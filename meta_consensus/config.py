@@ -353,7 +353,7 @@ SYSTEM_PROVIDES = frozenset({"params"})
 def _check_rule(key: str, name: str, f: int, n: int, options: Mapping[str, Any], where: str) -> None:
     """A registered rule that takes these options and whose precondition holds on n nodes with f."""
     spec = _registered(key, lambda: rules.RULES[name])
-    missing = sorted(spec.needs - SYSTEM_PROVIDES)
+    missing = sorted(spec.needs - SYSTEM_PROVIDES - set(options))  # e.g. weighted_mean's weights=
     if missing:
         raise ConfigError(
             f"{key} = {name!r} needs {missing}, which the system's round does not provide yet; "

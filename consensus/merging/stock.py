@@ -50,8 +50,10 @@ def stock_ratio(g: jax.Array, valid: jax.Array) -> jax.Array:
     mean_cos = jnp.sum(jnp.where(pair, cos, 0.0)) / jnp.maximum(pairs, 1.0)
     denom = 1.0 + (m - 1.0) * mean_cos
     zero = jnp.any(valid & (norms == 0))
-    singular = zero | (pairs == 0) | (denom == 0) | ~jnp.isfinite(mean_cos)
-    return jnp.where(singular, 0.0, m * mean_cos / jnp.where(denom == 0, 1.0, denom))
+    singular = zero | (pairs == 0) | (denom == 0)
+    t = jnp.where(singular, 0.0, m * mean_cos / jnp.where(denom == 0, 1.0, denom))
+    # A valid node holding NaN/Inf makes t NaN, so the output is NaN and the caller excludes the node.
+    return jnp.where(jnp.isfinite(jnp.sum(jnp.where(pair | jnp.diag(valid), g, 0.0))), t, jnp.nan)
 
 
 @jax.jit
