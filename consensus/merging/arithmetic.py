@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
-from consensus import tree
 from consensus.base import Aggregator
 from consensus.merging._common import (
     RuleState,
@@ -19,8 +19,24 @@ from consensus.merging._common import (
     require_base,
     require_valid_count,
 )
+from kernels.rows import tree_sum
 
 PyTree = Any
+
+
+@jax.jit
+def delta_sum(x: jax.Array, base: jax.Array, coeffs: jax.Array) -> jax.Array:
+    """``base + sum_i c_i (x_i - base)`` in one fused pass; rows with c_i = 0 never enter (NaN-safe).
+
+    Written on the deltas rather than as ``sum_i c_i x_i + (1 - sum c) base``:
+    a node equal to the base contributes exactly 0, and there is no
+    cancellation between a large ``sum c`` and the base.
+    """
+    b = base.astype(jnp.float32)
+    terms = [
+        jnp.where(coeffs[i] != 0, coeffs[i] * (x[i].astype(jnp.float32) - b), 0.0) for i in range(x.shape[0])
+    ]
+    return (b + tree_sum(terms)).astype(x.dtype)
 
 
 def task_arithmetic(scale: float = 1.0, weights: Any = None) -> Aggregator:
@@ -53,7 +69,7 @@ def task_arithmetic(scale: float = 1.0, weights: Any = None) -> Aggregator:
 
         def compute(valid):
             coeffs = jnp.where(valid, lam * w, 0.0)
-            return tree.combine(stacked, coeffs, params)
+            return jax.tree.map(lambda x, b: delta_sum(x, b, coeffs), stacked, params)
 
         merged, valid = optimistic(stacked, mask, n, assume_finite, compute)
         require_valid_count("task_arithmetic", valid, n, 1)

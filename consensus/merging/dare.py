@@ -127,6 +127,8 @@ def dare(density: float, rescale: bool | str = True, *, key: jax.Array | None = 
             raise ValueError("dare: needs the base model: update(stacked, state, params=base)")
         x = views.materialize(stacked) if views.is_view(stacked) else stacked
         n = check_stacked(x, params)
+        if state is None:  # called without init (e.g. one-off): no own key, round 0
+            state = init(params)
         if key is not None:
             round_key = key
         elif state.key is not None:

@@ -21,7 +21,7 @@ from consensus.merging._common import (
     require_valid_count,
     unflatten_like,
 )
-from kernels.rows import _tree_sum
+from kernels.rows import tree_sum
 
 PyTree = Any
 
@@ -34,8 +34,8 @@ def _fisher_leaf(x, base, fisher, w, valid, epsilon):
         f = w[i] * (jnp.maximum(fisher[i].astype(jnp.float32), 0.0) + epsilon)
         num.append(jnp.where(valid[i], f * (x[i].astype(jnp.float32) - b), 0.0))
         den.append(jnp.where(valid[i], f, 0.0))
-    den_sum = _tree_sum(den)
-    merged = b + _tree_sum(num) / jnp.where(den_sum > 0, den_sum, 1.0)
+    den_sum = tree_sum(den)
+    merged = b + tree_sum(num) / jnp.where(den_sum > 0, den_sum, 1.0)
     return merged.astype(x.dtype)
 
 

@@ -24,7 +24,7 @@ from consensus.merging._common import (
     unflatten_like,
 )
 from consensus.merging._select import kth_largest_bits, magnitude_bits
-from kernels.rows import _tree_sum
+from kernels.rows import tree_sum
 
 PyTree = Any
 ELECTIONS = ("sum", "count")
@@ -67,15 +67,15 @@ def _ties_leaf(x, base, thresholds, w, valid, scale, *, election: str):
         # the caller's finiteness check excludes the node instead of silently dropping entries.
         keep = valid[i] & ~(jnp.abs(d) < thresholds[i])
         terms.append(jnp.where(keep, w[i] * d, 0.0))
-    votes = _tree_sum(terms) if election == "sum" else _tree_sum([jnp.sign(t) for t in terms])
+    votes = tree_sum(terms) if election == "sum" else tree_sum([jnp.sign(t) for t in terms])
     elected = jnp.where(votes >= 0, 1.0, -1.0)
     kept = [jnp.sign(t) == elected for t in terms]  # sign(0) = 0: zeros are never kept
-    num = _tree_sum([jnp.where(k, t, 0.0) for k, t in zip(kept, terms, strict=True)])
-    den = _tree_sum([jnp.where(k, w[i], 0.0) for i, k in enumerate(kept)])
+    num = tree_sum([jnp.where(k, t, 0.0) for k, t in zip(kept, terms, strict=True)])
+    den = tree_sum([jnp.where(k, w[i], 0.0) for i, k in enumerate(kept)])
     den = jnp.where(den == 0, 1.0, den)
     # 0 where every kept-or-not term is finite, NaN where a valid node holds NaN/Inf: the
     # non-finite node must poison the output (and be excluded by the caller), not vanish.
-    poison = _tree_sum([t * 0.0 for t in terms])
+    poison = tree_sum([t * 0.0 for t in terms])
     return (b + scale * (num / den) + poison).astype(x.dtype)
 
 
