@@ -24,7 +24,7 @@ def rows(x: jax.Array) -> list[jax.Array]:
     return [x[i] for i in range(x.shape[0])]
 
 
-def _tree_sum(terms: list[jax.Array]) -> jax.Array:
+def tree_sum(terms: list[jax.Array]) -> jax.Array:
     # Pairwise summation: error grows with log n instead of n, same cost.
     while len(terms) > 1:
         nxt = [terms[i] + terms[i + 1] for i in range(0, len(terms) - 1, 2)]
@@ -60,7 +60,7 @@ def weighted_sum(
         terms = [jnp.where(w[i] != 0, w[i] * x[i].astype(jnp.float32), 0.0) for i in range(n)]
         if ref is not None:
             terms.append(jnp.asarray(ref_weight, jnp.float32) * ref.astype(jnp.float32))
-        return _tree_sum(terms)
+        return tree_sum(terms)
     keep = (w != 0).reshape((n,) + (1,) * (x.ndim - 1))
     safe = jnp.where(keep, x.astype(jnp.float32), 0.0)
     out = jnp.tensordot(w, safe, axes=1, precision=jax.lax.Precision.HIGHEST)
@@ -148,7 +148,7 @@ def view_rows(
         out = [jnp.where(mixing[i, i] != 0, mixing[i, i] * d[i], 0.0) for i in range(n)]
     else:
         out = [
-            _tree_sum([jnp.where(mixing[i, j] != 0, mixing[i, j] * d[j], 0.0) for j in range(n)])
+            tree_sum([jnp.where(mixing[i, j] != 0, mixing[i, j] * d[j], 0.0) for j in range(n)])
             for i in range(n)
         ]
     return out if c is None else [c + v for v in out]

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.rows import UNROLL_MAX, _tree_sum, rows, view_rows
+from kernels.rows import UNROLL_MAX, rows, tree_sum, view_rows
 
 
 @functools.cache
@@ -75,9 +75,9 @@ def window_sum(sorted_rows: list[jax.Array], start, length) -> jax.Array:
     """Sum of ``sorted_rows[start:start + length]`` (start/length static or traced)."""
     if _is_static(start) and _is_static(length):
         window = sorted_rows[int(start) : int(start) + int(length)]
-        return _tree_sum(window) if window else jnp.zeros_like(sorted_rows[0])
+        return tree_sum(window) if window else jnp.zeros_like(sorted_rows[0])
     terms = [jnp.where((k >= start) & (k < start + length), v, 0.0) for k, v in enumerate(sorted_rows)]
-    return _tree_sum(terms)
+    return tree_sum(terms)
 
 
 def exclude(
@@ -220,7 +220,7 @@ def closest_to_median_mean(
         start = start + (jnp.abs(entering - med) < jnp.abs(s[j] - med)).astype(jnp.int32)
     last = 2 * f + beta if _is_static(beta) else len(s)
     terms = [jnp.where((k >= start) & (k < start + beta), s[k], 0.0) for k in range(min(last, len(s)))]
-    total = _tree_sum(terms)
+    total = tree_sum(terms)
     if _is_static(beta):
         return total / float(beta) if beta > 0 else jnp.full_like(total, jnp.nan)
     return jnp.where(beta > 0, total / jnp.maximum(beta, 1).astype(jnp.float32), jnp.nan)

@@ -24,7 +24,7 @@ from consensus.convex.problems import (
     uniform_weights,
     weight_bounds,
 )
-from consensus.convex.qp import ConvexWeights, _fallback, _single_threaded_blas
+from consensus.convex.qp import ConvexWeights, single_threaded_blas, uniform_fallback
 
 PyTree = Any
 # Probabilities are floored here before the log: a node that gives a held-out
@@ -38,7 +38,7 @@ def _mixture_objective(pt: np.ndarray, lam: float, u: np.ndarray, w: np.ndarray)
     return float(-np.mean(np.log(z)) + lam * np.sum((w - u) ** 2))
 
 
-@_single_threaded_blas
+@single_threaded_blas
 def mixture_nll_weights(
     probs: Any,
     lambda_reg: float = 0.0,
@@ -138,7 +138,7 @@ def mixture_nll_weights(
             values["lb"] = lb
         out = problems.solve(compiled, values, solver_options=solver_options)
         if out.w is None:
-            return _fallback(
+            return uniform_fallback(
                 acc, lb, ub, "mixture_nll", compiled, built, out.status, out.solve_time, out.error, objective
             )
         w = project_capped_simplex(out.w, lb, ub)
@@ -183,7 +183,7 @@ def _mixture_newton(pt, acc, lb, ub, lam, u, solver, cache, solver_options, tol,
         out = problems.solve(compiled, values, solver_options=solver_options)
         total += out.solve_time
         if out.w is None:
-            return _fallback(
+            return uniform_fallback(
                 acc,
                 lb,
                 ub,

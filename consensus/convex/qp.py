@@ -36,7 +36,7 @@ HIGHEST = jax.lax.Precision.HIGHEST
 _BLAS_CONTROLLER: Any = None
 
 
-def _single_threaded_blas(fn):
+def single_threaded_blas(fn):
     """Run fn with the BLAS pool limited to one thread (threadpoolctl, if importable).
 
     The host-side algebra here is on n x n matrices (n <= a few hundred). With
@@ -105,7 +105,7 @@ def _qp_objective(qm: np.ndarray, q: np.ndarray, c: float, lam: float, u: np.nda
     return float(0.5 * w @ qm @ w + q @ w + c + lam * np.sum((w - u) ** 2))
 
 
-@_single_threaded_blas
+@single_threaded_blas
 def solve_qp_weights(
     qmat: np.ndarray,
     q: np.ndarray,
@@ -160,7 +160,7 @@ def solve_qp_weights(
         "qp", n, solver=solver, ridge=lam > 0, floored=floored, cache=cache
     )
     if not (np.all(np.isfinite(qmat)) and np.all(np.isfinite(q)) and math.isfinite(const)):
-        return _fallback(
+        return uniform_fallback(
             acc,
             lb,
             ub,
@@ -189,7 +189,7 @@ def solve_qp_weights(
         return _qp_objective(qmat, q, const, lam, u, w)
 
     if out.w is None:
-        return _fallback(
+        return uniform_fallback(
             acc, lb, ub, objective_name, compiled, built, out.status, out.solve_time, out.error, objective
         )
     w = project_capped_simplex(out.w, lb, ub)
@@ -209,7 +209,7 @@ def solve_qp_weights(
     )
 
 
-def _fallback(acc, lb, ub, name, compiled, built, status, solve_time, why, objective) -> ConvexWeights:
+def uniform_fallback(acc, lb, ub, name, compiled, built, status, solve_time, why, objective) -> ConvexWeights:
     w = uniform_weights(acc)
     return ConvexWeights(
         w,

@@ -19,15 +19,15 @@ from consensus.base import empty_info
 from consensus.dp.state import (
     _COUNT_STREAM,
     _DEFAULT_SERVER,
-    _NEXT_STREAM,
     _NOISE_STREAM,
     _SAMPLE_STREAM,
+    NEXT_STREAM,
     AdaptiveClipConfig,
     DPRoundInfo,
     DPState,
     MechanismSpec,
-    _raw,
     effective_sampling_rate,
+    raw_key,
     sample_participants,
 )
 from kernels import rows as row_kernels
@@ -37,7 +37,7 @@ PyTree = Any
 # --- the mechanism -----------------------------------------------------------------------
 
 
-def _sum_noise_multiplier(cfg: MechanismSpec, m: float) -> float:
+def sum_noise_multiplier(cfg: MechanismSpec, m: float) -> float:
     """z for the sum: z itself, or z_sum = (z^-2 - (2 sigma_b)^-2)^-1/2 under adaptive clipping."""
     z = cfg.noise_multiplier
     if cfg.adaptive is None or z == 0.0:
@@ -60,7 +60,7 @@ def _count_std(cfg: MechanismSpec, m: float) -> float:
     return sigma_b
 
 
-def _participation(stacked, params, mask, key, clip_norm, cfg: MechanismSpec):
+def participation(stacked, params, mask, key, clip_norm, cfg: MechanismSpec):
     """valid (n,), norms (n,), clip scale (n,)."""
     n = tree.num_nodes(stacked)
     sq = tree.sq_norms(stacked, params)
@@ -78,11 +78,11 @@ def _participation(stacked, params, mask, key, clip_norm, cfg: MechanismSpec):
     return valid, norms, scale.astype(jnp.float32)
 
 
-def _finish(
+def finish_release(
     delta, params, opt_state, key, clip_norm, valid, norms, scale, shardings, cfg, optimizer, m, unit
 ):
     """Noise, server step and adaptive clip update. ``unit``: sensitivity per unit of C."""
-    z_sum = _sum_noise_multiplier(cfg, m)
+    z_sum = sum_noise_multiplier(cfg, m)
     noise_std = jnp.float32(z_sum * unit) * clip_norm
     noise_key = jax.random.fold_in(key, _NOISE_STREAM)
     p_leaves, treedef = jax.tree_util.tree_flatten(params)
@@ -131,7 +131,7 @@ def _finish(
     return new_params, opt_state, new_clip, dp
 
 
-def _shardings(params: PyTree) -> tuple:
+def shardings_of(params: PyTree) -> tuple:
     """Each params leaf's sharding when it is a concrete array spread over several devices."""
     out = []
     for p in jax.tree_util.tree_leaves(params):
@@ -144,7 +144,7 @@ def _shardings(params: PyTree) -> tuple:
     return tuple(out)
 
 
-def _check_update_args(stacked, params, mask, name: str):
+def check_update_args(stacked, params, mask, name: str):
     if params is None:
         raise ValueError(f"{name}: the current global params are required (updates are clipped around them)")
     tree.check_stacked_against(stacked, params)
@@ -158,7 +158,7 @@ def _check_update_args(stacked, params, mask, name: str):
     return n, mask
 
 
-def _check_common(clip_norm, noise_multiplier, sampling_rate, expected_nodes, adaptive, server_optimizer):
+def check_common_args(clip_norm, noise_multiplier, sampling_rate, expected_nodes, adaptive, server_optimizer):
     c = float(clip_norm)
     if not (math.isfinite(c) and c > 0.0):
         raise ValueError(f"clip_norm must be finite and > 0, got {clip_norm}")
@@ -186,8 +186,8 @@ def _check_common(clip_norm, noise_multiplier, sampling_rate, expected_nodes, ad
     return c, z, q, expected_nodes, optimizer
 
 
-def _make_init(clip_norm: float, cfg: MechanismSpec, optimizer, key, inner_init=None):
-    key = _raw(jax.random.key(key) if isinstance(key, int | np.integer) else key)
+def make_init(clip_norm: float, cfg: MechanismSpec, optimizer, key, inner_init=None):
+    key = raw_key(jax.random.key(key) if isinstance(key, int | np.integer) else key)
     if key.shape != (2,) or key.dtype != jnp.uint32:
         raise ValueError(
             f"key must be a jax.random key or raw uint32 key data of shape (2,), got {key.shape}"
@@ -211,17 +211,17 @@ def _make_init(clip_norm: float, cfg: MechanismSpec, optimizer, key, inner_init=
     return init
 
 
-def _denominator(cfg: MechanismSpec, n: int) -> float:
+def denominator_of(cfg: MechanismSpec, n: int) -> float:
     return cfg.expected_nodes if cfg.expected_nodes is not None else cfg.sampling_rate * n
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "optimizer", "shardings"))
-def _linear_core(stacked, params, mask, weights, key, clip_norm, opt_state, *, cfg, optimizer, shardings):
+def linear_core(stacked, params, mask, weights, key, clip_norm, opt_state, *, cfg, optimizer, shardings):
     """One jitted round of :func:`dp_fedavg` / :func:`dp_weighted_mean` (shared across instances)."""
     n = tree.num_nodes(stacked)
-    m = _denominator(cfg, n)
+    m = denominator_of(cfg, n)
     k = jax.random.wrap_key_data(key)
-    valid, norms, scale = _participation(stacked, params, mask, k, clip_norm, cfg)
+    valid, norms, scale = participation(stacked, params, mask, k, clip_norm, cfg)
     if cfg.max_weight is None:
         base, unit = jnp.full((n,), 1.0 / m, jnp.float32), 1.0 / m
     else:
@@ -236,10 +236,10 @@ def _linear_core(stacked, params, mask, weights, key, clip_norm, opt_state, *, c
         stacked,
         params,
     )
-    new_params, opt_state, new_clip, dp = _finish(
+    new_params, opt_state, new_clip, dp = finish_release(
         delta, params, opt_state, k, clip_norm, valid, norms, scale, shardings, cfg, optimizer, m, unit
     )
     shown = jnp.where(valid, base, 0.0)
     shown = shown / jnp.maximum(jnp.sum(shown), jnp.float32(1e-30))
-    next_key = jax.random.key_data(jax.random.fold_in(k, _NEXT_STREAM))
+    next_key = jax.random.key_data(jax.random.fold_in(k, NEXT_STREAM))
     return new_params, opt_state, new_clip, next_key, valid, shown, dp

@@ -14,18 +14,18 @@ import optax
 
 from consensus.base import AggregationInfo, Aggregator
 from consensus.dp.core import (
-    _check_common,
-    _check_update_args,
-    _denominator,
-    _finish,
-    _linear_core,
-    _make_init,
-    _participation,
-    _shardings,
-    _sum_noise_multiplier,
+    check_common_args,
+    check_update_args,
+    denominator_of,
+    finish_release,
+    linear_core,
+    make_init,
+    participation,
+    shardings_of,
+    sum_noise_multiplier,
 )
 from consensus.dp.state import (
-    _NEXT_STREAM,
+    NEXT_STREAM,
     AdaptiveClipConfig,
     DPState,
     MechanismSpec,
@@ -49,15 +49,15 @@ def _linear_dp(
     name: str,
 ) -> Aggregator:
     """Shared body of :func:`dp_fedavg` (uniform 1/m) and :func:`dp_weighted_mean` (capped weights)."""
-    c, z, q, m_fixed, optimizer = _check_common(
+    c, z, q, m_fixed, optimizer = check_common_args(
         clip_norm, noise_multiplier, sampling_rate, expected_nodes, adaptive, server_optimizer
     )
     cfg = MechanismSpec(z, q, m_fixed, max_weight, adaptive, name)
 
     def update(stacked, state: DPState, params=None, *, mask=None, weights=None, **extra):
-        n, mask = _check_update_args(stacked, params, mask, name)
-        m = _denominator(cfg, n)
-        _sum_noise_multiplier(cfg, m)  # fail early on an infeasible noise split
+        n, mask = check_update_args(stacked, params, mask, name)
+        m = denominator_of(cfg, n)
+        sum_noise_multiplier(cfg, m)  # fail early on an infeasible noise split
         if max_weight is None:
             if weights is not None:
                 raise ValueError(f"{name}: takes no weights (uniform 1/m); use dp_weighted_mean for weights")
@@ -71,7 +71,7 @@ def _linear_dp(
             weights = weights.astype(jnp.float32)
             if not isinstance(weights, jax.core.Tracer) and bool(jnp.any(~(weights >= 0.0))):
                 raise ValueError(f"{name}: weights must be finite and >= 0")
-        new_params, opt_state, new_clip, next_key, valid, shown, dp = _linear_core(
+        new_params, opt_state, new_clip, next_key, valid, shown, dp = linear_core(
             stacked,
             params,
             mask,
@@ -81,13 +81,13 @@ def _linear_dp(
             state.opt_state,
             cfg=cfg,
             optimizer=optimizer,
-            shardings=_shardings(params),
+            shardings=shardings_of(params),
         )
         info = AggregationInfo(valid=valid, selected=valid, weights=shown, linear=False)
         return new_params, DPState(next_key, new_clip, state.round + 1, opt_state, None, info, dp, cfg)
 
     return Aggregator(
-        init=_make_init(c, cfg, optimizer, key),
+        init=make_init(c, cfg, optimizer, key),
         update=update,
         name=name,
         sensitivity=(
@@ -261,7 +261,7 @@ def privatize(
     if project:
         aggregator = aggregator._replace(sensitivity=_projected_sensitivity)
     check_dp_compatible(aggregator)
-    c, z, q, m, optimizer = _check_common(
+    c, z, q, m, optimizer = check_common_args(
         clip_norm, noise_multiplier, sampling_rate, expected_nodes, adaptive, server_optimizer
     )
     cfg = MechanismSpec(z, q, m, None, adaptive, f"dp({aggregator.name})")
@@ -269,7 +269,7 @@ def privatize(
     @jax.jit
     def clip(stacked, params, mask, key, clip_norm):
         k = jax.random.wrap_key_data(key)
-        valid, norms, scale = _participation(stacked, params, mask, k, clip_norm, cfg)
+        valid, norms, scale = participation(stacked, params, mask, k, clip_norm, cfg)
         s = jnp.where(valid, scale, 0.0)
 
         def leaf(x, p):
@@ -281,16 +281,16 @@ def privatize(
 
     def finish(delta, params, opt_state, key, clip_norm, valid, norms, scale, shardings, unit):
         k = jax.random.wrap_key_data(key)
-        out = _finish(
+        out = finish_release(
             delta, params, opt_state, k, clip_norm, valid, norms, scale, shardings, cfg, optimizer, m, unit
         )
-        return *out, jax.random.key_data(jax.random.fold_in(k, _NEXT_STREAM))
+        return *out, jax.random.key_data(jax.random.fold_in(k, NEXT_STREAM))
 
     finish_jit = jax.jit(finish, static_argnames=("shardings", "unit"))
 
     def update(stacked, state: DPState, params=None, *, mask=None, **extra):
-        _, mask = _check_update_args(stacked, params, mask, cfg.name)
-        _sum_noise_multiplier(cfg, m)
+        _, mask = check_update_args(stacked, params, mask, cfg.name)
+        sum_noise_multiplier(cfg, m)
         unit = dp_sensitivity(aggregator, 1.0, m)
         clipped, valid, norms, scale = clip(stacked, params, mask, state.key, state.clip_norm)
         merged, inner = aggregator.update(clipped, state.inner, params, mask=valid, **extra)
@@ -306,7 +306,7 @@ def privatize(
             valid,
             norms,
             scale,
-            _shardings(params),
+            shardings_of(params),
             unit,
         )
         info = getattr(inner, "info", None)
@@ -321,7 +321,7 @@ def privatize(
         return new_params, DPState(next_key, new_clip, state.round + 1, opt_state, inner, info, dp, cfg)
 
     return Aggregator(
-        init=_make_init(c, cfg, optimizer, key, aggregator.init),
+        init=make_init(c, cfg, optimizer, key, aggregator.init),
         update=update,
         name=cfg.name,
         sensitivity=aggregator.sensitivity,

@@ -19,7 +19,7 @@ from consensus.privacy.ledger import PrivacyEvent
 PyTree = Any
 
 # Independent random streams derived from the round key.
-_SAMPLE_STREAM, _NOISE_STREAM, _COUNT_STREAM, _NEXT_STREAM = 0, 1, 2, 3
+_SAMPLE_STREAM, _NOISE_STREAM, _COUNT_STREAM, NEXT_STREAM = 0, 1, 2, 3
 # One shared default server optimizer, so equal configurations share one compiled round.
 _DEFAULT_SERVER = optax.sgd(1.0)
 
@@ -180,5 +180,5 @@ def _is_typed(key: Any) -> bool:
     return hasattr(key, "dtype") and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
 
 
-def _raw(key: jax.Array) -> jax.Array:
+def raw_key(key: jax.Array) -> jax.Array:
     return jax.random.key_data(key) if _is_typed(key) else jnp.asarray(key, jnp.uint32)
