@@ -482,7 +482,8 @@ def markdown(res: Mapping[str, Any]) -> str:
         + ". Worst case = the lowest mean over the attacks. Attacks at ByzFL's defaults: sign flip "
         "(-1 x honest mean update), Gaussian (std 1 per coordinate), ALIE (z = 1.5), IPM (epsilon = 2), "
         "label flipping (y -> 9 - y). Rules get f = the true number of Byzantine nodes. Radii: clip "
-        f"C = {opts['clip']['max_norm']:g}, centered clipping tau = {cc['clip_radius']:g} ({cc['iterations']} "
+        f"C = {opts['clip']['max_norm']:g}, centered clipping tau = {cc['clip_radius']:g} "
+        f"({cc['iterations']} "
         "iterations); honest update norms of clean FedAvg run from about 1.1 (round 1, alpha = 0.3) down "
         "to 0.2 (last rounds), so tau is about the largest honest norm and C twice that."
     )
