@@ -168,7 +168,7 @@ def test_uniform_weights_are_the_mean_of_the_accepted_nodes(tmp_path):
         np.testing.assert_allclose(c, ref, rtol=1e-5, atol=1e-6)
 
 
-def test_hierarchical_vote_is_the_top_rule_over_group_votes(tmp_path):
+def test_grouped_vote_is_the_top_rule_over_group_votes(tmp_path):
     cfg = small_config(
         tmp_path,
         "vote.rule=median",
@@ -282,3 +282,25 @@ def test_too_few_answers_for_the_rule_fail_the_round_not_the_run(tmp_path):
     assert not info.ok
     assert info.reason.startswith("multi_krum: cannot tolerate f=1 Byzantine nodes with n=4 valid")
     assert new.consensus is state.consensus and new.ledger.rounds == 0
+
+
+def test_fault_tolerance_is_a_fraction_of_the_nodes_that_answered(tmp_path):
+    # The same 2 crashes with f as a fraction: f = floor(0.2 * 4 answered) = 0, so Multi-Krum runs on
+    # the 4 answers (an absolute num_byzantine = 1 fails, as above).
+    from meta_consensus.pipeline import vote_f
+
+    cfg = small_config(
+        tmp_path,
+        "faults.crash_nodes=[0, 1]",
+        "min_answers=0.5",
+        "vote.num_byzantine=none",
+        "vote.fault_tolerance=0.2",
+    )
+    assert [vote_f(cfg, m) for m in (6, 5, 4)] == [1, 1, 0]
+    co = Coordinator(cfg)
+    state = co.init(cfg.seed)
+    new, info = co.round(state)
+    assert info.ok, info.reason
+    assert info.accepted[:2] == [False, False] and sum(info.accepted) == 4 - 0  # m - f of the 4 answers
+    absolute = small_config(tmp_path, "vote.num_byzantine=1")
+    assert [vote_f(absolute, m) for m in (6, 4, 2)] == [1, 1, 1]
