@@ -29,6 +29,7 @@ from consensus.convex.mixture import mixture_nll_weights
 from consensus.convex.problems import accepted_mask
 from consensus.convex.qp import ConvexWeights
 from consensus.convex.weights import anchor_weights, quadratic_weights, trust_region_quadratic_weights
+from consensus.mesh import to_host
 
 PyTree = Any
 
@@ -167,11 +168,12 @@ def convex_merge(
             tree.check_stacked_against(stacked, params)
         t0 = time.perf_counter()
         vote_state = None
-        finite = np.asarray(tree.finite_mask(stacked))
+        # to_host: the stack may be sharded over other processes' devices (multi-process meshes)
+        finite = np.asarray(to_host(tree.finite_mask(stacked)), bool)
         if vote is not None:
             voted, vote_state = vote.update(stacked, state.vote, params, mask=mask)
             vinfo = get_info(vote_state)
-            valid = np.asarray(vinfo.selected & vinfo.valid, bool) & finite  # waits for the vote
+            valid = np.asarray(to_host(vinfo.selected & vinfo.valid), bool) & finite  # waits for the vote
             if not valid.any():
                 raise SolverFailure(f"the vote ({vote.name}) accepted no node")
             extra = {**extra, "voted": voted}
