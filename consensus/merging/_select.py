@@ -8,7 +8,10 @@ integer: a strided sample of the row (sorted; a few thousand entries) gives a
 first bracket around the sample's quantile, then every counting pass (one read
 of the row, three thresholds) narrows the bracket ``[lo, hi)`` (count at lo >=
 k, count at hi < k) by interpolation with a bisection safeguard, until
-``hi == lo + 1``: then ``lo`` is exactly the k-th largest value. Every pass is
+``hi == lo + 1``: then ``lo`` is exactly the k-th largest value. Each count
+streams the row in cache-sized chunks and counts the compare masks with a
+matrix-vector product; the bit patterns are formed inside the chunk from the
+node and the base, so no (n, s) intermediate is ever written. Every pass is
 exact integer counting, so the result is exact whatever the sample says; the
 sample only decides how many passes it takes (typically 2-4).
 """
@@ -21,27 +24,53 @@ import jax
 import jax.numpy as jnp
 
 SAMPLE = 4096  # sampled entries per row for the first bracket
-PROBES = 3
 MAX_PASSES = 64  # bisection alone needs at most 32 (31-bit range); a hard stop for safety
-# above +inf: count(bits >= TOP) = 0 for finite rows. A Python int, not a jax array: an array
-# here would start jax's backends at import, before the CLI sets the device count or starts
-# jax.distributed.
-TOP = 0x7F800001
+TOP = 0x7F800001  # above +inf: count(bits >= TOP) = 0 for finite rows
+INF_BITS = 0x7F800000
+# Columns per counting chunk: the chunk's compare masks stay in cache and are counted by a
+# matrix-vector product (XLA:CPU's row reductions cost ~6-10 passes over memory; the chunked
+# product costs about one). Counts per chunk <= CHUNK are exact in float32.
+CHUNK = 8192
 
 
-def _counts(bits: jax.Array, probes: jax.Array) -> jax.Array:
-    """(n, P) int32: count(bits[i] >= probes[i, j]) for every row and probe, one read of bits."""
-    return jnp.stack(
-        [jnp.sum(bits >= probes[:, j : j + 1], axis=1, dtype=jnp.int32) for j in range(probes.shape[1])],
-        axis=1,
-    )
+def _bits(x: jax.Array, base: jax.Array, valid: jax.Array) -> jax.Array:
+    """int32 bit patterns of |x - base| for (n, m) x and (m,) base; invalid rows 0, NaN clamped to +inf."""
+    d = x.astype(jnp.float32) - base.astype(jnp.float32)[None]
+    d = jnp.where(valid[:, None], d, 0.0)
+    bits = jax.lax.bitcast_convert_type(jnp.abs(d), jnp.int32)
+    return jnp.minimum(bits, jnp.int32(INF_BITS))  # NaN's pattern is above +inf's
 
 
-def _first_probes(bits: jax.Array, k: int) -> jax.Array:
-    """Sample quantiles around rank k (and a wide margin either side) as int32 probes, (n, 3)."""
-    n, s = bits.shape
+def _count_block(x, base, valid, probes):
+    bits = _bits(x, base, valid)  # (n, m)
+    masks = (bits[:, None, :] >= probes[:, :, None]).astype(jnp.float32)  # (n, P, m)
+    ones = jnp.ones((bits.shape[1],), jnp.float32)
+    return jnp.dot(masks, ones).astype(jnp.int32)
+
+
+def _counts(x: jax.Array, base: jax.Array, valid: jax.Array, probes: jax.Array) -> jax.Array:
+    """(n, P) int32: count(|x_i - base| bits >= probes[i, j]) for every row and probe, one read of x."""
+    s = x.shape[1]
+    k = s // CHUNK
+    acc = jnp.zeros(probes.shape, jnp.int32)
+    if k:
+
+        def body(i, acc):
+            xs = jax.lax.dynamic_slice_in_dim(x, i * CHUNK, CHUNK, axis=1)
+            bs = jax.lax.dynamic_slice_in_dim(base, i * CHUNK, CHUNK)
+            return acc + _count_block(xs, bs, valid, probes)
+
+        acc = jax.lax.fori_loop(0, k, body, acc)
+    if s % CHUNK:
+        acc = acc + _count_block(x[:, k * CHUNK :], base[k * CHUNK :], valid, probes)
+    return acc
+
+
+def _first_probes(x: jax.Array, base: jax.Array, valid: jax.Array, k: int) -> jax.Array:
+    """Sample quantiles around rank k (and a margin either side) as int32 probes, (n, 3)."""
+    s = x.shape[1]
     stride = max(1, s // SAMPLE)
-    sample = jnp.sort(bits[:, ::stride], axis=1)  # ascending
+    sample = jnp.sort(_bits(x[:, ::stride], base[::stride], valid), axis=1)  # ascending
     m = sample.shape[1]
     # rank k from the top among s entries ~ rank k * m / s from the top among m.
     r = k * m / s
@@ -52,14 +81,18 @@ def _first_probes(bits: jax.Array, k: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("k",))
-def kth_largest_bits(bits: jax.Array, k: int) -> jax.Array:
-    """(n,) int32: the k-th largest of every row of ``bits`` (non-negative int32), exactly.
+def kth_largest_delta_bits(
+    x: jax.Array, base: jax.Array, valid: jax.Array, k: int
+) -> tuple[jax.Array, jax.Array]:
+    """The k-th largest |x_i - base| of every row, as int32 bits, exactly; and the number of passes.
 
     Args:
-      bits: (n, s) int32, each entry >= 0 and < 0x7F800001 (finite non-negative float32 bit patterns).
+      x: (n, s) rows; base: (s,); valid: (n,) bool (invalid rows read as zeros).
       k: 1 <= k <= s, static.
+    Returns:
+      ((n,) int32 bit patterns, int32 number of counting passes after the first).
     """
-    n, s = bits.shape
+    n, s = x.shape
     if not 1 <= k <= s:
         raise ValueError(f"k must be in [1, {s}], got {k}")
     kk = jnp.int32(k)
@@ -68,7 +101,7 @@ def kth_largest_bits(bits: jax.Array, k: int) -> jax.Array:
 
     def narrow(lo, hi, probes):
         probes = jnp.clip(probes, lo[:, None], hi[:, None])
-        c = _counts(bits, probes)
+        c = _counts(x, base, valid, probes)
         ok = c >= kk  # probe is <= the answer
         new_lo = jnp.maximum(lo, jnp.max(jnp.where(ok, probes, lo[:, None]), axis=1))
         new_hi = jnp.minimum(hi, jnp.min(jnp.where(ok, hi[:, None], probes), axis=1))
@@ -76,7 +109,7 @@ def kth_largest_bits(bits: jax.Array, k: int) -> jax.Array:
         hi_count = jnp.min(jnp.where(~ok & (probes == new_hi[:, None]), c, s + 1), axis=1)
         return new_lo, new_hi, lo_count, hi_count
 
-    lo, hi, c_lo, c_hi = narrow(lo, hi, _first_probes(bits, k))
+    lo, hi, c_lo, c_hi = narrow(lo, hi, _first_probes(x, base, valid, k))
     c_lo = jnp.where(c_lo < 0, s, c_lo)  # lo == 0 still: every entry counts
     c_hi = jnp.where(c_hi > s, 0, c_hi)  # hi == TOP still
 
@@ -98,17 +131,13 @@ def kth_largest_bits(bits: jax.Array, k: int) -> jax.Array:
         nc_hi = jnp.where(nhi == hi, c_hi, nc_hi)
         return nlo, nhi, nc_lo, nc_hi, it + 1
 
-    lo, hi, *_ = jax.lax.while_loop(cond, body, (lo, hi, c_lo, c_hi, jnp.int32(0)))
-    return lo
-
-
-def magnitude_bits(delta: jax.Array) -> jax.Array:
-    """int32 bit patterns of ``|delta|`` (float32), ordered like the magnitudes."""
-    return jax.lax.bitcast_convert_type(jnp.abs(delta.astype(jnp.float32)), jnp.int32)
+    lo, hi, *_, passes = jax.lax.while_loop(cond, body, (lo, hi, c_lo, c_hi, jnp.int32(0)))
+    return lo, passes
 
 
 def kth_largest_magnitude(delta: jax.Array, k: int) -> jax.Array:
     """(n,) float32: the k-th largest |delta| of every row of an (n, ...) array (exact)."""
     n = delta.shape[0]
-    bits = magnitude_bits(delta).reshape(n, -1)
-    return jax.lax.bitcast_convert_type(kth_largest_bits(bits, k), jnp.float32)
+    x = delta.reshape(n, -1)
+    bits, _ = kth_largest_delta_bits(x, jnp.zeros((x.shape[1],), x.dtype), jnp.ones((n,), bool), k)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)

@@ -23,7 +23,7 @@ from consensus.merging._common import (
     require_valid_count,
     unflatten_like,
 )
-from consensus.merging._select import kth_largest_bits, magnitude_bits
+from consensus.merging._select import kth_largest_delta_bits
 from kernels.rows import tree_sum
 
 PyTree = Any
@@ -48,11 +48,8 @@ def trim_thresholds(x: jax.Array, base: jax.Array, density: float, valid: jax.Ar
 @functools.partial(jax.jit, static_argnames=("k",))
 def _thresholds(x, base, valid, *, k: int):
     n = x.shape[0]
-    d = x.astype(jnp.float32) - base.astype(jnp.float32)[None]
-    d = jnp.where(valid.reshape((n,) + (1,) * (x.ndim - 1)), d, 0.0)
-    # NaN's bit pattern is above +inf's: clamp so the search's invariants hold (such rows are dropped).
-    bits = jnp.minimum(magnitude_bits(d).reshape(n, -1), jnp.int32(0x7F800000))
-    return jax.lax.bitcast_convert_type(kth_largest_bits(bits, k), jnp.float32)
+    bits, _ = kth_largest_delta_bits(x.reshape(n, -1), base.reshape(-1), valid, k)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("election",))

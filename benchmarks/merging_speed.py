@@ -1,0 +1,120 @@
+"""Speed of the merge methods (consensus.merging) against the memory-bandwidth floor.
+
+Run ``python -m benchmarks.merging_speed [--quick]``. Writes benchmarks/results/merging_speed.json
+and merging_speed.md (``merging_speed_quick.*`` with --quick: d = 1e6 instead of 1e7).
+
+The floor is one numpy pass over the (n, d) float32 stack (``x.sum(axis=0)``), measured in the
+same run, so the ratios hold on a machine shared with other work while the absolute times do
+not. Every method runs eagerly (``update`` on a concrete stack) and inside one outer
+``jax.jit``, on a one-leaf tree of n = 16 nodes with params = the base. Targets (issue 15):
+task arithmetic and Model Stock at most 2x the floor, TIES at most 4x, DARE at most 2x. The
+TIES thresholds alone (the exact per-node k-th magnitude, no sort) are timed as a diagnostic,
+next to ``jnp.sort`` of the same magnitudes for scale.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import consensus
+from benchmarks.harness import best_time, markdown_table, parse, parser, save
+from consensus.merging.ties import trim_thresholds
+
+NAME = "merging_speed"
+TARGETS = {"task_arithmetic": 2.0, "model_stock": 2.0, "ties": 4.0, "ties (count)": 4.0, "dare": 2.0}
+DENSITY = 0.2
+
+
+def methods() -> dict[str, Any]:
+    return {
+        "task_arithmetic": consensus.task_arithmetic(0.3),
+        "model_stock": consensus.model_stock(),
+        "ties": consensus.ties(DENSITY),
+        "ties (count)": consensus.ties(DENSITY, "count"),
+        "dare": consensus.dare(0.5),
+        "dare+ties": consensus.process(consensus.ties(DENSITY), pre=[consensus.dare(0.5)]),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse(parser(__doc__, "d = 1e6 instead of 1e7"), argv)
+    n, d = 16, (1_000_000 if args.quick else 10_000_000)
+    repeats = 3
+    rng = np.random.default_rng(0)
+    base_np = rng.standard_normal(d, dtype=np.float32)
+    x_np = base_np[None] + 0.01 * rng.standard_normal((n, d), dtype=np.float32)
+    params = {"w": jnp.asarray(base_np)}
+    stacked = {"w": jnp.asarray(x_np)}
+    key = jax.random.key(0)
+    t0 = time.perf_counter()
+    floor = best_time(lambda: x_np.sum(axis=0), 7)
+    rows: list[dict[str, Any]] = []
+    for name, rule in methods().items():
+        state = rule.init(params)
+
+        def eager(rule=rule, state=state):
+            return rule.update(stacked, state, params, key=key)[0]
+
+        jitted = jax.jit(lambda s, p, k, rule=rule, state=state: rule.update(s, state, p, key=k)[0])
+        te = best_time(eager, repeats)
+        tj = best_time(lambda jitted=jitted: jitted(stacked, params, key), repeats)
+        target = TARGETS.get(name)
+        rows.append(
+            {
+                "method": name,
+                "eager_s": te,
+                "jit_s": tj,
+                "eager_ratio": te / floor,
+                "jit_ratio": tj / floor,
+                "target": target,
+                "met": None if target is None else bool(max(te, tj) / floor <= target),
+            }
+        )
+        print(f"{name}: eager {te / floor:.2f}x, jit {tj / floor:.2f}x of the floor", flush=True)
+    valid = jnp.ones((n,), bool)
+    tt = best_time(lambda: trim_thresholds(stacked["w"], params["w"], DENSITY, valid), repeats)
+    sort = jax.jit(lambda x, b: jnp.sort(jnp.abs(x - b[None]), axis=1))
+    ts = best_time(lambda: sort(stacked["w"], params["w"]), 1)
+    diagnostics = {"ties_thresholds_ratio": tt / floor, "jnp_sort_ratio": ts / floor}
+    print(f"TIES thresholds alone: {tt / floor:.2f}x; jnp.sort of |deltas|: {ts / floor:.2f}x", flush=True)
+    res = {"n": n, "d": d, "floor_s": floor, "rows": rows, "diagnostics": diagnostics}
+    res["total_s"] = time.perf_counter() - t0
+    lines = [
+        f"# Merge methods: speed against the floor (n = {n}, d = {d:.0e})",
+        "",
+        f"Floor: one numpy pass over the float32 stack, {1e3 * floor:.1f} ms in this run. "
+        "Ratios = time / floor, best of 3; the machine is shared, so absolute times are noisy and "
+        "only the ratios are reported as results. Targets: task arithmetic and Model Stock 2x, "
+        "TIES 4x, DARE 2x, eager and under an outer jit.",
+        "",
+        markdown_table(
+            ["method", "eager / floor", "jit / floor", "target", "met"],
+            [
+                [
+                    r["method"],
+                    f"{r['eager_ratio']:.2f}",
+                    f"{r['jit_ratio']:.2f}",
+                    "-" if r["target"] is None else f"{r['target']:g}x",
+                    "-" if r["met"] is None else ("yes" if r["met"] else "**no**"),
+                ]
+                for r in rows
+            ],
+        ),
+        "",
+        f"Diagnostics: the exact TIES thresholds alone (counting passes on the bit pattern) "
+        f"{diagnostics['ties_thresholds_ratio']:.2f}x; `jnp.sort` of the |deltas| "
+        f"{diagnostics['jnp_sort_ratio']:.2f}x.",
+    ]
+    md = "\n".join(lines) + "\n"
+    save(NAME, args.quick, res, md, settings={"n": n, "d": d, "density": DENSITY, "quick": args.quick})
+    print(md)
+    return res
+
+
+if __name__ == "__main__":
+    main()
