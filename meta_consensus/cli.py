@@ -2,7 +2,7 @@
 
 ::
 
-    meta-consensus run [--config FILE] [--set key=value ...] [--resume | --overwrite] [--quiet]
+    meta-consensus run [--config FILE] [--set key=value ...] [--resume | --overwrite] [--quiet] [--init FILE]
     meta-consensus report runs/<name>
     meta-consensus merge --method NAME [--set method.PARAM=VALUE ...] [--base BASE] --out DIR INPUT...
 
@@ -71,6 +71,11 @@ def _parser() -> argparse.ArgumentParser:
         help="if runs/<name> holds an earlier run, move it aside to runs/<name>.old-<k> (never deleted)",
     )
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument(
+        "--init",
+        metavar="FILE",
+        help="start from this safetensors checkpoint (sets init_from; checked against the task)",
+    )
     run.add_argument("--coordinator", help="jax.distributed coordinator address HOST:PORT (multi-process)")
     run.add_argument("--num-processes", type=int, default=1)
     run.add_argument("--process-id", type=int, default=0)
@@ -156,9 +161,12 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         cfg = config.load(args.config, args.set)
+        if args.init is not None:
+            cfg = cfg.replace(init_from=args.init)
     except config.ConfigError as e:
         raise UserError(f"bad config: {e}") from e
 
+    from consensus import io
     from consensus.base import ByzantineToleranceError
     from meta_consensus import MetaConsensus
     from meta_consensus.checkpoint import CheckpointError
@@ -178,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
         result = system.train(resume=args.resume, overwrite=args.overwrite)
     except (RunDirectoryError, CheckpointError) as e:
         raise UserError(str(e)) from e
+    except (io.CheckpointError, io.CheckpointKeyError) as e:  # init_from does not fit the task
+        raise UserError(f"init_from: {e}") from e
     except ByzantineToleranceError as e:  # the rule's precondition, checked when the state is built
         raise UserError(f"bad config: {e}") from e
     except Exception as e:

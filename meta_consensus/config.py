@@ -274,6 +274,8 @@ class Config:
         accountant's epsilon) every k rounds and at the last round; other rounds log NaN there.
       heartbeat_timeout_s: multi-process runs: seconds without a heartbeat after which
         jax.distributed declares a process lost (see docs/operations.md).
+      init_from: a safetensors checkpoint (file or sharded folder) to start from instead of
+        the task's init; its keys, shapes and dtypes must match the task's parameters.
     """
 
     name: str = "run"
@@ -290,6 +292,7 @@ class Config:
     baseline_fedavg: bool = True
     eval_every: int = 1
     heartbeat_timeout_s: int = 100
+    init_from: str | None = None
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
     nodes: NodesConfig = dataclasses.field(default_factory=NodesConfig)
     byzantine: ByzantineConfig = dataclasses.field(default_factory=ByzantineConfig)
@@ -423,6 +426,13 @@ def validate(cfg: Config) -> None:
     _check(cfg.keep_checkpoints >= 1, "keep_checkpoints", cfg.keep_checkpoints, "need >= 1")
     _check(cfg.heartbeat_timeout_s >= 1, "heartbeat_timeout_s", cfg.heartbeat_timeout_s, "need >= 1")
     _choices("on_failure", cfg.on_failure, ("continue", "stop"))
+    if cfg.init_from is not None:
+        _check(
+            isinstance(cfg.init_from, str) and cfg.init_from.strip() != "",
+            "init_from",
+            cfg.init_from,
+            "a path to a safetensors file or folder",
+        )
     if cfg.quality_threshold is not None:
         _check(0.0 <= cfg.quality_threshold <= 1.0, "quality_threshold", cfg.quality_threshold, "need [0, 1]")
     # task: a registered name (its options checked against its factory) or an import path,

@@ -46,6 +46,40 @@ PyTree = Any
 
 # The files whose presence marks a directory as holding a run.
 RUN_FILES = ("config.toml", "metrics.jsonl", "checkpoints")
+# The final consensus of a run, as safetensors beside the orbax checkpoints (``consensus.io``).
+CONSENSUS_FILE = "consensus.safetensors"
+
+
+def load_initial_params(path: str | Path, like: PyTree) -> PyTree:
+    """The safetensors checkpoint at ``path`` as a first consensus: checked against ``like``, on its devices.
+
+    ``like`` is the task's freshly initialized parameters: every key, shape and dtype must
+    match (``consensus.io.CheckpointError`` / ``CheckpointKeyError``, both ValueErrors, name
+    the first mismatch); the arrays go to the devices (and mesh sharding) of ``like``'s leaves.
+    """
+    from consensus.io import load_safetensors
+
+    loaded = load_safetensors(path, like=like)
+    return jax.tree.map(lambda a, ref: jax.device_put(a, ref.sharding), loaded, like)
+
+
+def _host_value(a: Any) -> np.ndarray:
+    # A leaf of a multi-process run may span processes; a replicated one is whole on every process.
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        if a.is_fully_replicated:
+            return np.asarray(a.addressable_data(0))
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    return np.asarray(a)
+
+
+def save_consensus(run_dir: str | Path, consensus: PyTree, metadata: dict[str, str] | None = None) -> Path:
+    """Write ``run_dir/consensus.safetensors`` atomically (temporary name, then rename), bit for bit."""
+    from consensus.io import save_safetensors
+
+    host = jax.tree.map(_host_value, consensus)
+    return save_safetensors(host, Path(run_dir) / CONSENSUS_FILE, metadata=metadata, overwrite=True)
 
 
 class RunDirectoryError(RuntimeError):
@@ -148,6 +182,10 @@ class MetaConsensus:
         """
         cfg = self.cfg
         co = self.coordinator
+        if initial_params is None and cfg.init_from is not None:
+            # Before the run directory is claimed: a checkpoint that does not fit changes no file.
+            fresh = co.fleet.initial_params(jax.random.split(jax.random.key(cfg.seed))[0])
+            initial_params = load_initial_params(cfg.init_from, fresh)
         state = co.init(cfg.seed, initial_params)
         notes: list[str] = []
         if self.write:
@@ -240,6 +278,12 @@ class MetaConsensus:
             text = report.table(cfg, history, sum(sum(h.seconds.values()) for h in history))
             (self.run_dir / "table.txt").write_text(text + "\n")
             report.plot(cfg, history, self.run_dir)
+        if self.write:
+            # Every process takes part (a sharded leaf is gathered); process 0 writes the file.
+            host = jax.tree.map(_host_value, state.consensus)
+            if self.is_main:
+                meta = {"name": cfg.name, "round": str(state.round), "format": "meta-consensus"}
+                save_consensus(self.run_dir, host, meta)
         return result
 
     def _claim_run_dir(self, resume: bool, overwrite: bool, notes: list[str]) -> None:
