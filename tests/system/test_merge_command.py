@@ -195,3 +195,61 @@ def test_parse_helpers():
     }
     o = merge.parse_override(r"^head\.=trimmed_mean,num_byzantine=1")
     assert (o.pattern, o.method, o.num_byzantine, dict(o.params)) == (r"^head\.", "trimmed_mean", 1, {})
+
+
+def _ties_reference(models: list[dict], base: dict, density: float) -> dict:
+    """TIES in float64 numpy, leaf by leaf (Yadav et al. 2023; the tie rule of ``consensus.ties``)."""
+    out = {}
+    for key, b in io.flatten(base).items():
+        b = b.astype(np.float64)
+        deltas = np.stack([io.flatten(m)[key].astype(np.float64) - b for m in models]).reshape(
+            len(models), -1
+        )
+        k = max(1, int(density * deltas.shape[1]))
+        kth = -np.sort(-np.abs(deltas), axis=1)[:, k - 1 : k]  # each node's k-th largest magnitude
+        trimmed = np.where(np.abs(deltas) >= kth, deltas, 0.0)
+        elected = np.where(trimmed.sum(0) >= 0, 1.0, -1.0)
+        kept = np.where(np.sign(trimmed) == elected, trimmed, 0.0)
+        count = (kept != 0).sum(0)
+        out[key] = b + (kept.sum(0) / np.where(count == 0, 1, count)).reshape(b.shape)
+    return out
+
+
+@pytest.mark.parametrize("method", ["task_arithmetic", "ties"])
+def test_task_vector_merges_over_a_base_equal_the_library_and_float64(tmp_path, method):
+    models = _models(3)
+    rng = np.random.default_rng(7)
+    base = jax.tree.map(lambda x: (x + 0.05 * rng.normal(size=x.shape)).astype(np.float32), models[0])
+    inputs = _write(tmp_path, models)
+    base_path = str(io.save_safetensors(base, tmp_path / "base.safetensors"))
+    out = tmp_path / "merged"
+    if method == "task_arithmetic":
+        sets, rule = ["--set", "method.scale=0.3"], consensus.task_arithmetic(0.3)
+        f64 = {
+            k: b.astype(np.float64)
+            + 0.3 * sum(io.flatten(m)[k].astype(np.float64) - b.astype(np.float64) for m in models)
+            for k, b in io.flatten(base).items()
+        }
+    else:
+        sets, rule = ["--set", "method.density=0.5"], consensus.ties(0.5)
+        f64 = _ties_reference(models, base, 0.5)
+    argv = ["merge", "--method", method, *sets, "--base", base_path, "--quiet", "--out", str(out), *inputs]
+    assert main(argv) == 0
+    got = io.flatten(io.load_safetensors(out))
+    want = io.flatten(_library(rule, models, jax.tree.map(jnp.asarray, base)))
+    assert set(got) == set(want) == set(f64)
+    for k in want:
+        assert got[k].dtype == np.float32, k
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6, err_msg=k)
+        np.testing.assert_allclose(got[k], f64[k], rtol=1e-5, atol=1e-5, err_msg=k)
+    report = json.loads((out / "merge_report.json").read_text())
+    assert report["method"] == method and report["base"] == base_path
+
+
+def test_task_vector_merge_without_a_base_is_one_line_exit_2(tmp_path, capsys):
+    inputs = _write(tmp_path, _models(4))
+    out = tmp_path / "merged"
+    assert main(["merge", "--method", "ties", "--quiet", "--out", str(out), *inputs]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--base" in err[0], err
+    assert not out.exists()
