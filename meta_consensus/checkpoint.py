@@ -41,7 +41,7 @@ import numpy as np
 
 from consensus.mesh import to_host
 from consensus.privacy import PrivacyLedger
-from meta_consensus.config import Config, dumps
+from meta_consensus.config import Config, dumps, to_dict
 from meta_consensus.coordinator import CoordinatorState, RoundInfo
 from strategies.trainer import TrainState
 
@@ -61,13 +61,51 @@ class SkippedCheckpoint:
     moved_to: Path | None = None
 
 
+# Settings that do not change a run's numbers: a resume may change them.
+OPERATIONAL = {"name": "_", "output_dir": "_", "rounds": 1, "checkpoint_every": 0, "keep_checkpoints": 1}
+OPERATIONAL_OPTIONAL = {"heartbeat_timeout_s": 1}
+
+
+def _numbers_config(cfg: Config) -> Config:
+    changes = dict(OPERATIONAL)
+    changes.update({k: v for k, v in OPERATIONAL_OPTIONAL.items() if hasattr(cfg, k)})
+    return cfg.replace(**changes)
+
+
 def fingerprint(cfg: Config) -> str:
     """Hash of everything that changes the run's numbers (name, paths, the round count and the
     operational settings excluded)."""
-    d = cfg.replace(
-        name="_", output_dir="_", rounds=1, checkpoint_every=0, keep_checkpoints=1, heartbeat_timeout_s=1
-    )
-    return hashlib.sha256(dumps(d).encode()).hexdigest()[:16]
+    return hashlib.sha256(dumps(_numbers_config(cfg)).encode()).hexdigest()[:16]
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+    return out
+
+
+def _canonical(v: Any) -> str:
+    return json.dumps(v, sort_keys=True, default=str)
+
+
+def config_differences(saved: dict[str, Any], cfg: Config) -> list[str]:
+    """The settings (dotted keys) in which ``cfg`` differs from the config a checkpoint saved.
+
+    A setting the checkpoint's version did not have counts as its default then (a newer
+    version's new keys keep old checkpoints resumable while they keep their defaults).
+    """
+    now = _flat(to_dict(_numbers_config(cfg)))
+    then = _flat(saved)
+    defaults = _flat(to_dict(_numbers_config(type(cfg)())))
+    out = []
+    for key in sorted(now):
+        before = then.get(key, defaults.get(key, now[key]))
+        if _canonical(before) != _canonical(now[key]):
+            out.append(f"{key} = {before!r} in the checkpoint, {now[key]!r} now")
+    return out
 
 
 def _is_key(x: Any) -> bool:
@@ -147,6 +185,7 @@ class RunCheckpoints:
         meta = {
             "round": int(state.round),
             "fingerprint": fingerprint(self.cfg),
+            "config": to_dict(_numbers_config(self.cfg)),
             "key": _encode(to_host(state.key)),
             "aggregator": [_encode(to_host(x) if isinstance(x, jax.Array) else x) for x in agg_leaves],
             "ledger": None if state.ledger is None else state.ledger.to_dict(),
@@ -167,11 +206,17 @@ class RunCheckpoints:
         if step is None:
             raise FileNotFoundError(f"no checkpoint under {self.directory}")
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        if meta["fingerprint"] != fingerprint(self.cfg):
+        if "config" in meta:
+            diffs = config_differences(meta["config"], self.cfg)
+            what = "; ".join(diffs[:3]) + (f"; and {len(diffs) - 3} more" if len(diffs) > 3 else "")
+        else:  # a checkpoint of an earlier version: the hash alone
+            diffs = [] if meta["fingerprint"] == fingerprint(self.cfg) else ["fingerprint"]
+            what = f"fingerprint {meta['fingerprint']} != {fingerprint(self.cfg)}"
+        if diffs:
             raise CheckpointError(
-                f"checkpoint {self.directory}/{step} was written by a different config "
-                f"(fingerprint {meta['fingerprint']} != {fingerprint(self.cfg)}); resume with the config "
-                "saved in the run directory (config.toml) or start a new run name"
+                f"checkpoint {self.directory}/{step} was written by a different config ({what}); resume "
+                "with the config saved in the run directory (--config <run>/config.toml) or start a new "
+                "run name"
             )
         target = {
             "consensus": template.consensus,
