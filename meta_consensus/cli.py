@@ -194,11 +194,16 @@ def run(args: argparse.Namespace) -> int:
         if args.num_processes == 1:
             raise
         # A peer that died shows up here as a failed collective (gloo) or coordination call.
+        if os.environ.get("META_CONSENSUS_TRACEBACK"):
+            import traceback
+
+            traceback.print_exc()
         first = (str(e).strip().splitlines() or [""])[0][:300]
         print(
-            f"meta-consensus: process {jax.process_index()} of {args.num_processes} lost contact with the "
-            f"run ({type(e).__name__}: {first}); last checkpoint: {_last_checkpoint(cfg.run_dir)}; "
-            "restart every process with --resume",
+            f"meta-consensus: process {jax.process_index()} of {args.num_processes} stopped "
+            f"({type(e).__name__}: {first}); last checkpoint: {_last_checkpoint(cfg.run_dir)}; "
+            "if a process was lost, restart every process with --resume "
+            "(META_CONSENSUS_TRACEBACK=1 shows the traceback)",
             file=sys.stderr,
             flush=True,
         )
