@@ -199,13 +199,20 @@ class WeightsConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DPConfig:
-    """Node-level differential privacy of the consensus update.
+    """Differential privacy: node-level (of the consensus update) or example-level (DP-SGD in the nodes).
 
     Attributes:
       enabled: add the DP step.
-      clip_norm: C, every node's update (candidate - last consensus) is clipped to C.
-      noise_multiplier: z (noise std / L2 sensitivity); None: calibrated from ``epsilon``.
+      level: "node" (the coordinator clips and noises the nodes' updates; the unit of privacy is a
+        whole node) or "example" (every node trains with DP-SGD on its own examples; the unit is one
+        training example, and the coordinator's work is post-processing; see docs/privacy.md).
+      clip_norm: C, every node's update (candidate - last consensus) is clipped to C (node level),
+        or every per-example gradient (example level).
+      noise_multiplier: z (noise std / L2 sensitivity); None: calibrated from ``epsilon`` (example
+        level: per node, from its own sampling rate and planned steps).
       epsilon: target epsilon over ``rounds`` rounds (used when noise_multiplier is None).
+      microbatch: example level: per-example gradients are computed this many rows at a time
+        (0: the whole padded batch at once); bounds their memory on large models.
       delta: the delta of every reported epsilon.
       accountant: "rdp" or "pld" (the ledger's; both epsilons are reported).
       budget: stop before a round would take epsilon above this (None: no budget).
@@ -214,6 +221,7 @@ class DPConfig:
     """
 
     enabled: bool = False
+    level: Literal["node", "example"] = "node"
     clip_norm: float = 2.0
     noise_multiplier: float | None = None
     epsilon: float | None = None
@@ -223,6 +231,7 @@ class DPConfig:
     adaptive: bool = False
     target_quantile: float = 0.5
     adaptive_lr: float = 0.2
+    microbatch: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -493,6 +502,10 @@ def validate(cfg: Config) -> None:
     # dp
     d = cfg.dp
     _choices("dp.accountant", d.accountant, ("rdp", "pld"))
+    _choices("dp.level", d.level, ("node", "example"))
+    _check(d.microbatch >= 0, "dp.microbatch", d.microbatch, "need >= 0 (0: the whole batch)")
+    if d.enabled and d.level == "example":
+        _check(not d.adaptive, "dp.adaptive", d.adaptive, "adaptive clipping is node-level only")
     if d.enabled:
         _check(d.clip_norm > 0, "dp.clip_norm", d.clip_norm, "need > 0")
         _check(

@@ -34,6 +34,7 @@ from consensus import tree
 from consensus.base import ByzantineToleranceError
 from consensus.mesh import to_host
 from consensus.privacy import PrivacyLedger, calibrate_noise, pld_epsilon, rdp_epsilon
+from meta_consensus import example_privacy
 from meta_consensus.config import Config
 from meta_consensus.fleet import Fleet
 from meta_consensus.pipeline import MergePipeline, MergeReport, RoundFailure
@@ -98,6 +99,8 @@ class RoundInfo:
     solve_ms: float
     weight_cap: float
     seconds: dict[str, float]
+    # Example-level DP: every node's epsilon (the run's accountant) after this round.
+    node_epsilon: list[float] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -151,15 +154,68 @@ class Coordinator:
     ):
         self.cfg = cfg
         self.fleet = Fleet(cfg, task=task, process_index=process_index, process_count=process_count)
+        self.example = self._example_accountant()
         self.noise_multiplier = self._noise_multiplier()
-        self.pipeline = MergePipeline(cfg, self.fleet.task, self.fleet.data.heldout, self.noise_multiplier)
+        # Example-level DP lives in the nodes: the merge pipeline adds no node-level DP step.
+        pipe_cfg = cfg.replace(dp=dataclasses.replace(cfg.dp, enabled=False)) if self.example else cfg
+        self.pipeline = MergePipeline(
+            pipe_cfg, self.fleet.task, self.fleet.data.heldout, self.noise_multiplier
+        )
         self.aggregator = self.pipeline.aggregator
         self._eval_jit = None  # built on the first evaluated round
-        self.dp = cfg.dp.enabled
+        self.dp = cfg.dp.enabled and self.example is None  # node-level DP (the ledger)
+
+    def _example_accountant(self) -> example_privacy.ExampleAccountant | None:
+        """Example-level DP-SGD: refuse leaking configs, calibrate every node, hand the fleet its settings."""
+        if not example_privacy.is_example_level(self.cfg):
+            return None
+        settings = list(self.fleet.settings)
+        example_privacy.check_no_leaks(self.cfg, self.fleet.task, settings)
+        acc = example_privacy.ExampleAccountant(
+            self.cfg,
+            self.fleet.data.train_count,
+            [sum(st.level_steps) for st in settings],
+            fleets=2 if self.cfg.baseline_fedavg else 1,
+        )
+        self.fleet.example_dp = acc.spec()
+        return acc
+
+    def example_steps(self, state: CoordinatorState) -> np.ndarray:
+        """(n,) DP-SGD steps each node's examples went through (both fleets when the baseline runs)."""
+        steps = np.asarray(to_host(state.nodes.step), np.int64)
+        if state.fedavg_nodes is not None:
+            steps = steps + np.asarray(to_host(state.fedavg_nodes.step), np.int64)
+        return steps
+
+    def _example_epsilons(self, info: RoundInfo, steps: np.ndarray, pld: bool) -> None:
+        nodes = self.example.nodes(steps, pld=pld)
+        own = "epsilon_rdp" if self.cfg.dp.accountant == "rdp" else "epsilon_pld"
+        info.node_epsilon = [getattr(p, own) for p in nodes]
+        info.epsilon = max(info.node_epsilon)
+        info.epsilon_rdp = max(p.epsilon_rdp for p in nodes)
+        info.epsilon_pld = max(p.epsilon_pld for p in nodes) if pld or own == "epsilon_pld" else math.nan
+        info.clip_norm = self.example.clip_norm
+
+    def privacy_summary(self, state: CoordinatorState) -> dict[str, Any]:
+        """What ``privacy.json`` holds: level, delta, the run's epsilon and (example level) every node's."""
+        d = self.cfg.dp
+        if self.example is not None:
+            return self.example.summary(self.example_steps(state))
+        if self.dp:
+            eps = state.ledger.epsilon() if state.ledger is not None else 0.0
+            return {
+                "level": "node",
+                "unit": "all of one node's data",
+                "delta": d.delta,
+                "epsilon": eps if math.isfinite(eps) else "inf",
+                "accountant": d.accountant,
+                "nodes": [],
+            }
+        return {"level": "off", "unit": None, "delta": None, "epsilon": "inf", "nodes": []}
 
     def _noise_multiplier(self) -> float | None:
         d = self.cfg.dp
-        if not d.enabled:
+        if not d.enabled or self.example is not None:
             return None
         if d.noise_multiplier is not None:
             return float(d.noise_multiplier)
@@ -220,6 +276,10 @@ class Coordinator:
         key = self.round_key(state, attempt)
         k_fit, k_dp = jax.random.split(key)
         secs: dict[str, float] = {}
+        if self.example is not None:
+            why = self.example.over_budget(self.example_steps(state))
+            if why:
+                raise PrivacyBudgetStop(f"round {state.round}: {why}")
 
         # 1-2. broadcast + node fit (each node with its strategy; Byzantine nodes attack)
         out = self.fleet.fit(state.nodes, state.consensus, k_fit)
@@ -243,6 +303,8 @@ class Coordinator:
         secs["validate"] = time.perf_counter() - t
 
         info = self._info(state, attempt, n, out, valid, errors, node_test, secs)
+        if self.example is not None:
+            self._example_epsilons(info, self.example_steps(state), pld=False)
         need = math.ceil(self.cfg.min_answers * n)
         if valid.sum() < need:
             return state, self._fail(info, f"too few valid answers: {int(valid.sum())} of {n}, need {need}")
@@ -312,6 +374,9 @@ class Coordinator:
         new_state = CoordinatorState(
             state.round + 1, merged, out.state, new_agg, fedavg, fedavg_nodes, ledger, state.key
         )
+        if self.example is not None:
+            due = self.second_accountant_due(state.round)
+            self._example_epsilons(info, self.example_steps(new_state), pld=due)
         return new_state, info
 
     def second_accountant_due(self, round_index: int) -> bool:

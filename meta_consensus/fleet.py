@@ -114,6 +114,8 @@ class Fleet:
         self._segments = np.array_split(np.arange(cfg.nodes.local_steps), snaps.pop() if snaps else 1)
         self._metrics = _metrics(self.task)
         self._broadcast_jit = None
+        # Example-level DP-SGD settings (strategies.dpsgd.ExampleDP), set by the coordinator.
+        self.example_dp = None
 
     # ------------------------------------------------------------------ setup
 
@@ -149,6 +151,9 @@ class Fleet:
         t0 = time.perf_counter()
         try:
             new_state, loss, snapshots = self._train(state, anchor)
+            if self.example_dp is not None:
+                # Under example-level DP the training loss (private rows, no noise) stays on the node.
+                loss = np.full_like(loss, np.nan)
             candidates = self._soups(new_state.params, snapshots)
             submitted = byz_lib.submit(self.byzantine, k_attack, candidates, anchor)
             jax.block_until_ready(submitted)
@@ -214,6 +219,7 @@ class Fleet:
                 hyperparams=hp,
                 flip_labels=flip if flip.any() else None,
                 proximal=prox,
+                dp=self.example_dp,
             )
             losses.append(mesh_lib.to_host(log.loss))
             if self.snapshot_nodes.size:

@@ -54,7 +54,16 @@ def table(cfg: Config, history: Sequence[RoundInfo], seconds: float | None = Non
     if not math.isnan(last.fedavg_accuracy):
         lines.append(f"{'':>6}  {'plain FedAvg':<34}{last.fedavg_accuracy:>9.3f}")
     lines.append(f"{'':>6}  {'meta-consensus':<34}{last.consensus_accuracy:>9.3f}")
-    if cfg.dp.enabled:
+    if cfg.dp.enabled and cfg.dp.level == "example":
+        # The same numbers as privacy.json and metrics.jsonl (the last round's node epsilons).
+        lines.append(
+            f"privacy: example-level DP-SGD in every node, epsilon = {last.epsilon:.4g} (max over nodes) at "
+            f"delta = {cfg.dp.delta:g} ({cfg.dp.accountant}); {_both_accountants(history, last)}"
+        )
+        lines.append(
+            "         node epsilons: " + "  ".join(f"{i}: {e:.3g}" for i, e in enumerate(last.node_epsilon))
+        )
+    elif cfg.dp.enabled:
         lines.append(
             f"privacy: epsilon = {last.epsilon:.4g} at delta = {cfg.dp.delta:g} ({cfg.dp.accountant}); "
             f"{_both_accountants(history, last)}; node-level, sensitivity "
@@ -66,7 +75,7 @@ def table(cfg: Config, history: Sequence[RoundInfo], seconds: float | None = Non
                 " epsilon; see benchmarks/privacy_quality.md)"
             )
     else:
-        lines.append("privacy: no DP step")
+        lines.append("privacy: no DP step (example-level DP-SGD: --config configs/private.toml)")
     total = sum(sum(h.seconds.values()) for h in history) if seconds is None else seconds
     fails = [h for h in history if not h.ok]
     lines.append(f"time: {total:.1f} s; test accuracy after round {last.round + 1}")

@@ -11,8 +11,9 @@ Outputs (process 0 only) go to ``<output_dir>/<name>/``: ``config.toml`` (the
 config used: ``meta-consensus run --config runs/<name>/config.toml`` repeats
 the run), ``metrics.jsonl`` (one :class:`RoundInfo` per line),
 ``tensorboard/`` (event files), ``accuracy.png`` and ``weights.png``,
-``table.txt`` and ``checkpoints/`` (orbax, every ``checkpoint_every`` rounds
-and at the end, the last ``keep_checkpoints`` kept). ``train(resume=True)``
+``table.txt``, ``privacy.json`` (the DP level, delta, epsilon and each node's)
+and ``checkpoints/`` (orbax, every ``checkpoint_every`` rounds and at the end,
+the last ``keep_checkpoints`` kept). ``train(resume=True)``
 continues from the latest intact checkpoint; the rounds after it are run again
 with the same keys, so the result equals an uninterrupted run's bit for bit.
 
@@ -26,6 +27,7 @@ round finish, saves its checkpoint and returns with ``RunResult.terminated``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import signal
 import sys
 import threading
@@ -278,6 +280,9 @@ class MetaConsensus:
             text = report.table(cfg, history, sum(sum(h.seconds.values()) for h in history))
             (self.run_dir / "table.txt").write_text(text + "\n")
             report.plot(cfg, history, self.run_dir)
+            # The run's guarantee: level, delta, epsilon and (example level) every node's.
+            summary = self.coordinator.privacy_summary(state)
+            (self.run_dir / "privacy.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
         if self.write:
             # Every process takes part (a sharded leaf is gathered); process 0 writes the file.
             host = jax.tree.map(_host_value, state.consensus)

@@ -21,7 +21,10 @@ step (so honest, Byzantine, proximal and hierarchical nodes train together):
 * ``flip_labels``: label-flipping Byzantine nodes (the task's ``flip_labels``);
 * ``proximal``: proximal pull towards an anchor, ``mu/2 ||theta - a||^2``,
   and projection onto the L2 ball of radius r around it after each update
-  (the convexity strategy, :mod:`strategies.convexity`).
+  (the convexity strategy, :mod:`strategies.convexity`);
+* ``dp``: example-level DP-SGD (:mod:`strategies.dpsgd`): Poisson-sampled padded
+  batches, per-example gradients clipped to C, Gaussian noise of std z C, divided by
+  the expected batch size, then the node's optimizer.
 
 Mixed precision (``compute_dtype=jnp.bfloat16``) keeps float32 params and
 optimizer state and computes the loss on bfloat16 copies; gradient
@@ -43,8 +46,9 @@ import numpy as np
 import optax
 
 from consensus import mesh as mesh_lib
+from strategies import dpsgd
 from strategies.convexity import project_l2_ball, proximal_step
-from strategies.tasks.base import Batch, NodeData, PyTree, Task, cast_floating
+from strategies.tasks.base import Batch, NodeData, PyTree, Task, cast_floating, count_host
 
 OptimizerFactory = Callable[..., optax.GradientTransformation]
 
@@ -375,6 +379,7 @@ class NodeTrainer:
         flip_labels: Any = None,
         proximal: Proximal | None = None,
         record: bool = False,
+        dp: dpsgd.ExampleDP | None = None,
     ) -> tuple[TrainState, FitLog]:
         """Run ``steps`` training steps of every node in one jitted call.
 
@@ -392,6 +397,9 @@ class NodeTrainer:
             flipped labels (label-flipping Byzantine nodes).
           proximal: optional :class:`Proximal` options (anchor, mu, radius).
           record: also return the pool rows every node drew at every step.
+          dp: example-level DP-SGD settings (:class:`strategies.dpsgd.ExampleDP`): every
+            step samples each level's rows by Poisson sampling at ``q = min(1, batch_size /
+            count)`` into ``dp.pad`` slots (``rows`` then logs the slots, -1 where empty).
         Returns:
           ``(state, log)`` with a :class:`FitLog`.
         """
@@ -436,6 +444,7 @@ class NodeTrainer:
         use_flip = flip_labels is not None and bool(np.any(np.asarray(flip_labels)))
         flip = _per_node("flip_labels", flip_labels if use_flip else False, n, bool)
         gate = not bool(np.all(active))
+        dp_args, dp_static = self._dp_args(dp, levels, n)
         static = (
             steps,
             bool(record),
@@ -443,6 +452,7 @@ class NodeTrainer:
             use_flip,
             use_prox,
             gate,
+            dp_static,
         )
 
         rep = self._rep_sh()
@@ -456,9 +466,32 @@ class NodeTrainer:
             None
             if prox is None
             else (jax.tree.map(put_small, prox[0]), put_small(prox[1]), put_small(prox[2])),
+            None if dp_args is None else tuple(put_small(a) for a in dp_args),
         )
         pools = tuple((dict(d.pool), d.index, d.count) for d in levels)
         return self._fit_jit(state, pools, *args, static=static)
+
+    def _dp_args(self, dp: dpsgd.ExampleDP | None, levels: Sequence[NodeData], n: int) -> tuple:
+        """Host-side DP-SGD arrays: (clip (n,), z (n,), rate (n, L), expected batch (n, L)), static."""
+        if dp is None:
+            return None, None
+        if not isinstance(dp, dpsgd.ExampleDP):
+            raise TypeError(f"dp must be a strategies.dpsgd.ExampleDP, got {type(dp).__name__}")
+        if self.mesh is not None and jax.process_count() > 1:
+            raise ValueError("example-level DP-SGD runs in one process (other hosts' node counts unknown)")
+        clip = _per_node("dp.clip_norm", dp.clip_norm, n, np.float32)
+        z = _per_node("dp.noise_multiplier", dp.noise_multiplier, n, np.float32)
+        if not (np.all(clip > 0) and np.all(np.isfinite(clip))):
+            raise ValueError(f"dp.clip_norm must be finite and > 0, got {clip.tolist()}")
+        if not (np.all(z >= 0) and np.all(np.isfinite(z))):
+            raise ValueError(f"dp.noise_multiplier must be finite and >= 0, got {z.tolist()}")
+        micro = int(dp.microbatch)
+        if int(dp.pad) < 1 or micro < 0 or (micro and int(dp.pad) % micro):
+            raise ValueError(f"dp.pad must be >= 1 and a multiple of dp.microbatch, got {dp.pad}, {micro}")
+        counts = np.stack([np.asarray(count_host(d.count), np.int64) for d in levels], 1)  # (n, L)
+        rate = dpsgd.sampling_rates(counts, self.batch_size)
+        expected = (rate.astype(np.float64) * counts).astype(np.float32)
+        return (clip, z, rate, expected), (int(dp.pad), micro)
 
     def _loss_fn(self) -> Callable:
         def loss(params, batch, key):
@@ -470,8 +503,8 @@ class NodeTrainer:
             loss = jax.checkpoint(loss, policy=jax.checkpoint_policies.dots_saveable)
         return loss
 
-    def _fit_impl(self, state, pools, level_t, active_t, hp, flip, prox, *, static):
-        steps, record, shared, use_flip, use_prox, gate = static
+    def _fit_impl(self, state, pools, level_t, active_t, hp, flip, prox, dp_args, *, static):
+        steps, record, shared, use_flip, use_prox, gate, dp_static = static
         loss_fn = self._loss_fn()
         accum = self.grad_accum > 1
         batch_sh = None
@@ -482,13 +515,26 @@ class NodeTrainer:
         ):
             batch_sh = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("data"))
 
-        def node_step(params, opt, step, lvl, act, k_sample, k_loss, hp_i, flip_i, mu_i, r_i, anchor, pools):
+        def node_step(
+            params, opt, step, lvl, act, k_sample, k_loss, hp_i, flip_i, mu_i, r_i, anchor, dp_i, pools
+        ):
             batches, rows_l = [], []
-            for (pool, index, count), (_, identity) in zip(pools, shared, strict=True):
-                u = jax.random.randint(k_sample, (self.batch_size,), 0, count)
-                rows = u if identity else index[u]
-                batches.append({k: v[rows] for k, v in pool.items()})
-                rows_l.append(rows)
+            if dp_static is not None:
+                # Example-level DP-SGD: a Poisson draw per level into fixed padded slots.
+                k_sample, k_noise = jax.random.split(k_sample)
+                for j, ((pool, index, count), (_, identity)) in enumerate(zip(pools, shared, strict=True)):
+                    idx = None if identity else index
+                    rows, mask, _ = dpsgd.poisson_rows(
+                        k_sample, idx, count, dp_i[2][j], dp_static[0], index.shape[-1]
+                    )
+                    batches.append({**{k: v[rows] for k, v in pool.items()}, "mask": mask})
+                    rows_l.append(jnp.where(mask, rows, -1))
+            else:
+                for (pool, index, count), (_, identity) in zip(pools, shared, strict=True):
+                    u = jax.random.randint(k_sample, (self.batch_size,), 0, count)
+                    rows = u if identity else index[u]
+                    batches.append({k: v[rows] for k, v in pool.items()})
+                    rows_l.append(rows)
             if len(batches) == 1:
                 batch, rows = batches[0], rows_l[0]
             else:
@@ -497,10 +543,17 @@ class NodeTrainer:
             if use_flip:
                 flipped = self.task.flip_labels(batch)
                 batch = jax.tree.map(lambda a, b: jnp.where(flip_i, a, b), flipped, batch)
-            if batch_sh is not None:
+            if batch_sh is not None and dp_static is None:
                 batch = jax.lax.with_sharding_constraint(batch, batch_sh)
             hp_l = {k: v[lvl] for k, v in hp_i.items()}
-            loss, grads = jax.value_and_grad(loss_fn)(params, batch, k_loss)
+            if dp_static is not None:
+                clip_i, z_i, _, expected_i = dp_i
+                mask = batch.pop("mask")
+                loss, grads = dpsgd.private_gradient(
+                    loss_fn, params, batch, mask, k_loss, k_noise, clip_i, z_i, expected_i[lvl], dp_static[1]
+                )
+            else:
+                loss, grads = jax.value_and_grad(loss_fn)(params, batch, k_loss)
             updates, new_opt = self._tx(hp_l).update(grads, opt, params)
             new_params = optax.apply_updates(params, updates)
             if use_prox:
@@ -528,7 +581,8 @@ class NodeTrainer:
             anchor, mu, radius = None, jnp.zeros_like(flip, jnp.float32), jnp.zeros_like(flip, jnp.float32)
             prox_axes = (0, 0, None)
         spmd = "node" if self.mesh is not None else None
-        in_axes = (0, 0, 0, 0, 0, 0, 0, 0, 0, *prox_axes, pool_axes)
+        dp_axes = None if dp_args is None else (0, 0, 0, 0)
+        in_axes = (0, 0, 0, 0, 0, 0, 0, 0, 0, *prox_axes, dp_axes, pool_axes)
         if self.mesh is None and flip.shape[0] == 1:
             # One node: run the unbatched step. vmap of size 1 turns every matmul into a batched
             # dot_general, which XLA:CPU runs measurably slower than a plain GEMM.
@@ -548,8 +602,8 @@ class NodeTrainer:
         def body(carry, xs):
             lvl, act, k_sample, k_loss = xs
             params, opt, step = carry
-            args = (params, opt, step, lvl, act, k_sample, k_loss, hp, flip, mu, radius, anchor, pools)
-            return vstep(*args)
+            args = (params, opt, step, lvl, act, k_sample, k_loss, hp, flip, mu, radius, anchor, dp_args)
+            return vstep(*args, pools)
 
         carry0 = (state.params, state.opt_state, state.step)
         xs = (level_t, active_t, pairs[:, :, 0], pairs[:, :, 1])

@@ -1,0 +1,225 @@
+"""Example-level DP (``dp.level = "example"``): the nodes' DP-SGD settings, its accounting, the leak checks.
+
+The unit of privacy is one training example of one node. Every node trains with DP-SGD
+(:mod:`strategies.dpsgd`) on its own shard; the coordinator sees only the nodes' DP-trained
+parameters and uses no private data of its own (its held-out and test splits are not node
+data and are treated as public), so the vote, the convex weights, the quality gate, soups'
+snapshot selection and the consensus are post-processing. Each example belongs to exactly one
+node, so the run's guarantee is the maximum of the nodes' epsilons (parallel composition).
+
+Accounting (:class:`ExampleAccountant`): node i takes T_i DP-SGD steps, each the
+Poisson-subsampled Gaussian mechanism with rate q_i (its exact float32 inclusion probability,
+:func:`strategies.dpsgd.effective_rate`) and multiplier z_i; epsilon_i comes from the RDP and
+the PLD accountant of :mod:`consensus.privacy` at ``delta_acc = (1 - OVERFLOW_SHARE) delta``.
+The remaining ``OVERFLOW_SHARE * delta`` covers padded-batch overflows: the pad is the
+smallest with ``(1 + e^eps_i) T_i P[overflow] <= OVERFLOW_SHARE * delta`` at the run's most
+steps (see :mod:`strategies.dpsgd`). T_i counts the steps in the committed node states (the
+meta-consensus nodes plus the plain-FedAvg baseline's nodes, which train on the same examples
+and are charged too). A failed or retried round re-runs the nodes from the same state with the
+same keys: it recomputes the release already made, which costs nothing more.
+
+What is refused (:func:`check_no_leaks`): hierarchical levels that train on the task's general
+pool (for the built-in tasks it is the union of every node's training rows, and the "groups"
+level picks rows by the node's private class histogram) unless the task declares the pool public
+(``task.public_general = True``). What is withheld: the nodes' training losses (computed on
+private rows without noise) are not reported to the coordinator (NaN in metrics.jsonl).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import numpy as np
+
+from consensus.privacy import calibrate_noise, pld_epsilon, rdp_epsilon
+from meta_consensus.config import Config, ConfigError
+from strategies import dpsgd
+from strategies.node import NodeSettings
+
+# Share of delta that pays for padded-batch overflows; the accountants get the rest.
+OVERFLOW_SHARE = 1e-2
+# Past this epsilon the guarantee is void anyway; the pad then only keeps overflows below 1e-12.
+_EPSILON_MEANINGFUL = 30.0
+
+
+def is_example_level(cfg: Config) -> bool:
+    return cfg.dp.enabled and cfg.dp.level == "example"
+
+
+def check_no_leaks(cfg: Config, task: Any, settings: list[NodeSettings]) -> None:
+    """Refuse a config whose nodes' private data would reach the consensus other than by DP-SGD.
+
+    Raises:
+      ConfigError naming the part that leaks.
+    """
+    if not is_example_level(cfg):
+        return
+    public = bool(getattr(task, "public_general", False))
+    shared = [i for i, st in enumerate(settings) if st.level_steps[0] > 0 or st.level_steps[1] > 0]
+    if shared and not public:
+        names = sorted({cfg.nodes.strategy_of()[i] for i in shared})
+        raise ConfigError(
+            f"dp.level = 'example' leaks through nodes.strategies {names} (nodes {shared}): they train on "
+            f"task {getattr(task, 'name', '?')!r}'s general pool without DP accounting, and that pool is the "
+            "union of every node's training rows (the 'groups' level also picks rows by the node's private "
+            "class histogram). Give hierarchical nodes fractions = [0, 0, 1] "
+            "(nodes.options.hierarchical.fractions), or use a task whose general pool is public data "
+            "(task.public_general = True)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class NodePrivacy:
+    """One node's example-level guarantee."""
+
+    node: int
+    sampling_rate: float
+    noise_multiplier: float
+    steps: int
+    epsilon_rdp: float
+    epsilon_pld: float
+
+
+class ExampleAccountant:
+    """Per-node DP-SGD settings and epsilons of a run (see the module docstring).
+
+    Args:
+      cfg: the run config (``dp.level = "example"``).
+      counts: (n,) rows of each node's own shard.
+      steps_per_round: (n,) DP-SGD steps each node takes per round (per fleet).
+      fleets: 2 when the plain-FedAvg baseline trains a second set of nodes on the same data.
+    """
+
+    def __init__(self, cfg: Config, counts: Any, steps_per_round: Any, fleets: int):
+        d = cfg.dp
+        self.delta = float(d.delta)
+        self.delta_acc = self.delta * (1.0 - OVERFLOW_SHARE)
+        self.accountant = d.accountant
+        self.counts = np.asarray(counts, np.int64)
+        self.n = len(self.counts)
+        self.rate32 = dpsgd.sampling_rates(self.counts, cfg.nodes.batch_size)
+        self.rate = dpsgd.effective_rate(self.rate32)
+        self.per_round = np.asarray(steps_per_round, np.int64) * int(fleets)
+        self.planned = self.per_round * int(cfg.rounds)
+        if d.noise_multiplier is not None:
+            self.z = np.full((self.n,), float(d.noise_multiplier))
+        else:
+            # Each node's own z for the target over its planned steps (same q and T: same z).
+            self.z = np.asarray(
+                [
+                    _calibrate(float(d.epsilon), self.delta_acc, float(q), int(t), d.accountant)
+                    for q, t in zip(self.rate, self.planned, strict=True)
+                ]
+            )
+        # The target epsilon is also the budget when none is given: the run stops before it.
+        self.budget = d.budget if d.budget is not None else d.epsilon
+        self.clip_norm = float(d.clip_norm)
+        self.microbatch = int(d.microbatch)
+        self.overflow_probability, self.pad = self._pad()
+
+    def _pad(self) -> tuple[float, int]:
+        """The per-step overflow probability bound and the pad that meets it on every node."""
+        p = 1e-12
+        for q, z, t in zip(self.rate, self.z, self.planned, strict=True):
+            eps = self.epsilon(int(t), float(q), float(z), "rdp")
+            if eps <= _EPSILON_MEANINGFUL and t > 0:
+                p = min(p, OVERFLOW_SHARE * self.delta / ((1.0 + math.exp(eps)) * t))
+        pad = dpsgd.padded_size(self.counts, self.rate, p, multiple=max(1, self.microbatch))
+        return p, pad
+
+    def spec(self) -> dpsgd.ExampleDP:
+        """What the node trainer needs: ``ExampleDP(C, z per node, pad, microbatch)``."""
+        return dpsgd.ExampleDP(
+            np.full((self.n,), self.clip_norm, np.float32),
+            self.z.astype(np.float32),
+            self.pad,
+            self.microbatch,
+        )
+
+    def epsilon(self, steps: int, q: float, z: float, accountant: str) -> float:
+        if steps == 0:
+            return 0.0
+        if z == 0:
+            return math.inf
+        if accountant == "rdp":
+            return _rdp(z, q, steps, self.delta_acc)
+        return _pld(z, q, steps, self.delta_acc)
+
+    def nodes(self, steps: Any, *, pld: bool = True) -> list[NodePrivacy]:
+        """Every node's epsilons after ``steps[i]`` DP-SGD steps (PLD NaN when ``pld`` is False)."""
+        out = []
+        for i, (q, z, t) in enumerate(zip(self.rate, self.z, np.asarray(steps, np.int64), strict=True)):
+            e_rdp = self.epsilon(int(t), float(q), float(z), "rdp")
+            e_pld = self.epsilon(int(t), float(q), float(z), "pld") if pld else math.nan
+            out.append(NodePrivacy(i, float(q), float(z), int(t), e_rdp, e_pld))
+        return out
+
+    def run_epsilon(self, nodes: list[NodePrivacy]) -> float:
+        """The run's epsilon in the configured accountant: the maximum over the nodes."""
+        attr = "epsilon_rdp" if self.accountant == "rdp" else "epsilon_pld"
+        return max(getattr(p, attr) for p in nodes)
+
+    def over_budget(self, steps: Any) -> str:
+        """Why one more round would exceed the budget ('' when it would not)."""
+        if self.budget is None:
+            return ""
+        after = np.asarray(steps, np.int64) + self.per_round
+        eps = [
+            self.epsilon(int(t), float(q), float(z), self.accountant)
+            for q, z, t in zip(self.rate, self.z, after, strict=True)
+        ]
+        worst = int(np.argmax(eps))
+        if eps[worst] > self.budget * (1 + 1e-9):
+            return (
+                f"node {worst}'s epsilon would reach {eps[worst]:.4g} after {int(after[worst])} steps, "
+                f"over the budget {self.budget:g}"
+            )
+        return ""
+
+    def summary(self, steps: Any) -> dict[str, Any]:
+        """The content of ``privacy.json``."""
+        nodes = self.nodes(steps)
+        return {
+            "level": "example",
+            "unit": "one training example of one node",
+            "delta": self.delta,
+            "epsilon": _finite_or_str(self.run_epsilon(nodes)),
+            "accountant": self.accountant,
+            "clip_norm": self.clip_norm,
+            "padded_batch": self.pad,
+            "overflow_probability_per_step": self.overflow_probability,
+            "delta_accountant": self.delta_acc,
+            "nodes": [{k: _finite_or_str(v) for k, v in dataclasses.asdict(p).items()} for p in nodes],
+        }
+
+
+def _finite_or_str(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else "inf"
+    return v
+
+
+@functools.lru_cache(maxsize=256)
+def _calibrate(epsilon: float, delta: float, q: float, steps: int, accountant: str) -> float:
+    return calibrate_noise(epsilon, delta, q, steps, accountant)
+
+
+@functools.lru_cache(maxsize=4096)
+def _rdp(z: float, q: float, steps: int, delta: float) -> float:
+    return rdp_epsilon(z, q, steps, delta)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pld(z: float, q: float, steps: int, delta: float) -> float:
+    """PLD epsilon on a grid scaled to RDP's epsilon (an upper bound either way; pessimistic PLD)."""
+    e = _rdp(z, q, steps, delta)
+    h = min(1.0, max(1e-3, e / 1e4)) if math.isfinite(e) else 1.0
+    for step in (h, 1.0):
+        try:
+            return pld_epsilon(z, q, steps, delta, discretization=step)
+        except ValueError:
+            continue
+    return math.nan

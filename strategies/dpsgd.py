@@ -1,0 +1,224 @@
+"""Example-level DP-SGD inside the node trainer (Abadi et al. 2016), on fixed shapes.
+
+One DP-SGD step of one node, as the trainer's vmapped step runs it:
+
+1. **Poisson sampling** (:func:`poisson_rows`): every one of the node's ``N`` rows joins the
+   step's batch independently with probability ``q`` (``q = min(1, B / N)`` for an expected
+   batch size ``B``, :func:`sampling_rates`). The draw ``u < q`` uses float32 uniforms, which
+   take the values ``k / 2^23``: the exact inclusion probability is ``ceil(q 2^23) / 2^23``
+   (:func:`effective_rate`), and that is the rate the accountant is given.
+2. **Fixed shapes**: the selected rows are gathered into a padded batch of ``pad`` rows with a
+   mask. When more than ``pad`` rows are selected (an *overflow*) the step keeps the first
+   ``pad`` of them. That step is not the Poisson mechanism, so the overflow probability is
+   counted in delta: for an accountant's (epsilon, delta_acc) and a per-step overflow
+   probability p (the binomial tail P[Binomial(N + 1, q) > pad], the larger of the two
+   neighbouring datasets), the truncated mechanism is (epsilon, delta_acc + (1 + e^epsilon) T p)
+   DP over T steps (the two outputs differ from the untruncated ones in total variation by at
+   most T p each). :func:`padded_size` picks the smallest pad that keeps this term under a
+   given share of delta.
+3. **Per-example gradients** (:func:`private_gradient`): ``vmap(grad)`` of the task's loss on
+   one-row batches (in micro-batches of ``microbatch`` rows scanned in sequence, so the
+   per-example gradients of only one micro-batch are alive at a time), each clipped to L2
+   norm ``C`` (the whole tree's norm), masked, summed, plus Gaussian noise of std ``z C`` on
+   every coordinate, divided by the expected batch size ``q N``. The optimizer (Adam, ...)
+   takes this as its gradient: everything after the noise is post-processing.
+
+Sensitivity: under add/remove-one-example adjacency the clipped sum changes by at most C in
+L2, so the noise multiplier z is the noise std over the sensitivity, and each step is the
+Poisson-subsampled Gaussian mechanism with rate q and multiplier z; the package's accountants
+(:mod:`consensus.privacy`) compose the T steps.
+
+Why our own clipping rather than ``optax.contrib.differentially_private_aggregate`` or
+jax_privacy: optax's transform expects per-example gradients already computed and draws its
+noise from a seed in its state (we need the trainer's per-node, per-step keys for bit-exact
+resume and no state), and it divides by the padded batch rather than the expected Poisson
+batch; jax_privacy would be a heavy dependency for twenty lines of tree arithmetic. The noise
+key scheme here is part of the contract and tested: leaf j of the tree (in ``jax.tree.leaves``
+order) draws ``normal(split(key, num_leaves)[j], leaf.shape)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from scipy import stats
+
+PyTree = Any
+
+# float32 uniforms in [0, 1) are multiples of 2^-23 (jax.random.uniform fills the mantissa).
+_UNIFORM_GRID = 2.0**23
+
+
+class ExampleDP(NamedTuple):
+    """Per-node DP-SGD settings handed to :meth:`strategies.trainer.NodeTrainer.fit`.
+
+    Attributes:
+      clip_norm: (n,) or scalar C, the per-example gradient's L2 bound.
+      noise_multiplier: (n,) or scalar z; the noise std on the clipped sum is z C.
+      pad: padded batch size (static; see :func:`padded_size`).
+      microbatch: per-example gradients are computed this many rows at a time (static; 0: all
+        ``pad`` rows at once); it must divide ``pad`` (``padded_size(..., multiple=microbatch)``).
+    """
+
+    clip_norm: Any
+    noise_multiplier: Any
+    pad: int
+    microbatch: int = 0
+
+
+def sampling_rates(counts: Any, expected_batch: int) -> np.ndarray:
+    """Per-node Poisson rates ``q_i = min(1, B / N_i)`` as float32 (the values the device uses)."""
+    c = np.asarray(counts, np.float64)
+    if np.any(c < 1):
+        raise ValueError(f"every node needs at least one row to sample, got counts {c.tolist()}")
+    if expected_batch < 1:
+        raise ValueError(f"expected batch size must be >= 1, got {expected_batch}")
+    return np.minimum(1.0, expected_batch / c).astype(np.float32)
+
+
+def effective_rate(q32: Any) -> np.ndarray:
+    """The exact inclusion probability of ``uniform_float32 < q32``: ``ceil(q 2^23) / 2^23``, float64."""
+    q = np.asarray(q32, np.float32).astype(np.float64)
+    return np.minimum(1.0, np.ceil(q * _UNIFORM_GRID) / _UNIFORM_GRID)
+
+
+def overflow_probability(count: int, rate: float, pad: int) -> float:
+    """P[Binomial(count + 1, rate) > pad]: one step's overflow probability on the larger neighbour."""
+    return float(stats.binom.sf(pad, int(count) + 1, float(rate)))
+
+
+def padded_size(counts: Any, rates: Any, max_probability: float, multiple: int = 1) -> int:
+    """The smallest pad (a multiple of ``multiple``) whose per-step overflow probability is at most
+    ``max_probability`` for every node (``counts[i]`` rows at rate ``rates[i]``)."""
+    if not (0.0 < max_probability < 1.0):
+        raise ValueError(f"max_probability must lie in (0, 1), got {max_probability}")
+    counts = np.asarray(counts, np.int64).reshape(-1)
+    rates = np.asarray(rates, np.float64).reshape(-1)
+    pad = 1
+    for n, q in zip(counts, rates, strict=True):
+        # The tail falls faster than geometrically past the mean: start there and walk up.
+        b = max(pad, int(math.floor((n + 1) * q)))
+        while b < n + 1 and overflow_probability(n, q, b) > max_probability:
+            b += max(1, int(math.sqrt((n + 1) * q)) // 4)
+        pad = max(pad, min(b, int(n) + 1))
+    return int(-(-pad // multiple) * multiple)
+
+
+def poisson_rows(
+    key: jax.Array, index: jax.Array | None, count: jax.Array, rate: jax.Array, pad: int, rows: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One Poisson draw of a node's rows, gathered into ``pad`` slots.
+
+    Args:
+      key: the step's sampling key.
+      index: (k,) the node's candidate pool rows (None: row j of the pool is candidate j).
+      count: number of valid candidates (the first ``count``).
+      rate: inclusion probability (float32 scalar).
+      pad: slots of the padded batch (static).
+      rows: number of candidates k (static).
+    Returns:
+      ``(pool_rows, mask, selected)``: (pad,) int32 rows, (pad,) bool mask of the filled slots,
+      and the number of candidates selected (more than ``pad`` on an overflow; then the first
+      ``pad`` selected candidates fill the slots).
+    """
+    u = jax.random.uniform(key, (rows,), jnp.float32)
+    chosen = (u < rate) & (jnp.arange(rows) < count)
+    selected = jnp.sum(chosen, dtype=jnp.int32)
+    (pos,) = jnp.nonzero(chosen, size=pad, fill_value=0)
+    mask = jnp.arange(pad) < selected
+    pool_rows = pos if index is None else index[pos]
+    return pool_rows.astype(jnp.int32), mask, selected
+
+
+def _tree_norm(tree: PyTree) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def gaussian_noise(key: jax.Array, like: PyTree, std: jax.Array) -> PyTree:
+    """``std * normal`` shaped like ``like``; leaf j uses ``split(key, num_leaves)[j]``."""
+    leaves, treedef = jax.tree.flatten(like)
+    keys = jax.random.split(key, len(leaves))
+    noise = [std * jax.random.normal(k, x.shape, jnp.float32) for k, x in zip(keys, leaves, strict=True)]
+    return jax.tree.unflatten(treedef, noise)
+
+
+def clipped_sum(
+    loss_fn: Callable,
+    params: PyTree,
+    batch: dict,
+    mask: jax.Array,
+    key: jax.Array,
+    clip_norm: jax.Array,
+    microbatch: int = 0,
+) -> tuple[PyTree, jax.Array]:
+    """Sum over the masked rows of per-example gradients clipped to L2 norm ``clip_norm``.
+
+    ``loss_fn(params, one_row_batch, key)`` is the task's loss on a batch of one row (row j's
+    key is ``fold_in(key, j)``, for tasks with dropout). Returns ``(sum, mean masked loss)``.
+    """
+    pad = mask.shape[0]
+    m = pad if microbatch <= 0 or microbatch >= pad else microbatch
+    if pad % m:
+        raise ValueError(f"microbatch {m} must divide the padded batch {pad}")
+
+    def one(row, k):
+        single = jax.tree.map(lambda v: v[None], row)
+        loss, g = jax.value_and_grad(loss_fn)(params, single, k)
+        scale = jnp.minimum(1.0, clip_norm / jnp.maximum(_tree_norm(g), 1e-30))
+        return loss, jax.tree.map(lambda x: (x * scale).astype(jnp.float32), g)
+
+    keys = jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(pad))
+
+    def chunk(rows, ks, msk):
+        losses, grads = jax.vmap(one)(rows, ks)
+        w = msk.astype(jnp.float32)
+        summed = jax.tree.map(lambda g: jnp.tensordot(w, g, axes=1), grads)
+        return summed, jnp.sum(losses * w)
+
+    if m == pad:
+        total, loss_sum = chunk(batch, keys, mask)
+    else:
+        split = _microbatches(pad // m)
+        xs = (jax.tree.map(split, batch), split(keys), split(mask))
+        zero = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+
+        def body(carry, x):
+            s, ls = chunk(*x)
+            return (jax.tree.map(jnp.add, carry[0], s), carry[1] + ls), None
+
+        (total, loss_sum), _ = jax.lax.scan(body, (zero, jnp.zeros((), jnp.float32)), xs)
+    count = jnp.maximum(jnp.sum(mask, dtype=jnp.float32), 1.0)
+    return total, loss_sum / count
+
+
+def _microbatches(chunks: int) -> Callable[[jax.Array], jax.Array]:
+    """Reshape a leading axis of ``chunks * m`` rows into ``(chunks, m, ...)`` (micro-batches)."""
+    return lambda x: x.reshape(chunks, x.shape[0] // chunks, *x.shape[1:])
+
+
+def private_gradient(
+    loss_fn: Callable,
+    params: PyTree,
+    batch: dict,
+    mask: jax.Array,
+    key: jax.Array,
+    noise_key: jax.Array,
+    clip_norm: jax.Array,
+    noise_multiplier: jax.Array,
+    expected_batch: jax.Array,
+    microbatch: int = 0,
+) -> tuple[jax.Array, PyTree]:
+    """The DP-SGD gradient: ``(sum_i clip_C(g_i) + N(0, (z C)^2 I)) / expected_batch``.
+
+    Returns ``(mean masked loss, gradient)``; the loss is for logs on the node only (it is
+    computed from private rows without noise and must not leave the node).
+    """
+    total, loss = clipped_sum(loss_fn, params, batch, mask, key, clip_norm, microbatch)
+    noise = gaussian_noise(noise_key, total, noise_multiplier * clip_norm)
+    grads = jax.tree.map(lambda s, z, p: ((s + z) / expected_batch).astype(p.dtype), total, noise, params)
+    return loss, grads
