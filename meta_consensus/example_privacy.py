@@ -65,9 +65,8 @@ def check_no_leaks(cfg: Config, task: Any, settings: list[NodeSettings]) -> None
             f"dp.level = 'example' leaks through nodes.strategies {names} (nodes {shared}): they train on "
             f"task {getattr(task, 'name', '?')!r}'s general pool without DP accounting, and that pool is the "
             "union of every node's training rows (the 'groups' level also picks rows by the node's private "
-            "class histogram). Give hierarchical nodes fractions = [0, 0, 1] "
-            "(nodes.options.hierarchical.fractions), or use a task whose general pool is public data "
-            "(task.public_general = True)"
+            "class histogram). Train those nodes with another strategy (e.g. 'local'), or use a task whose "
+            "general pool is public data (task.public_general = True)"
         )
 
 
