@@ -41,8 +41,10 @@ import numpy as np
 from benchmarks import harness
 from benchmarks.harness import markdown_table
 from benchmarks.quality_common import (
+    add_task_option,
     class_probs,
     header,
+    make_task,
     metrics,
     mixture_metrics,
     plot_path,
@@ -54,6 +56,7 @@ from benchmarks.quality_common import (
     stacked_metrics,
     trainer_for,
     true_label_probs,
+    use_task,
 )
 from consensus import median, tree
 from consensus.convex import (
@@ -66,7 +69,7 @@ from consensus.convex import (
 )
 from strategies import DigitsTask, NodeData, TaskData
 
-NAME = "convex_quality"
+NAME = "convex_quality"  # convex_quality_<task> with --task other than digits
 OBJECTIVES = ("uniform", "quadratic", "trust-region quadratic", "mixture NLL", "anchor (median)")
 ENSEMBLE = "mixture NLL: mixture of predictions"
 BEST = "best single node (held-out)"
@@ -195,7 +198,7 @@ def run_one(
     warm: bool = False,
 ) -> dict[str, Any]:
     """Train the nodes of one (alpha, seed) and evaluate every merge of them."""
-    task = DigitsTask()
+    task = make_task()
     data, stacked, sizes = train_nodes(
         task, n, alpha, seed, warm_steps=warm_steps, local_steps=local_steps, public=public
     )
@@ -292,9 +295,13 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    global NAME
     parser = harness.parser(__doc__, "one seed, fewer local steps")
+    add_task_option(parser)
     args = harness.parse(parser, argv)
+    NAME = use_task(args.task, "convex_quality")
     settings = dict(
+        task=args.task,
         quick=args.quick,
         alphas=[0.1, 0.5, 10.0],
         seeds=[0] if args.quick else [0, 1, 2],
@@ -303,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         public=100,
         local_steps=100 if args.quick else 200,
         cap_factor=2.0,
-        model="DigitsTask MLP 64-128-10",
+        model="DigitsTask MLP 64-128-10" if args.task == "digits" else f"{args.task} default MLP",
         node_optimizer="Adam lr 1e-3, batch 32",
     )
     t0 = time.perf_counter()

@@ -1,7 +1,9 @@
 """The full meta-consensus system against plain FedAvg and the best single node, with and without attackers.
 
-Run ``python -m benchmarks.meta_consensus [--quick]``. Writes benchmarks/results/meta_consensus.json,
-meta_consensus.md and meta_consensus.png (``meta_consensus_quick.*`` with --quick).
+Run ``python -m benchmarks.meta_consensus [--quick] [--task fashion_mnist]``. Writes
+benchmarks/results/meta_consensus.json, meta_consensus.md and meta_consensus.png
+(``meta_consensus_quick.*`` with --quick; ``meta_consensus_fashion_mnist*`` with
+``--task fashion_mnist``, the same config on Fashion-MNIST, which needs ``make data``).
 
 Every run is the embedded default config of ``meta-consensus run`` (``config.load(None, ...)``:
 8 digits nodes with mixed strategies - hierarchical, convexity, soup and local - a Multi-Krum
@@ -66,9 +68,15 @@ METHODS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_config(scenario: str, variant: str, seed: int, rounds: int | None = None) -> config.Config:
-    """The default config with a scenario's and a variant's overrides (and the seed, rounds)."""
-    overrides = [f"seed={seed}", *SCENARIOS[scenario], *VARIANTS[variant]]
+# --task -> overrides: the default is digits; Fashion-MNIST (``make data``) swaps the task only.
+TASKS: dict[str, list[str]] = {"digits": [], "fashion_mnist": ["task.name=fashion_mnist"]}
+
+
+def build_config(
+    scenario: str, variant: str, seed: int, rounds: int | None = None, task: str = "digits"
+) -> config.Config:
+    """The default config with a scenario's and a variant's overrides (and the seed, rounds, task)."""
+    overrides = [f"seed={seed}", *TASKS[task], *SCENARIOS[scenario], *VARIANTS[variant]]
     if rounds is not None:
         overrides.append(f"rounds={rounds}")
     return config.load(None, overrides)
@@ -116,9 +124,11 @@ def byzantine_weight(history: Sequence[RoundInfo], cfg: config.Config) -> float:
     return float(np.mean([np.sum(np.asarray(i.weights, np.float64)[mask]) for i in rounds]))
 
 
-def one_run(scenario: str, variant: str, seed: int, rounds: int | None) -> dict[str, Any]:
+def one_run(
+    scenario: str, variant: str, seed: int, rounds: int | None, task: str = "digits"
+) -> dict[str, Any]:
     """Train one config; the per-round curves and the final numbers."""
-    cfg = build_config(scenario, variant, seed, rounds)
+    cfg = build_config(scenario, variant, seed, rounds, task)
     t0 = time.perf_counter()
     result = MetaConsensus(cfg, write=False, progress=False).train()
     seconds = time.perf_counter() - t0
@@ -210,7 +220,7 @@ def plot(res: Mapping[str, Any]) -> str:
     np.atleast_1d(axes)[0].set_ylabel("test accuracy")
     np.atleast_1d(axes)[0].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    path = plot_path(NAME, st["quick"])
+    path = plot_path(st.get("name", NAME), st["quick"])
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path.name
@@ -222,7 +232,9 @@ def _eps(x: float) -> str:
 
 def markdown(res: Mapping[str, Any]) -> str:
     st, summary = res["settings"], res["summary"]
-    lines = header("Meta-consensus against FedAvg and the best single node", NAME, st["quick"], st)
+    lines = header(
+        "Meta-consensus against FedAvg and the best single node", st.get("name", NAME), st["quick"], st
+    )
     lines.append(
         "Test accuracy after the last round, "
         + (f"mean ± std over seeds {st['seeds']}" if len(st["seeds"]) > 1 else f"seed {st['seeds'][0]}")
@@ -314,9 +326,15 @@ def markdown(res: Mapping[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = harness.parser(__doc__, "one seed")
+    parser.add_argument(
+        "--task", default="digits", choices=list(TASKS), help="fashion_mnist needs `make data`"
+    )
     args = harness.parse(parser, argv)
-    base = config.load(None)
+    base = config.load(None, TASKS[args.task])
+    name = NAME if args.task == "digits" else f"{NAME}_{args.task}"
     settings = {
+        "name": name,
+        "task": args.task,
         "quick": args.quick,
         "scenarios": list(SCENARIOS),
         "variants": list(VARIANTS),
@@ -337,7 +355,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for seed in settings["seeds"]:
         for sc in settings["scenarios"]:
             for variant in settings["variants"]:
-                r = one_run(sc, variant, seed, None)
+                r = one_run(sc, variant, seed, None, args.task)
                 runs.append(r)
                 print(
                     f"seed {seed} {sc:9s} {variant:5s}: consensus {r['consensus']:.3f} "
@@ -353,7 +371,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res["plot"] = plot(res)
     res["total_s"] = time.perf_counter() - t0
     md = markdown(res)
-    save(NAME, args.quick, res, md)
+    save(name, args.quick, res, md)
     print(md)
     return res
 

@@ -43,8 +43,10 @@ import optax
 from benchmarks import harness
 from benchmarks.harness import markdown_table
 from benchmarks.quality_common import (
+    add_task_option,
     header,
     iid_clients,
+    make_task,
     mean_std,
     metrics,
     plot_path,
@@ -53,13 +55,13 @@ from benchmarks.quality_common import (
     pyplot,
     save,
     trainer_for,
+    use_task,
 )
 from consensus import dp_fedavg, privacy_event
 from consensus.dp import effective_sampling_rate
 from consensus.privacy import PrivacyLedger, calibrate_noise, pld_epsilon, rdp_epsilon
-from strategies import DigitsTask
 
-NAME = "privacy_quality"
+NAME = "privacy_quality"  # privacy_quality_<task> with --task other than digits
 DELTA = 1e-5
 INF = math.inf
 TUNING_SEED = 100  # tuning runs use their own seed (init, client split, sampling), never a reported one
@@ -115,7 +117,7 @@ def train_dp(
     hidden: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     """One DP-FedAvg run; held-out and test metrics of the final global params."""
-    task = DigitsTask(hidden=hidden)
+    task = make_task(hidden=hidden)
     data = task.splits(1, seed=seed)
     pool = iid_clients(data, clients, np.random.default_rng(seed))
     trainer = trainer_for(task, "sgd", int(pool.count.max()))
@@ -157,7 +159,7 @@ def train_dp(
 
 def central_reference(seed: int, steps: int, hidden: tuple[int, ...] = ()) -> dict[str, float]:
     """The same model trained on the whole training split, no DP and no clipping (Adam)."""
-    task = DigitsTask(hidden=hidden)
+    task = make_task(hidden=hidden)
     data = task.splits(1, seed=seed)
     params = pretrain(task, data.everything(), jax.random.key(seed), steps, 1e-2)
     t = metrics(task, params, data.test)
@@ -271,10 +273,14 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    global NAME
     parser = harness.parser(__doc__, "fewer rounds, one seed, no tuning")
+    add_task_option(parser)
     args = harness.parse(parser, argv)
+    NAME = use_task(args.task, "privacy_quality")
     q_nominal = 0.1
     settings = dict(
+        task=args.task,
         quick=args.quick,
         epsilons=[1.0, 3.0, 8.0, INF],
         delta=DELTA,
@@ -286,7 +292,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         seeds=[0] if args.quick else [0, 1, 2],
         # (clip norm C, server optimizer, server learning rate eta); quick mode runs the first only.
         grid=GRID[:1] if args.quick else GRID,
-        model="softmax regression (DigitsTask(hidden=())), d = 650",
+        model="softmax regression (DigitsTask(hidden=())), d = 650"
+        if args.task == "digits"
+        else f"softmax regression ({args.task}, hidden=())",
         local_optimizer="SGD, batch = a client's shard size (drawn with replacement)",
     )
     common = {k: settings[k] for k in ("clients", "q", "rounds", "local_steps", "local_lr")}

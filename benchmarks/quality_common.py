@@ -24,6 +24,38 @@ from strategies.tasks import Task, pad_index_table
 PyTree = Any
 Batch = Mapping[str, Any]
 
+# ----------------------------------------------------------------------------- the task (--task)
+
+QUALITY_TASKS = ("digits", "fashion_mnist")
+_task_name = "digits"  # the --task of the script running in this process (one script per process)
+
+
+def add_task_option(parser: Any) -> None:
+    """``--task digits|fashion_mnist`` (Fashion-MNIST reads the IDX files of ``make data``)."""
+    parser.add_argument(
+        "--task", default="digits", choices=QUALITY_TASKS, help="dataset (fashion_mnist needs `make data`)"
+    )
+
+
+def use_task(name: str, result_name: str) -> str:
+    """Select the task :func:`make_task` builds; the results' name (``result_name[_<task>]``)."""
+    global _task_name
+    if name not in QUALITY_TASKS:
+        raise ValueError(f"--task must be one of {QUALITY_TASKS}, got {name!r}")
+    _task_name = name
+    return result_name if name == "digits" else f"{result_name}_{name}"
+
+
+def make_task(**options: Any) -> Task:
+    """The selected task with the script's model options (``hidden`` = the MLP's hidden widths)."""
+    from strategies.registry import resolve_task
+
+    if _task_name == "digits":
+        from strategies import DigitsTask
+
+        return DigitsTask(**options)
+    return resolve_task(_task_name, options)
+
 
 # ----------------------------------------------------------------------------- data
 

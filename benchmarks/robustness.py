@@ -53,13 +53,24 @@ import numpy as np
 
 from benchmarks import harness
 from benchmarks.harness import markdown_table
-from benchmarks.quality_common import header, mean_std, metrics, plot_path, pyplot, save, trainer_for
+from benchmarks.quality_common import (
+    add_task_option,
+    header,
+    make_task,
+    mean_std,
+    metrics,
+    plot_path,
+    pyplot,
+    save,
+    trainer_for,
+    use_task,
+)
 from consensus import get_info, process, registry
 from consensus.base import Aggregator
-from strategies import DigitsTask, NodeData, NodeTrainer, TaskData
+from strategies import NodeData, NodeTrainer, TaskData
 from strategies.byzantine import LABEL_FLIP, Byzantine, byzantine_fit, honest, last_nodes
 
-NAME = "robustness"
+NAME = "robustness"  # robustness_<task> with --task other than digits
 PyTree = Any
 
 # Attack name -> keyword options of strategies.attacks (ByzFL defaults, see the module docstring).
@@ -392,7 +403,7 @@ def targets(summary: Mapping[str, Any], best: str, settings: Settings) -> dict[s
 
 def run_all(settings: Settings, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Every (seed, alpha, f, attack, rule) run; one record each (not-applicable ones included)."""
-    task = DigitsTask(hidden=settings.hidden)
+    task = make_task(hidden=settings.hidden)
     trainer = trainer_for(task, "sgd", settings.batch_size)
     n = settings.num_nodes
     runs: list[dict[str, Any]] = []
@@ -466,7 +477,12 @@ def plot(res: Mapping[str, Any]) -> str:
 def markdown(res: Mapping[str, Any]) -> str:
     st, cells, best = res["settings"], res["summary"]["cells"], res["best"]
     seeds = len(st["seeds"])
-    lines = header("Byzantine robustness on digits", NAME, st["quick"], st)
+    lines = header(
+        f"Byzantine robustness on {NAME.removeprefix('robustness_') if '_' in NAME else 'digits'}",
+        NAME,
+        st["quick"],
+        st,
+    )
     opts = (
         {k: dict(v) for k, v in st["rule_options"]}
         if "rule_options" in st  # results written before the options moved to the registry's names
@@ -579,8 +595,11 @@ def markdown(res: Mapping[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    global NAME
     parser = harness.parser(__doc__, "one seed, fewer rounds and alphas")
+    add_task_option(parser)
     args = harness.parse(parser, argv)
+    NAME = use_task(args.task, "robustness")
     settings = Settings(**QUICK) if args.quick else Settings()
     t0 = time.perf_counter()
     runs = run_all(settings, log=lambda s: print(s, flush=True))
