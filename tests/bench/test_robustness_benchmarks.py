@@ -204,7 +204,7 @@ def test_meta_scenarios_build_valid_configs_whose_options_fit_their_attack():
             # Everything else is the default config (which its owners may retune).
             assert cfg.vote == default.vote and cfg.weights == default.weights and cfg.nodes == default.nodes
             if variant == "full":
-                assert cfg.dp == default.dp
+                assert cfg.dp.level == "node" and cfg.dp.noise_multiplier == 0.01 and not default.dp.enabled
             if variant == "dp_eps8":
                 assert cfg.dp.noise_multiplier is None and cfg.dp.epsilon == 8.0
             if sc == "clean":
