@@ -11,10 +11,13 @@ For each setting, one round of the system is split into:
   metrics for the history;
 * **vote**, **weights** (the convex solve and the merge pass), **dp** (clipping, noise,
   server step; with DP off: what remains of the merge);
-* **bookkeeping**: evaluation of the new consensus, the metrics.jsonl / TensorBoard line
-  and, every ``checkpoint_every`` rounds (5, the default), the orbax checkpoint (amortized
-  per round);
-* **other**: the rest (host copies of the round's info, both accountants' epsilons).
+* **bookkeeping**: evaluation of the new consensus (one jitted call for the consensus on
+  test and held-out data), the metrics.jsonl / TensorBoard line and, every
+  ``checkpoint_every`` rounds (5, the default), the start of the asynchronous orbax
+  checkpoint (its files are written while the next rounds run). The wait for the last
+  save, which a run pays once at exit, is reported on its own (``exit wait``), not per round;
+* **other**: the rest (host copies of the round's info, the ledger's RDP epsilon every
+  round, the PLD comparison epsilon at checkpoint rounds and the last).
 
 The coordinator's share is everything but fit, over the whole round. Settings: the
 embedded default (digits, 8 nodes, Multi-Krum, mixture-NLL weights, DP) and the text task
@@ -38,7 +41,8 @@ from meta_consensus.coordinator import Coordinator
 from meta_consensus.report import RunLog
 
 PHASES = ("fit", "validate", "vote", "weights", "dp", "bookkeeping", "other")
-TARGET_SHARE = 0.10
+# The coordinator's share of a round that issue 13 asks for, per setting.
+TARGET_SHARE = {"digits (default)": 0.25, "text": 0.08}
 
 SETTINGS = {
     "digits (default)": ["baseline_fedavg=false"],
@@ -48,7 +52,7 @@ SETTINGS = {
         "nodes.count=4",
         "nodes.strategies=['hierarchical', 'convexity', 'soup', 'local']",
         "nodes.local_steps=20",
-        "nodes.soup_snapshots=2",
+        "nodes.options.soup.snapshots=2",
         "byzantine.nodes=[3]",
         "vote.rule=median",
         "vote.fault_tolerance=0.25",
@@ -85,6 +89,9 @@ def measure(overrides: list[str], rounds: int, warmup: int, out_dir: Path) -> di
         row["other"] = row["total"] - sum(row[k] for k in PHASES if k != "other")
         if r >= warmup:
             rows.append(row)
+    t = time.perf_counter()
+    ckpt.wait()  # the last asynchronous save, paid once per run at exit
+    exit_wait = time.perf_counter() - t
     log.close()
     ckpt.close()
     mean = {k: statistics.fmean(r[k] for r in rows) for k in (*PHASES, "total")}
@@ -95,6 +102,7 @@ def measure(overrides: list[str], rounds: int, warmup: int, out_dir: Path) -> di
         "rounds_timed": rounds,
         "warmup": warmup,
         "ms": {k: 1e3 * v for k, v in mean.items()},
+        "exit_wait_ms": 1e3 * exit_wait,
         "coordinator_share": coord / mean["total"],
         "merge_share": merge / mean["total"],
         "consensus_accuracy": history[-1].consensus_accuracy,
@@ -123,8 +131,9 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(
             [name, f"{ms['total']:.0f}"]
             + [f"{ms[p]:.1f}" for p in PHASES]
-            + [f"{r['merge_share']:.1%}", f"{r['coordinator_share']:.1%}"]
-            + ["yes" if r["coordinator_share"] < TARGET_SHARE else "**no**"]
+            + [f"{r['exit_wait_ms']:.0f}", f"{r['merge_share']:.1%}", f"{r['coordinator_share']:.1%}"]
+            + [f"{TARGET_SHARE[name]:.0%}"]
+            + ["yes" if r["coordinator_share"] <= TARGET_SHARE[name] else "**no**"]
         )
     cmd = "python -m benchmarks.rounds" + (" --quick" if args.quick else "")
     md = "\n".join(
@@ -140,9 +149,11 @@ def main(argv: list[str] | None = None) -> None:
                     "setting",
                     "round ms",
                     *[f"{p} ms" for p in PHASES],
+                    "exit wait ms (once)",
                     "merge share",
                     "coordinator share",
-                    f"< {TARGET_SHARE:.0%}",
+                    "target",
+                    "met",
                 ],
                 rows,
             ),
