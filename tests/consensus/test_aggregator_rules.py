@@ -71,7 +71,8 @@ def test_krum_neighbour_count_is_n_minus_f_minus_2_sum():
 def test_nan_nodes_excluded_and_reported_by_every_rule():
     params, stacked = _nodes(12)
     stacked["w"] = jnp.asarray(stacked["w"]).at[4, 3].set(jnp.nan).at[8, 0].set(jnp.inf)
-    for name in registry.vote_rules():
+    # The votes; merge methods (which need a base and per-node statistics) are in the registry table.
+    for name in registry.RULES.names(lambda s: s.kind in ("coordinatewise", "vector")):
         kwargs = {"weights": np.ones(12)} if name == "weighted_mean" else {}
         agg = registry.make(name, 1, **kwargs)
         # What the rule needs besides the stack (registry.RuleSpec.needs): a key, the server's update.

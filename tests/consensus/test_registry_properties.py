@@ -154,6 +154,7 @@ def test_a_non_finite_node_is_excluded(spec):
             _run(spec, stacked, base)
         return
     stacked["w"][n - 1, 0, 0] = np.nan
+    stacked["b"][n - 1, 1] = np.inf
     out, state = _run(spec, stacked, base)
     assert np.isfinite(_flat(out)).all()
     assert not bool(np.asarray(consensus.get_info(state).valid)[n - 1])
