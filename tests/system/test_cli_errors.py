@@ -179,3 +179,14 @@ def test_importing_the_package_leaves_the_device_count_to_the_cli():
     env["PYTHONPATH"] = os.getcwd()
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_run_in_which_no_round_succeeded_exits_1(tmp_path, capsys):
+    # every node crashes: each round fails with too few valid answers, and is skipped
+    crash = "faults.crash_nodes=[0, 1, 2, 3, 4, 5]"
+    sets = _sets(*SMALL, "rounds=2", "max_retries=0", "dp.enabled=false", crash)
+    rc = cli.main(["run", "--quiet", *sets, "--set", f"output_dir={tmp_path}", "--set", "name=failed"])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert "no round succeeded (2 attempts" in err and "Traceback" not in err
