@@ -285,7 +285,7 @@ def _stack(readers: Sequence[Any], key: str) -> np.ndarray:
     shape, dtype = readers[0].specs[key]
     buf = np.empty((len(readers), *shape), dtype)
     for i, r in enumerate(readers):
-        buf[i] = r.get(key)
+        r.read_into(key, buf[i])  # straight from the file into the stack: one copy, no mapped pages
     return buf
 
 

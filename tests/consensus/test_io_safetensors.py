@@ -219,3 +219,38 @@ def test_parse_size():
     assert io.parse_size(123) == 123
     with pytest.raises(ValueError, match="cannot read shard size"):
         io.parse_size("lots")
+
+
+def test_positional_reads_match_the_package_reader_per_dtype(tmp_path):
+    rng = np.random.default_rng(5)
+    tensors = {
+        "a": rng.normal(size=(7, 5)).astype(np.float32),
+        "b": rng.normal(size=(3,)).astype(ml_dtypes.bfloat16),
+        "c": np.arange(6, dtype=np.int64).reshape(2, 3),
+        "empty": np.zeros((0, 4), np.float16),
+    }
+    path = tmp_path / "x.safetensors"
+    save_file(tensors, str(path))  # written by the package, read here by offsets
+    with safe_open(str(path), framework="np") as ref, io.CheckpointReader(path) as reader:
+        for k in tensors:
+            want = ref.get_tensor(k)
+            got = reader.get(k)
+            assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), k
+            out = np.empty(want.shape, want.dtype)
+            reader.read_into(k, out)
+            assert out.tobytes() == want.tobytes(), k
+        with pytest.raises(ValueError, match="C-contiguous"):
+            reader.read_into("a", np.empty((5, 7), np.float32))
+        with pytest.raises(ValueError, match="C-contiguous"):
+            reader.read_into("a", np.empty((7, 5), np.float64))
+
+
+def test_a_truncated_file_is_an_error_not_garbage(tmp_path):
+    path = tmp_path / "x.safetensors"
+    save_file({"a": np.ones((64,), np.float32)}, str(path))
+    size = path.stat().st_size
+    with io.CheckpointReader(path) as reader:
+        with open(path, "r+b") as f:  # truncated after the header was read
+            f.truncate(size - 16)
+        with pytest.raises(io.CheckpointError, match="ends early"):
+            reader.get("a")
