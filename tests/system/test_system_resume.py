@@ -125,7 +125,8 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
     for f in full_rounds:
         r = f["round"] + 1
         if r % 2 == 0 or r == ROUNDS:
-            assert f["epsilon_pld"] == pytest.approx(pld_epsilon(0.5, 1.0, r, 1e-5), rel=1e-9)
+            # the run's PLD grid is scaled to the epsilon (coarser than the default 1e-4 here)
+            assert f["epsilon_pld"] == pytest.approx(pld_epsilon(0.5, 1.0, r, 1e-5), rel=1e-6)
             assert f["epsilon_pld"] < f["epsilon_rdp"]
         else:
             assert f["epsilon_pld"] == "nan"
