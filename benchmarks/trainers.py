@@ -21,6 +21,14 @@ the n = 1 trainer against both baselines (target: within 10% of the hand
 scan), n vmapped nodes against n sequential hand-written runs (the hand
 scan's time x n; target: ratio >= 1), and the bytes of the stacked state
 (params + optimizer state) for n nodes.
+
+**DP-SGD** (``--dp-only`` runs just this part): 8 nodes, the non-private trainer step against the
+example-level DP-SGD step (:mod:`strategies.dpsgd`: Poisson sampling at q = batch / rows into a
+padded batch with overflow probability <= 1e-12 per step, per-example gradients, clipping, noise)
+at the same expected batch, timed in the same run (interleaved); target: DP time / plain time <= 2
+for the digits MLP and the Fashion-MNIST MLP (digits' only when the Fashion-MNIST files are
+absent). For the text transformer it states the memory of the per-example gradients (pad x params
+x 4 bytes, per node) and times DP-SGD with micro-batches of 4 rows (accumulated in a scan).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import optax
 
 from benchmarks import harness
 from benchmarks.harness import machine, markdown_table
+from strategies import dpsgd
 from strategies.tasks.digits import DigitsTask
 from strategies.trainer import NodeTrainer
 
@@ -137,10 +146,128 @@ def bench_task(task, data, *, batch: int, steps: int, repeats: int, nodes: tuple
     return rows, summary
 
 
+def bench_dp(task, data, *, batch: int, steps: int, repeats: int, n: int, lr: float, microbatch: int = 0):
+    """Non-private vs DP-SGD trainer steps of n nodes at the same expected batch (same run)."""
+    own = data.own().select_nodes(np.arange(n) % data.own().num_nodes)
+    counts = np.asarray(own.count)
+    rate = dpsgd.effective_rate(dpsgd.sampling_rates(counts, batch))
+    pad = dpsgd.padded_size(counts, rate, 1e-12, multiple=max(1, microbatch))
+    trainer = NodeTrainer(task, optax.adam, {"learning_rate": np.full(n, lr, np.float32)}, batch_size=batch)
+    init = task.init(jax.random.key(0))
+    state = trainer.init(jax.random.key(0), init, n)
+    placed = trainer.place(own)
+    dp = dpsgd.ExampleDP(1.0, 1.0, pad, microbatch)
+    best = _interleaved_best(
+        {
+            "plain": lambda: trainer.fit(state, placed, steps),
+            "dp": lambda: trainer.fit(state, placed, steps, dp=dp),
+        },
+        repeats,
+    )
+    params_bytes = _tree_bytes(init)
+    return {
+        "nodes": n,
+        "expected_batch": batch,
+        "padded_batch": pad,
+        "microbatch": microbatch,
+        "rows_per_node": [int(c) for c in counts],
+        "plain_ms_per_step": best["plain"] / steps * 1e3,
+        "dp_ms_per_step": best["dp"] / steps * 1e3,
+        "dp_over_plain": best["dp"] / best["plain"],
+        "params_bytes": params_bytes,
+        # Per node: the per-example gradients alive at once (the padded batch, or one micro-batch).
+        "per_example_grad_bytes": (microbatch or pad) * params_bytes,
+        "per_example_grad_bytes_whole_pad": pad * params_bytes,
+    }
+
+
+def _dp_tasks(quick: bool, text: bool) -> list[tuple[str, Any, dict]]:
+    out: list[tuple[str, Any, dict]] = [
+        ("digits MLP", DigitsTask(), {"batch": 64, "steps": 50 if quick else 200})
+    ]
+    try:
+        from strategies.tasks.fashion_mnist import FashionMNISTTask
+
+        fm = FashionMNISTTask()
+        fm.splits(2, seed=0)  # raises when the IDX files are absent
+        out.append(("Fashion-MNIST MLP", fm, {"batch": 64, "steps": 20 if quick else 100}))
+    except (ImportError, FileNotFoundError) as e:
+        print(f"Fashion-MNIST skipped: {e}", flush=True)
+    if text:
+        from strategies.tasks.text import TextTask
+
+        tt = TextTask(windows_per_node=128, general_windows=64, heldout_windows=16, test_windows=16)
+        out.append(("text transformer", tt, {"batch": 8, "steps": 3 if quick else 10, "microbatch": 4}))
+    return out
+
+
+def run_dp(quick: bool, text: bool) -> tuple[dict, str]:
+    rows = {}
+    md = [
+        "\n## DP-SGD step vs the non-private step (8 nodes, same expected batch, same run)\n\n",
+    ]
+    table = []
+    for name, task, cfg in _dp_tasks(quick, text):
+        data = task.splits(8, seed=0)
+        r = bench_dp(
+            task,
+            data,
+            batch=cfg["batch"],
+            steps=cfg["steps"],
+            repeats=3 if quick else 5,
+            n=8,
+            lr=1e-3,
+            microbatch=cfg.get("microbatch", 0),
+        )
+        rows[name] = r
+        print(name, {k: v for k, v in r.items() if k != "rows_per_node"}, flush=True)
+        table.append(
+            [
+                name,
+                r["expected_batch"],
+                r["padded_batch"],
+                r["microbatch"] or "-",
+                r["plain_ms_per_step"],
+                r["dp_ms_per_step"],
+                r["dp_over_plain"],
+                r["per_example_grad_bytes"] / 2**20,
+                r["per_example_grad_bytes_whole_pad"] / 2**20,
+            ]
+        )
+    md.append(
+        markdown_table(
+            [
+                "task",
+                "batch",
+                "pad",
+                "micro-batch",
+                "plain ms/step",
+                "DP ms/step",
+                "DP / plain",
+                "per-example grads MiB/node",
+                "MiB/node without micro-batches",
+            ],
+            table,
+        )
+    )
+    md.append("\nTarget: DP / plain <= 2 for the MLPs. The machine's 2 cores were shared with other work.\n")
+    return rows, "".join(md)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = harness.parser(__doc__, "fewer steps and repeats (under a minute)")
     parser.add_argument("--no-text", action="store_true", help="skip the text task")
+    parser.add_argument("--dp-only", action="store_true", help="only the DP-SGD vs non-private comparison")
     args = harness.parse(parser, argv)
+    if args.dp_only:
+        results, md = run_dp(args.quick, not args.no_text)
+        out = {"machine": machine(), "quick": args.quick, "dp": results}
+        settings = {"quick": args.quick, "dp_only": True, "text": not args.no_text}
+        jpath, mpath = harness.save(
+            "trainers_dp", args.quick, out, "# DP-SGD throughput\n" + md, settings=settings
+        )
+        print(f"wrote {jpath} and {mpath}")
+        return
     repeats = 3 if args.quick else 10
     nodes = (1, 4, 8)
     tasks: list[tuple[str, Any, dict]] = [
@@ -198,6 +325,8 @@ def main(argv: list[str] | None = None) -> None:
         print(name, summary, flush=True)
         for r in rows:
             print("  ", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
+    results["dp"], dp_md = run_dp(args.quick, not args.no_text)
+    md.append(dp_md)
     settings = {"quick": args.quick, "repeats": repeats, "nodes": nodes, "text": not args.no_text}
     jpath, mpath = harness.save("trainers", args.quick, results, "".join(md), settings=settings)
     print(f"wrote {jpath} and {mpath}")
