@@ -399,6 +399,7 @@ def merge_checkpoints(plan: MergePlan, *, progress: bool = True, overwrite: bool
             if rules[k].spec.kind == "vector" and _is_float(readers[0].specs[k][1]):
                 vector_groups.setdefault(_rule_key(rules[k]), []).append(k)
         weights: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        compiled: dict[Any, Any] = {}  # one jitted update per (rule, base given, keyed) of this plan
         bar = tqdm(
             total=total + sum(len(v) for v in vector_groups.values()), disable=not progress, unit="leaf"
         )
@@ -427,9 +428,16 @@ def merge_checkpoints(plan: MergePlan, *, progress: bool = True, overwrite: bool
                 for index, k in enumerate(keys):  # pass 2: merge and write leaf by leaf
                     shape, dtype = specs[k]
                     merged, leaf_report = _merge_leaf(
-                        readers, base, k, rules[k], weights.get(_rule_key(rules[k])), plan.seed, index
+                        readers,
+                        base,
+                        k,
+                        rules[k],
+                        weights.get(_rule_key(rules[k])),
+                        plan.seed,
+                        index,
+                        compiled,
                     )
-                    writer.write(k, np.asarray(merged).astype(dtype).reshape(shape))
+                    writer.write(k, np.asarray(merged).astype(dtype, copy=False).reshape(shape))
                     report["leaves"][k] = leaf_report
                     bar.update(1)
             finally:
@@ -457,6 +465,7 @@ def _merge_leaf(
     vector: tuple[np.ndarray, np.ndarray] | None,
     seed: int,
     index: int,
+    compiled: dict[Any, Any] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     import jax
     import jax.numpy as jnp
@@ -483,14 +492,26 @@ def _merge_leaf(
         merged = c + jnp.tensordot(jnp.asarray(w, jnp.float32), delta, axes=1)
         return merged, {"method": choice.method, "weights": "whole-model (see vector_rules)"}
     spec = choice.spec
-    rule = spec.build(choice.num_byzantine if spec.takes_f else None, **choice.params)
-    extra: dict[str, Any] = {}
-    if "key" in spec.needs:
-        extra["key"] = jax.random.fold_in(jax.random.key(seed), index)
+    keyed = "key" in spec.needs
     params = None if base_leaf is None else {"x": base_leaf}
-    merged, state = rule.update(
-        {"x": x}, rule.init(params if params is not None else {"x": x[0]}), params, **extra
-    )
+    # One jitted update per rule of the plan (XLA fuses the rule's passes over the leaf; eager
+    # dispatch would run them one by one), compiled once per leaf shape.
+    slot = (_rule_key(choice), params is not None, keyed)
+    if compiled is None or slot not in compiled:
+        rule = spec.build(choice.num_byzantine if spec.takes_f else None, **choice.params)
+
+        def update(x: Any, params: Any, key: Any) -> Any:
+            extra = {"key": key} if keyed else {}
+            return rule.update(
+                {"x": x}, rule.init(params if params is not None else {"x": x[0]}), params, **extra
+            )
+
+        fn = jax.jit(update)
+        if compiled is None:
+            compiled = {}
+        compiled[slot] = fn
+    key = jax.random.fold_in(jax.random.key(seed), index) if keyed else None
+    merged, state = compiled[slot](x, params, key)
     info = get_info(state)
     leaf_report: dict[str, Any] = {
         "method": choice.method,
