@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"stopped early: {result.stopped}")
         print(
             f"outputs: {cfg.run_dir}/ (config.toml, metrics.jsonl, tensorboard/, accuracy.png, weights.png, "
-            "checkpoints/)"
+            "privacy.json, checkpoints/)"
         )
     if args.num_processes > 1:
         jax.distributed.shutdown()
