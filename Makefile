@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/meta-consensus run
+	$(BIN)/meta-consensus run --overwrite  # an earlier runs/default/ is moved aside to runs/default.old-K, never deleted
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
