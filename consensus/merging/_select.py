@@ -123,9 +123,15 @@ def kth_largest_delta_bits(
         # Interpolate the count linearly between (lo, c_lo) and (hi, c_hi) to hit k.
         frac = (c_lo - kk).astype(jnp.float32) / jnp.maximum((c_lo - c_hi).astype(jnp.float32), 1.0)
         guess = lo + jnp.floor(frac * width).astype(jnp.int32)
-        step = jnp.maximum((width / 64.0).astype(jnp.int32), 1)
+        # The interpolation errs by about sqrt(gap) entries (sampling noise of the counts): probe at
+        # 1 and 3 such errors either side of the guess, plus the midpoint as the bisection safeguard.
+        gap = jnp.maximum((c_lo - c_hi).astype(jnp.float32), 1.0)
+        err = width * jnp.minimum(jnp.sqrt(gap) / gap, 0.25)
+        offsets = [-3.0, -1.0, 0.0, 1.0, 3.0]
         mid = lo + ((hi - lo) // 2)
-        probes = jnp.stack([guess - step, guess + step, mid], axis=1)
+        probes = jnp.stack(
+            [guess + jnp.ceil(o * err).astype(jnp.int32) + (o > 0) for o in offsets] + [mid], axis=1
+        )
         nlo, nhi, nc_lo, nc_hi = narrow(lo, hi, probes)
         nc_lo = jnp.where(nlo == lo, c_lo, nc_lo)
         nc_hi = jnp.where(nhi == hi, c_hi, nc_hi)
