@@ -130,7 +130,7 @@ def kth_largest_delta_bits(
         offsets = [-3.0, -1.0, 0.0, 1.0, 3.0]
         mid = lo + ((hi - lo) // 2)
         probes = jnp.stack(
-            [guess + jnp.ceil(o * err).astype(jnp.int32) + (o > 0) for o in offsets] + [mid], axis=1
+            [guess + jnp.ceil(o * err).astype(jnp.int32) + int(o > 0) for o in offsets] + [mid], axis=1
         )
         nlo, nhi, nc_lo, nc_hi = narrow(lo, hi, probes)
         nc_lo = jnp.where(nlo == lo, c_lo, nc_lo)
