@@ -13,8 +13,10 @@ runs, each in its own child process:
 
 Reported per run: wall seconds of the whole child process (start-up, jax import and
 compilation included), the ratio to the floor measured in the same run, and the
-child's peak RSS (``os.wait4``'s ``ru_maxrss`` of that child alone, so this process's
-memory does not count). A child that only imports jax and the package gives the
+child's peak RSS: ``VmHWM`` of ``/proc/self/status``, read by the child itself as it
+exits (the high-water mark of its own address space since its exec, so this process's
+memory does not count; ``ru_maxrss`` of ``wait4`` would not do: Linux folds the
+parent's RSS at fork into the child's). A child that only imports jax and the package gives the
 start-up cost and the RSS floor of a jax process. The inputs stay in the page cache
 between runs (they were just written; the machine is not asked to drop caches), so
 every run reads from memory: the floor is the cost of one pass over the bytes.
@@ -111,7 +113,25 @@ def _floor_child(paths: list[str]) -> None:
             with safe_open(str(f), framework="np") as handle:
                 for k in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                     total += handle.get_tensor(k).nbytes
-    print(json.dumps({"seconds": time.perf_counter() - start, "bytes": total}))
+    print(json.dumps({"seconds": time.perf_counter() - start, "bytes": total, "vmhwm_kb": _vmhwm_kb()}))
+
+
+def _vmhwm_kb() -> int:
+    """This process's peak resident set size in KiB (Linux ``VmHWM``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+
+
+def _cli_child(args: list[str]) -> int:
+    """``meta-consensus ARGS`` in this process, then its peak RSS as the last output line."""
+    from meta_consensus.cli import main as cli_main
+
+    rc = cli_main(args)
+    sys.stdout.flush()
+    print(json.dumps({"rc": rc, "vmhwm_kb": _vmhwm_kb()}))
+    return rc
 
 
 def _import_child() -> None:
@@ -122,7 +142,7 @@ def _import_child() -> None:
     from meta_consensus import merge  # noqa: F401
 
     jax.numpy.zeros(1).block_until_ready()
-    print(json.dumps({"seconds": time.perf_counter() - start}))
+    print(json.dumps({"seconds": time.perf_counter() - start, "vmhwm_kb": _vmhwm_kb()}))
 
 
 def run_child(argv: list[str]) -> dict[str, Any]:
@@ -132,15 +152,14 @@ def run_child(argv: list[str]) -> dict[str, Any]:
         proc = subprocess.Popen(
             argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TQDM_DISABLE": "1"}
         )
-        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (ru_maxrss in KiB on Linux)
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        proc.wait()
         wall = time.perf_counter() - start
         out.seek(0)
         text = out.read()
     if proc.returncode != 0:
         raise RuntimeError(f"{argv[:4]}... exited {proc.returncode}:\n{text[-2000:]}")
     last = text.strip().splitlines()[-1] if text.strip() else ""
-    return {"wall_s": wall, "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9, "last_line": last}
+    return {"wall_s": wall, "peak_rss_gb": json.loads(last)["vmhwm_kb"] * 1024 / 1e9, "last_line": last}
 
 
 def _me(*args: str) -> list[str]:
@@ -159,6 +178,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if argv[:1] == ["--child-import"]:
         _import_child()
         return {}
+    if argv[:1] == ["--child-cli"]:
+        sys.exit(_cli_child(argv[1:]))
     from benchmarks.harness import header, parse, parser, save  # imports jax: not in the floor child
 
     p: argparse.ArgumentParser = parser(__doc__, "8 models of 32 MB")
@@ -192,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         start["seconds"] = json.loads(start["last_line"])["seconds"]
         floor = run_child(_me("--child-floor", *inputs))
         floor_base = run_child(_me("--child-floor", *inputs, base))
-        merge = [sys.executable, "-m", "meta_consensus", "merge", "--quiet"]
+        merge = _me("--child-cli", "merge", "--quiet")  # meta-consensus merge, reporting its VmHWM
         median = run_child([*merge, "--method", "median", "--out", str(folder / "out_median"), *inputs])
         arith = run_child(
             [
