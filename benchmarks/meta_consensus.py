@@ -206,6 +206,8 @@ def plot(res: Mapping[str, Any]) -> str:
             curves = np.array(
                 [r[field] for r in res["runs"] if r["scenario"] == sc and r["variant"] == variant], np.float64
             )
+            if curves.size == 0:  # a variant left out by --variants
+                continue
             x = np.arange(1, curves.shape[1] + 1)
             m = np.nanmean(curves, axis=0)
             ax.plot(x, m, style, marker="o", ms=3, label=label)
