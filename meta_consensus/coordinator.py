@@ -35,7 +35,7 @@ from consensus.base import ByzantineToleranceError
 from consensus.mesh import to_host
 from consensus.privacy import PrivacyLedger, calibrate_noise, pld_epsilon, rdp_epsilon
 from meta_consensus import example_privacy
-from meta_consensus.config import Config
+from meta_consensus.config import Config, ConfigError
 from meta_consensus.fleet import Fleet
 from meta_consensus.pipeline import MergePipeline, MergeReport, RoundFailure
 from strategies.tasks.base import Task
@@ -169,6 +169,8 @@ class Coordinator:
         """Example-level DP-SGD: refuse leaking configs, calibrate every node, hand the fleet its settings."""
         if not example_privacy.is_example_level(self.cfg):
             return None
+        if jax.process_count() > 1:
+            raise ConfigError("dp.level = 'example' runs in one process (nodes are calibrated on one host)")
         settings = list(self.fleet.settings)
         example_privacy.check_no_leaks(self.cfg, self.fleet.task, settings)
         acc = example_privacy.ExampleAccountant(
