@@ -323,15 +323,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return markdown_table(head, rows)
 
     own = np.mean([r["own_test_accuracy"] for r in runs], 0)
-    order = [
-        "average",
-        "task arithmetic",
-        "ties",
-        "fisher",
-        "regmean",
-        "task-wise convex",
-        "layer-wise convex",
-    ]
+    order = list(PUBLISHED)
     ours = " < ".join(
         f"{k} {clean[k]['average']:.3f}" for k in sorted(order, key=lambda k: clean[k]["average"])
     )
