@@ -476,7 +476,7 @@ def validate(cfg: Config) -> None:
         _choices("nodes.options", name, node_lib.STRATEGIES.names())
         _check(isinstance(opts, Mapping), f"nodes.options.{name}", opts, "a table of the strategy's options")
     built = _registered("nodes.options", cfg.nodes.build_strategies)
-    for s in set(built):
+    for s in {s.name: s for s in built}.values():
         _registered(f"nodes.options.{s.name}", lambda s=s: s.settings(cfg.nodes.local_steps, 1.0))
     # byzantine
     byz = cfg.byzantine

@@ -187,7 +187,8 @@ class StrategySpec:
             raise RegistryError(
                 f"node strategy {self.name!r} takes no option(s) {unknown}; valid options: {self.options}"
             )
-        return self.factory(**options)
+        # TOML lists arrive as lists; the strategies are frozen (hashable) dataclasses of tuples.
+        return self.factory(**{k: tuple(v) if isinstance(v, list) else v for k, v in options.items()})
 
 
 STRATEGIES: Registry[StrategySpec] = Registry("node strategy")

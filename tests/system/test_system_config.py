@@ -91,3 +91,12 @@ def test_fault_tolerance_is_a_fraction_of_n():
     cfg = config.load(None, ["vote.fault_tolerance=0.3"])
     assert cfg.vote.f(8) == 2 and cfg.vote.f(10) == 3
     assert config.load(None, ["vote.num_byzantine=1"]).vote.f(8) == 1
+
+
+def test_strategy_options_from_toml_lists():
+    cfg = config.load(None, ["nodes.options.hierarchical.fractions=[0.0, 0.5, 0.5]"])
+    strategies = cfg.nodes.build_strategies()
+    assert strategies[0].name == "hierarchical" and strategies[0].fractions == (0.0, 0.5, 0.5)
+    assert strategies[0].settings(40, 1.0).level_steps == (0, 20, 20)
+    with pytest.raises(ConfigError, match="three shares >= 0 that sum to 1"):
+        config.load(None, ["nodes.options.hierarchical.fractions=[0.5, 0.6, 0.5]"])
