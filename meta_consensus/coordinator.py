@@ -260,8 +260,7 @@ class Coordinator:
     # ------------------------------------------------------------------ the round
 
     def round_key(self, state: CoordinatorState, attempt: int) -> jax.Array:
-        root = jax.random.wrap_key_data(jnp.asarray(state.key))
-        return jax.random.fold_in(jax.random.fold_in(root, state.round), attempt)
+        return round_key(state.key, state.round, attempt)
 
     def round(
         self, state: CoordinatorState, *, attempt: int = 0, evaluate: bool | None = None
@@ -307,9 +306,9 @@ class Coordinator:
         info = self._info(state, attempt, n, out, valid, errors, node_test, secs)
         if self.example is not None:
             self._example_epsilons(info, self.example_steps(state), pld=False)
-        need = math.ceil(self.cfg.min_answers * n)
-        if valid.sum() < need:
-            return state, self._fail(info, f"too few valid answers: {int(valid.sum())} of {n}, need {need}")
+        why = too_few_answers(self.cfg, valid)
+        if why:
+            return state, self._fail(info, why)
 
         # 4-6. vote -> weights -> DP
         t = time.perf_counter()
@@ -342,12 +341,9 @@ class Coordinator:
         self._merge_info(info, report, ledger, second_accountant=self.second_accountant_due(state.round))
 
         accepted = np.asarray(info.accepted, bool)
-        need = math.ceil(self.cfg.consensus_threshold * n)
-        if accepted.sum() < need:
-            return state._replace(ledger=ledger), self._fail(
-                info,
-                f"the vote accepted {int(accepted.sum())} of {n} nodes, consensus_threshold needs {need}",
-            )
+        why = too_few_accepted(self.cfg, accepted)
+        if why:
+            return state._replace(ledger=ledger), self._fail(info, why)
         if not bool(np.all(to_host(tree.finite_mask(tree.stack([merged]))))):
             return state._replace(ledger=ledger), self._fail(info, "the new consensus is not finite")
 
@@ -496,6 +492,29 @@ def _pld(z: float, q: float, rounds: int, delta: float, eps_rdp: float) -> float
         except ValueError:
             continue
     return math.nan
+
+
+# The round's rules, shared with every front end that runs rounds (the Flower strategy too).
+
+
+def round_key(key_data: jax.Array, round_index: int, attempt: int) -> jax.Array:
+    """The key of round ``round_index``, attempt ``attempt``: ``fold_in(fold_in(root, r), a)``."""
+    root = jax.random.wrap_key_data(jnp.asarray(key_data))
+    return jax.random.fold_in(jax.random.fold_in(root, round_index), attempt)
+
+
+def too_few_answers(cfg: Config, valid: np.ndarray) -> str:
+    """Why the round fails before the merge (fewer valid answers than ``min_answers``), or ""."""
+    n, got = cfg.nodes.count, int(np.sum(valid))
+    need = math.ceil(cfg.min_answers * n)
+    return f"too few valid answers: {got} of {n}, need {need}" if got < need else ""
+
+
+def too_few_accepted(cfg: Config, accepted: np.ndarray) -> str:
+    """Why the round fails after the vote (fewer accepted than ``consensus_threshold``), or ""."""
+    n, got = cfg.nodes.count, int(np.sum(accepted))
+    need = math.ceil(cfg.consensus_threshold * n)
+    return f"the vote accepted {got} of {n} nodes, consensus_threshold needs {need}" if got < need else ""
 
 
 class PrivacyBudgetStop(RuntimeError):

@@ -1,0 +1,69 @@
+"""The Flower app of this package: ``server_app`` and ``client_app`` for ``flwr run`` and SuperNodes.
+
+A Flower app's ``pyproject.toml`` names them (see docs/flower.md)::
+
+    [tool.flwr.app.components]
+    serverapp = "meta_consensus.flower.apps:server_app"
+    clientapp = "meta_consensus.flower.apps:client_app"
+
+    [tool.flwr.app.config]
+    config = "configs/flower.toml"   # this package's run config (server side); "" = the default
+    overrides = "rounds=3;nodes.count=2"  # optional key=value overrides, ';'-separated
+    round-timeout = 600.0             # seconds a round waits for its replies
+
+The server reads the config, runs :class:`~meta_consensus.flower.strategy.ConsensusStrategy`
+for ``rounds`` rounds and writes ``<output_dir>/<name>/consensus.safetensors`` and
+``flower_rounds.jsonl`` (one :class:`~meta_consensus.flower.strategy.FlowerRound` a line).
+The nodes get the config from the server with every train message; each SuperNode says
+which node it is with ``--node-config "partition-id=<i> num-partitions=<n>"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from meta_consensus import config as config_lib
+from meta_consensus.config import Config
+from meta_consensus.flower.node import make_client_app
+from meta_consensus.flower.strategy import ConsensusStrategy, FlowerRound
+
+HISTORY_FILE = "flower_rounds.jsonl"
+
+
+def config_from_run_config(run_config: dict[str, Any]) -> Config:
+    """The package config that a Flower run config names (``config`` path, ``overrides``)."""
+    path = str(run_config.get("config", "") or "") or None
+    overrides = [o.strip() for o in str(run_config.get("overrides", "") or "").split(";") if o.strip()]
+    return config_lib.load(path, overrides)
+
+
+def run_strategy(strategy: ConsensusStrategy, grid: Grid, *, timeout: float = 600.0) -> list[FlowerRound]:
+    """All the config's rounds on ``grid``; writes the consensus and the round history to the run dir."""
+    from meta_consensus.run import save_consensus
+
+    strategy.start(grid, strategy.initial_arrays(), num_rounds=strategy.cfg.rounds, timeout=timeout)
+    run_dir = Path(strategy.cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_consensus(run_dir, strategy.consensus, {"rounds": str(strategy.rounds_done), "front_end": "flower"})
+    with open(run_dir / HISTORY_FILE, "w") as fh:
+        for r in strategy.history:
+            fh.write(json.dumps(dataclasses.asdict(r), allow_nan=True) + "\n")
+    return strategy.history
+
+
+server_app = ServerApp()
+
+
+@server_app.main()
+def main(grid: Grid, context: Context) -> None:
+    cfg = config_from_run_config(dict(context.run_config))
+    run_strategy(ConsensusStrategy(cfg), grid, timeout=float(context.run_config.get("round-timeout", 600.0)))
+
+
+client_app = make_client_app()

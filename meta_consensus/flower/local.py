@@ -1,0 +1,88 @@
+"""The quick path: a Flower ``Grid`` that runs a ClientApp's nodes in this process.
+
+:class:`InProcessGrid` implements Flower's Grid interface (``get_node_ids``,
+``send_and_receive``, ...) by calling the ClientApp for each message, with one
+:class:`flwr.app.Context` per node kept across rounds (``node_config`` holds
+``partition-id`` and ``num-partitions``, as a SuperNode's does). A ClientApp that raises
+becomes an error reply, as on a SuperNode; :meth:`InProcessGrid.kill` makes a node stop
+answering (its messages get no reply), like a SuperNode that died.
+
+Flower's own simulation engine (``flwr.simulation.run_simulation``) needs Ray
+(``flwr[simulation]``), which this package does not install; this grid needs nothing
+beyond ``flwr`` and runs the same ServerApp strategy and ClientApp code, one node after
+the other.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
+
+from meta_consensus.flower.node import PARTITION_KEY
+
+
+class InProcessGrid(Grid):
+    """``num_nodes`` nodes of ``client_app`` in this process (see the module docstring)."""
+
+    def __init__(self, client_app: ClientApp, num_nodes: int, run_config: dict | None = None):
+        self.client_app = client_app
+        self._run = None
+        # Messages read this process's task identity, which a ServerApp process gets from the SuperLink.
+        for name, value in (("run_id", 1), ("node_id", 0), ("task_id", 0)):
+            if getattr(TaskIdentity, f"_{name}") is None:
+                setattr(TaskIdentity, name, value)
+        self.contexts: dict[int, Context] = {}
+        for i in range(num_nodes):
+            node_id = 1000 + i  # Flower node ids are opaque; partitions are what identifies a node
+            self.contexts[node_id] = Context(
+                run_id=1,
+                node_id=node_id,
+                node_config={PARTITION_KEY: i, "num-partitions": num_nodes},
+                state=RecordDict(),
+                run_config=dict(run_config or {}),
+            )
+        self.dead: set[int] = set()
+
+    def kill(self, partition: int) -> None:
+        """Node ``partition`` stops answering (and leaves the node list), like a SuperNode that died."""
+        self.dead.add(1000 + partition)
+
+    # ------------------------------------------------------------------ Grid
+
+    def set_run(self, run_id: int) -> None:
+        self._run = run_id
+
+    @property
+    def run(self):
+        return self._run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None) -> Message:
+        return Message(content, dst_node_id, message_type, group_id=group_id, ttl=ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return [i for i in self.contexts if i not in self.dead]
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        raise NotImplementedError("InProcessGrid answers in send_and_receive only")
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[str]:
+        raise NotImplementedError("InProcessGrid answers in send_and_receive only")
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        replies = []
+        for msg in messages:
+            dst = msg.metadata.dst_node_id
+            if dst in self.dead or dst not in self.contexts:
+                continue  # no reply: a missing answer at the strategy
+            msg.metadata.created_at = time.time()
+            try:
+                reply = self.client_app(msg, self.contexts[dst])
+            except Exception as e:  # noqa: BLE001 - a failing ClientApp is an error reply, as on a SuperNode
+                reply = Message(Error(code=0, reason=f"{type(e).__name__}: {e}"), reply_to=msg)
+            replies.append(reply)
+        return replies

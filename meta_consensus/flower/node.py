@@ -1,0 +1,281 @@
+"""One node of this package as a Flower client: receive the consensus, train with its strategy, reply.
+
+:class:`FlowerNode` is the node side of :class:`meta_consensus.fleet.Fleet` for one node of
+a config: it loads only its own shard (``task.splits(n, process_index=i, process_count=n)``,
+the multi-host path of the tasks), trains with its configured strategy (local,
+hierarchical, convexity, soup, or any registered one) in the same jitted trainer as the
+in-process fleet, and submits what its strategy's submit hook makes of the round.
+Everything that is a function of the whole config is computed from the whole config, so
+node i's training is the one it does in the in-process run:
+
+* its init key is ``split(k_nodes, n)[i]`` with ``k_params, k_nodes = split(key(seed))``
+  (:meth:`strategies.trainer.NodeTrainer.init`), its training stream ``fold_in(that, 1)``;
+* a hierarchical schedule is planned for all n nodes (its length is the longest node's)
+  and row i is kept; the proximal step runs when any node of the config uses it (mu = 0
+  and radius = inf leave the others' parameters unchanged, as in the fleet).
+
+Between rounds the node keeps its optimizer state, key stream and step count in Flower's
+``context.state`` (a RecordDict the SuperNode keeps for the run), under the key
+``"meta-consensus.node"``: nothing else survives between two calls of a ClientApp.
+
+Not supported on this path (refused with a clear error): example-level DP-SGD, configured
+Byzantine nodes (the package's model attacks are omniscient, they read every node's
+candidate) and simulated faults (on Flower, faults are real: a node that dies is a
+missing answer at the strategy). ``baseline_fedavg`` (a second, plain-FedAvg fleet trained
+alongside for comparison) is ignored on Flower.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from consensus.mesh import to_host
+from meta_consensus import config as config_lib
+from meta_consensus.config import Config, ConfigError
+from meta_consensus.fleet import _trainer, make_task
+from meta_consensus.flower.arrays import from_array_record, to_array_record
+from strategies.hierarchical import Level, plan
+from strategies.node import LEVELS
+from strategies.registry import check_task
+from strategies.tasks.base import Task
+from strategies.trainer import Proximal, Schedule, TrainState
+
+PyTree = Any
+
+CONFIG_KEY = "meta-consensus.config"  # the run's config (TOML text) in the train message's ConfigRecord
+ROUND_KEY = "server-round"  # Flower's own key for the round in the ConfigRecord
+STATE_KEY = "meta-consensus.node"  # the node's TrainState (params aside) in context.state
+PARTITION_KEY = "partition-id"  # node_config key (Flower's convention) and reply metric
+EXAMPLES_KEY = "num-examples"  # Flower's weight key for metric aggregation
+
+
+def check_flower_config(cfg: Config) -> Config:
+    """Refuse the settings the Flower path does not carry (see the module docstring)."""
+    from meta_consensus import example_privacy
+
+    if example_privacy.is_example_level(cfg):
+        raise ConfigError("dp.level = 'example' (DP-SGD in the nodes) is not supported on Flower yet")
+    if cfg.byzantine.nodes:
+        raise ConfigError(
+            "byzantine.nodes is not supported on Flower: the package's model attacks read every node's "
+            "candidate; on Flower an attacker is a real client (see docs/flower.md)"
+        )
+    f = cfg.faults
+    if f.drop_rate > 0 or f.crash_nodes or f.timeout_s is not None:
+        raise ConfigError(
+            "faults.* (simulated faults) are not used on Flower: faults are real there; "
+            "set the strategy's round timeout instead"
+        )
+    if cfg.mesh.enabled:
+        raise ConfigError("mesh.* is not supported on Flower: each node is one process")
+    return cfg
+
+
+class FlowerNode:
+    """Node ``index`` of a config: its shard, its strategy, its training (see the module docstring)."""
+
+    def __init__(self, cfg: Config, index: int, *, task: Task | None = None):
+        self.cfg = check_flower_config(cfg)
+        n = cfg.nodes.count
+        if not (isinstance(index, int | np.integer) and 0 <= index < n):
+            raise ValueError(f"partition-id must be an int in [0, {n}), got {index!r}")
+        self.index = int(index)
+        self.task = make_task(cfg) if task is None else check_task(task, "the task object")
+        self.data = self.task.splits(
+            n, seed=cfg.task.data_seed, alpha=cfg.task.alpha, process_index=self.index, process_count=n
+        )
+        self.trainer = _trainer(self.task, cfg.nodes.learning_rate, cfg.nodes.batch_size, None)
+        strategies = cfg.nodes.build_strategies()
+        self.strategy = strategies[self.index]
+        settings = [s.settings(cfg.nodes.local_steps, cfg.nodes.learning_rate) for s in strategies]
+        self.settings = settings[self.index]
+        row = slice(self.index, self.index + 1)
+        level_steps = np.asarray([st.level_steps for st in settings], np.int64)
+        if level_steps[:, :2].any():
+            # The whole config's plan (its length is the longest node's), then this node's row.
+            level_lr = np.asarray([st.level_lr for st in settings], np.float32)
+            levels = [Level(name, level_steps[:, j], level_lr[:, j]) for j, name in enumerate(LEVELS)]
+            p = plan(levels, self.data)
+            self._levels = (p.data, np.asarray(p.schedule.level)[row], np.asarray(p.schedule.active)[row])
+            self._hp = {k: np.asarray(v)[row] for k, v in p.hyperparams.items()}
+        else:
+            self._levels, self._hp = None, None
+        mu = np.asarray([st.proximal_mu for st in settings], np.float32)
+        radius = np.asarray([st.proximal_radius for st in settings], np.float32)
+        self._proximal = (mu[row], radius[row]) if (mu > 0).any() or np.isfinite(radius).any() else None
+        snaps = {st.snapshots for st in settings if st.snapshots}
+        if len(snaps) > 1:
+            raise ValueError(f"nodes take different numbers of snapshots {sorted(snaps)}; use one number")
+        self._segments = np.array_split(np.arange(cfg.nodes.local_steps), snaps.pop() if snaps else 1)
+        self._metrics = jax.jit(self.task.metrics)
+        self.template = jax.eval_shape(self.task.init, jax.random.key(0))
+
+    @property
+    def num_examples(self) -> int:
+        return int(self.data.train_count[0])
+
+    # ------------------------------------------------------------------ state
+
+    def init_state(self, params: PyTree) -> TrainState:
+        """This node's row of the fleet's initial state (see the module docstring)."""
+        _, k_nodes = jax.random.split(jax.random.key(self.cfg.seed))
+        state = self.trainer.init(k_nodes, params, 1)
+        # NodeTrainer.init(k, ., 1) draws split(k, 1)[0]; node i of n draws split(k, n)[i].
+        node_key = jax.random.split(k_nodes, self.cfg.nodes.count)[self.index]
+        return state._replace(key=jax.random.fold_in(node_key, 1)[None])
+
+    def state_to_record(self, state: TrainState) -> ArrayRecord:
+        """The state less its params (they restart from the consensus) as an ArrayRecord."""
+        return to_array_record(
+            {"opt_state": state.opt_state, "key": jax.random.key_data(state.key), "step": state.step}
+        )
+
+    def state_from_record(self, record: ArrayRecord, anchor: PyTree) -> TrainState:
+        like = self.init_state(anchor)
+        template = {"opt_state": like.opt_state, "key": jax.random.key_data(like.key), "step": like.step}
+        got = from_array_record(record, template, "the node's saved state")
+        impl = jax.random.key_impl(like.key)
+        return TrainState(
+            like.params,
+            jax.tree.map(jnp.asarray, got["opt_state"]),
+            jax.random.wrap_key_data(jnp.asarray(got["key"]), impl=impl),
+            jnp.asarray(got["step"]),
+        )
+
+    # ------------------------------------------------------------------ the round
+
+    def fit(self, state: TrainState, anchor: PyTree) -> tuple[TrainState, PyTree, float]:
+        """One round from the consensus ``anchor``: (new state, the candidate, mean training loss)."""
+        anchor = jax.tree.map(jnp.asarray, anchor)
+        state = state._replace(params=jax.tree.map(lambda p: p[None], anchor))
+        if self._levels is not None:
+            data, level, active = self._levels
+        else:
+            data, level, active = self.data.own(), None, None
+        prox = None if self._proximal is None else Proximal(anchor, *self._proximal)
+        snapshots, losses = [], []
+        for seg in self._segments:
+            schedule = None if level is None else Schedule(level[:, seg], active[:, seg])
+            state, log = self.trainer.fit(
+                state, data, len(seg), schedule=schedule, hyperparams=self._hp, proximal=prox
+            )
+            losses.append(to_host(log.loss))
+            if self.settings.snapshots:
+                snapshots.append(state.params)
+        loss = float(np.concatenate(losses, 0).mean(0)[0])
+        final = jax.tree.map(lambda x: x[0], state.params)
+        if self.settings.snapshots:
+            held = self.data.heldout
+            scores = [float(self.trainer.evaluate(s, held)["accuracy"][0]) for s in snapshots]
+            final = self.strategy.submit(
+                final,
+                [jax.tree.map(lambda x: x[0], s) for s in snapshots],
+                lambda p: float(self._metrics(p, held)["accuracy"]),
+                scores=scores,
+            )
+        final = jax.tree.map(lambda c, a: jnp.asarray(c).astype(a.dtype), final, anchor)
+        return state, jax.block_until_ready(final), loss
+
+    def evaluate(self, params: PyTree) -> dict[str, float]:
+        """The consensus's metrics on this node's own shard (its valid rows)."""
+        k = self.num_examples
+        batch = {name: np.asarray(v[0, :k]) for name, v in self.data.train.items()}
+        return {m: float(v) for m, v in to_host(self._metrics(params, batch)).items()}
+
+
+# ---------------------------------------------------------------------- the ClientApp
+
+
+@functools.lru_cache(maxsize=4)
+def _node(config_text: str, index: int, task: Task | None) -> FlowerNode:
+    # A long-lived ClientApp process (simulation, --isolation process) builds its node once per run config.
+    return FlowerNode(config_lib.from_dict(_toml_loads(config_text)), index, task=task)
+
+
+def _toml_loads(text: str) -> dict[str, Any]:
+    import tomllib
+
+    return tomllib.loads(text)
+
+
+def config_digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _partition(context: Context) -> int:
+    value = context.node_config.get(PARTITION_KEY)
+    if value is None:
+        raise ConfigError(
+            f"this SuperNode has no {PARTITION_KEY!r} in its node config: start it with "
+            f'--node-config "{PARTITION_KEY}=<i> num-partitions=<n>"'
+        )
+    return int(value)
+
+
+def _node_of(msg: Message, context: Context, task: Task | None) -> tuple[FlowerNode, int]:
+    cfg_record: ConfigRecord = msg.content["config"]
+    text = str(cfg_record[CONFIG_KEY])
+    return _node(text, _partition(context), task), int(cfg_record[ROUND_KEY])
+
+
+def train_reply(msg: Message, context: Context, task: Task | None = None) -> Message:
+    """Train this node for one round from the consensus in ``msg``; reply with its candidate."""
+    node, server_round = _node_of(msg, context, task)
+    anchor = from_array_record(msg.content["arrays"], node.template, "the broadcast consensus")
+    saved = context.state.array_records.get(STATE_KEY) if STATE_KEY in context.state else None
+    state = node.init_state(anchor) if saved is None else node.state_from_record(saved, anchor)
+    state, candidate, loss = node.fit(state, anchor)
+    context.state[STATE_KEY] = node.state_to_record(state)
+    metrics = MetricRecord(
+        {
+            PARTITION_KEY: node.index,
+            ROUND_KEY: server_round,
+            EXAMPLES_KEY: node.num_examples,
+            "train_loss": loss if math.isfinite(loss) else float("nan"),
+        }
+    )
+    return Message(RecordDict({"arrays": to_array_record(candidate), "metrics": metrics}), reply_to=msg)
+
+
+def evaluate_reply(msg: Message, context: Context, task: Task | None = None) -> Message:
+    """Evaluate the consensus in ``msg`` on this node's own shard."""
+    node, server_round = _node_of(msg, context, task)
+    params = from_array_record(msg.content["arrays"], node.template, "the broadcast consensus")
+    out = node.evaluate(params)
+    metrics = MetricRecord(
+        {
+            PARTITION_KEY: node.index,
+            ROUND_KEY: server_round,
+            EXAMPLES_KEY: node.num_examples,
+            **{f"eval_{k}": v for k, v in out.items()},
+        }
+    )
+    return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+
+
+def make_client_app(task: Task | None = None) -> ClientApp:
+    """A Flower ClientApp running node ``partition-id`` (its SuperNode's node config) of the server's config.
+
+    Args:
+      task: a Task object instead of the one the config names (it must be the server's task).
+    """
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        return train_reply(msg, context, task)
+
+    @app.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        return evaluate_reply(msg, context, task)
+
+    return app

@@ -1,0 +1,366 @@
+"""ConsensusStrategy: a Flower strategy (Message API) whose aggregation is this package's merge.
+
+``aggregate_train(server_round, replies)`` runs the round the in-process
+:class:`~meta_consensus.coordinator.Coordinator` runs after its nodes answered, with the
+same config sections and the same rules:
+
+1. **answers.** Node i is the SuperNode whose node config says ``partition-id = i``; its
+   reply carries that id, the round it answers and its candidate as an ArrayRecord
+   (:mod:`meta_consensus.flower.arrays`). A reply that carries an error, answers another
+   round (too late), repeats a partition, does not match the consensus's keys, shapes or
+   dtypes, or is not finite is a **missing answer** with its reason; a node that did not
+   reply before the round's timeout (or whose SuperNode died) is missing too.
+2. **the round's rules**, shared with the coordinator
+   (:func:`~meta_consensus.coordinator.too_few_answers`,
+   :func:`~meta_consensus.coordinator.too_few_accepted`): fewer valid answers than
+   ``min_answers``, a vote that accepts fewer than ``consensus_threshold``, a solver failure
+   or a non-finite consensus fail the round, and the previous consensus stays.
+3. **the merge**: :class:`~meta_consensus.pipeline.MergePipeline` of the config (vote with
+   pre-aggregators, convex weights, DP), with the round's DP key from
+   :func:`~meta_consensus.coordinator.round_key` (``fold_in(fold_in(key(seed), r), 0)``,
+   the in-process run's first attempt of round r) and one
+   :class:`~consensus.privacy.PrivacyLedger` kept across rounds: a DP release is charged
+   even when the round is then rejected; a round that would go over ``dp.budget`` is not
+   run, and the strategy sends no more work.
+
+A Flower round is one attempt: a failed round is skipped (the in-process run with
+``max_retries = 0``). The strategy holds the consensus itself; the ``arrays`` Flower
+passes back in are checked against it, never trusted.
+
+The returned MetricRecord holds the round's info (``ok``, ``answered``, ``valid``,
+``accepted`` (0/1 per node), ``weights`` (per node), ``epsilon``, ``noise_std``, the
+consensus's test and held-out accuracy, and the node-weighted mean training loss);
+reasons and per-node errors, which a MetricRecord cannot hold, are in :attr:`history`.
+Evaluation replies are aggregated as Flower's FedAvg does (means weighted by
+``num-examples``).
+
+This module lives in the system layer (``meta_consensus.flower``), not in ``consensus``:
+it needs the system's config and pipeline, and the library never imports the system.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+from consensus import tree
+from consensus.base import ByzantineToleranceError
+from consensus.mesh import to_host
+from consensus.privacy import PrivacyLedger, calibrate_noise
+from meta_consensus import config as config_lib
+from meta_consensus.config import Config
+from meta_consensus.coordinator import round_key, too_few_accepted, too_few_answers
+from meta_consensus.fleet import make_task
+from meta_consensus.flower.arrays import ArrayRecordMismatch, from_array_record, to_array_record
+from meta_consensus.flower.node import (
+    CONFIG_KEY,
+    EXAMPLES_KEY,
+    PARTITION_KEY,
+    ROUND_KEY,
+    check_flower_config,
+)
+from meta_consensus.pipeline import MergePipeline, RoundFailure
+from strategies.registry import check_task
+from strategies.tasks.base import Task
+
+PyTree = Any
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class FlowerRound:
+    """What happened in one Flower round (the strategy's :attr:`~ConsensusStrategy.history`)."""
+
+    server_round: int
+    ok: bool
+    reason: str
+    answered: list[bool]
+    valid: list[bool]
+    accepted: list[bool]
+    weights: list[float]
+    errors: dict[str, str]
+    epsilon: float
+    noise_std: float = math.nan
+    consensus_accuracy: float = math.nan
+    heldout_accuracy: float = math.nan
+    seconds: float = 0.0
+
+
+class ConsensusStrategy(Strategy):
+    """This package's merge as a Flower strategy (see the module docstring).
+
+    Args:
+      cfg: the run config (the same file the in-process run takes; see
+        :func:`~meta_consensus.flower.node.check_flower_config` for what Flower does not carry).
+      task: a Task object instead of the one the config names.
+      initial_params: the first consensus (default: the task's init from ``cfg.seed``, as in-process).
+      wait_for_nodes_s: how long the first round waits for all ``nodes.count`` SuperNodes to
+        connect before it starts with those that did.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        task: Task | None = None,
+        initial_params: PyTree | None = None,
+        wait_for_nodes_s: float = 120.0,
+    ):
+        self.cfg = check_flower_config(cfg)
+        n = cfg.nodes.count
+        self.n = n
+        self.task = make_task(cfg) if task is None else check_task(task, "the task object")
+        # The server holds the shared held-out and test sets (the weights objective and the
+        # evaluation need them); splits(..., process_count=n) loads one node's shard with them.
+        data = self.task.splits(
+            n, seed=cfg.task.data_seed, alpha=cfg.task.alpha, process_index=0, process_count=n
+        )
+        self.heldout, self.test = data.heldout, data.test
+        d = cfg.dp
+        self.noise_multiplier = None
+        if d.enabled:
+            self.noise_multiplier = (
+                float(d.noise_multiplier)
+                if d.noise_multiplier is not None
+                else calibrate_noise(d.epsilon, d.delta, 1.0, cfg.rounds, d.accountant)
+            )
+        self.pipeline = MergePipeline(cfg, self.task, self.heldout, self.noise_multiplier)
+        root = jax.random.key(cfg.seed)
+        self.key_data = jax.random.key_data(root)
+        k_params, _ = jax.random.split(root)
+        fresh = self.task.init(k_params)
+        if initial_params is None:
+            initial_params = fresh
+        else:
+            tree.check_same_structure([initial_params], reference=fresh)
+        self.consensus = jax.tree.map(jnp.asarray, initial_params)
+        self.agg_state = self.pipeline.init(self.consensus)
+        self.ledger = PrivacyLedger(d.delta, d.budget, d.accountant) if d.enabled else None
+        self.rounds_done = 0  # rounds run, failed ones included (the coordinator's state.round)
+        self.stopped = ""  # why the strategy sends no more work ("" while it runs)
+        self.history: list[FlowerRound] = []
+        self.wait_for_nodes_s = float(wait_for_nodes_s)
+        self.config_text = config_lib.dumps(cfg)
+        self._partition_of: dict[int, int] = {}  # Flower node id -> partition id (from replies)
+        self._metrics = jax.jit(self.task.metrics)
+        self._node_metrics = jax.jit(jax.vmap(self.task.metrics, in_axes=(0, None)))
+
+    # ------------------------------------------------------------------ Flower's interface
+
+    def initial_arrays(self) -> ArrayRecord:
+        return to_array_record(self.consensus)
+
+    def summary(self) -> None:
+        v = self.cfg.vote
+        log.info(
+            "ConsensusStrategy: %d nodes, vote %s%s, weights %s, dp %s",
+            self.n,
+            v.rule,
+            f" after {list(v.pre)}" if v.pre else "",
+            self.cfg.weights.objective,
+            f"z = {self.noise_multiplier:.3g}" if self.cfg.dp.enabled else "off",
+        )
+
+    def _node_ids(self, grid: Grid, first: bool) -> list[int]:
+        ids = sorted(grid.get_node_ids())
+        deadline = time.monotonic() + (self.wait_for_nodes_s if first else 0.0)
+        while len(ids) < self.n and time.monotonic() < deadline:
+            time.sleep(0.5)
+            ids = sorted(grid.get_node_ids())
+        return ids
+
+    def _messages(self, server_round: int, grid: Grid, kind: str, config: ConfigRecord) -> list[Message]:
+        if self.stopped:
+            return []
+        config = ConfigRecord(dict(config))
+        config[ROUND_KEY] = server_round
+        config[CONFIG_KEY] = self.config_text
+        content = RecordDict({"arrays": to_array_record(self.consensus), "config": config})
+        ids = self._node_ids(grid, first=server_round == 1 and kind == MessageType.TRAIN)
+        return [Message(content, dst, kind, group_id=str(server_round)) for dst in ids]
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        self._check_arrays(arrays)
+        return self._messages(server_round, grid, MessageType.TRAIN, config)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return self._messages(server_round, grid, MessageType.EVALUATE, config)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        good = [
+            m.content
+            for m in replies
+            if not m.has_error() and int(m.content["metrics"].get(ROUND_KEY, -1)) == server_round
+        ]
+        return node_weighted_mean(good) if good else None
+
+    def _check_arrays(self, arrays: ArrayRecord) -> None:
+        # Flower hands back what aggregate_train returned; the strategy's own consensus is the truth.
+        got = from_array_record(arrays, self.consensus, "the ArrayRecord Flower passed back")
+        if not all(
+            np.array_equal(a, np.asarray(b))
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(self.consensus), strict=True)
+        ):
+            raise ValueError("the arrays Flower passed to configure_train are not the strategy's consensus")
+
+    # ------------------------------------------------------------------ the round
+
+    def collect(self, server_round: int, replies: Iterable[Message]) -> tuple[Any, ...]:
+        """The replies: (stacked candidates, (n,) answered, (n,) valid, errors by partition, records)."""
+        n = self.n
+        candidates: list[PyTree | None] = [None] * n
+        errors: dict[str, str] = {}
+        records = []
+        for msg in replies:
+            src = msg.metadata.src_node_id
+            if msg.has_error():
+                who = self._partition_of.get(src)
+                key = str(who) if who is not None else f"node {src}"
+                errors[key] = f"error reply: {msg.error.reason}"
+                continue
+            try:
+                metrics = msg.content["metrics"]
+                pid, answered_round = int(metrics[PARTITION_KEY]), int(metrics[ROUND_KEY])
+            except (KeyError, TypeError, ValueError) as e:
+                errors[f"node {src}"] = f"reply without {PARTITION_KEY!r} and {ROUND_KEY!r} metrics ({e})"
+                continue
+            if not 0 <= pid < n:
+                errors[f"node {src}"] = f"partition-id {pid} is not in [0, {n})"
+                continue
+            if answered_round != server_round:
+                errors[str(pid)] = f"too late: answers round {answered_round}, this is round {server_round}"
+                continue
+            if candidates[pid] is not None:
+                errors[str(pid)] = f"partition {pid} answered twice (node {src} and another)"
+                candidates[pid] = None
+                continue
+            self._partition_of[src] = pid
+            try:
+                candidates[pid] = from_array_record(
+                    msg.content["arrays"], self.consensus, f"node {pid}'s candidate"
+                )
+            except (ArrayRecordMismatch, KeyError) as e:
+                errors[str(pid)] = str(e)
+                continue
+            records.append(msg.content)
+        answered = np.array([c is not None for c in candidates], bool)
+        for i in np.flatnonzero(~answered):
+            errors.setdefault(str(i), "no answer before the round's timeout (or its SuperNode is gone)")
+        # Missing answers hold the consensus (masked out of the merge), as the fleet's placeholder does.
+        stacked = tree.stack([self.consensus if c is None else c for c in candidates])
+        finite = np.asarray(to_host(tree.finite_mask(stacked)), bool)
+        for i in np.flatnonzero(answered & ~finite):
+            errors[str(i)] = "non-finite candidate"
+        valid = answered & finite
+        if self.cfg.quality_threshold is not None:
+            held = np.asarray(to_host(self._node_metrics(stacked, self.heldout))["accuracy"], np.float64)
+            low = valid & ~(held >= self.cfg.quality_threshold)
+            for i in np.flatnonzero(low):
+                errors[str(i)] = f"held-out accuracy {held[i]:.3f} below quality_threshold"
+            valid &= ~low
+        return stacked, answered, valid, errors, records
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        t0 = time.perf_counter()
+        n = self.n
+        stacked, answered, valid, errors, records = self.collect(server_round, list(replies))
+        eps = self.ledger.epsilon() if self.ledger is not None else 0.0
+        info = FlowerRound(
+            server_round, True, "", answered.tolist(), valid.tolist(), [False] * n, [0.0] * n, errors, eps
+        )
+        merged = None
+        why = self.stopped or too_few_answers(self.cfg, valid)
+        if not why:
+            merged, why = self._merge(stacked, valid, info)
+        if why:
+            info.ok, info.reason = False, why
+            log.warning("round %d failed: %s (the previous consensus stays)", server_round, why)
+        else:
+            self.consensus = merged
+            ev = to_host(self._metrics(merged, self.test))
+            info.consensus_accuracy = float(ev["accuracy"])
+            info.heldout_accuracy = float(to_host(self._metrics(merged, self.heldout))["accuracy"])
+        self.rounds_done += 1
+        info.seconds = time.perf_counter() - t0
+        self.history.append(info)
+        return self.initial_arrays(), self._round_metrics(info, records)
+
+    def _merge(self, stacked: PyTree, valid: np.ndarray, info: FlowerRound) -> tuple[PyTree | None, str]:
+        """Vote -> weights -> DP as the coordinator runs it; (new consensus, "") or (None, why)."""
+        _, k_dp = jax.random.split(round_key(self.key_data, self.rounds_done, 0))
+        agg_state = self.pipeline.with_key(self.agg_state, k_dp)
+        event = self.pipeline.privacy_event(agg_state)
+        if event is not None and not self.ledger.can_spend(event):
+            self.stopped = (
+                f"privacy budget: epsilon would reach {self.ledger.epsilon_after(event):.3g}, "
+                f"over the budget {self.ledger.budget}"
+            )
+            return None, self.stopped
+        try:
+            merged, new_agg = self.pipeline.update(stacked, agg_state, self.consensus, valid)
+        except (RoundFailure, ByzantineToleranceError) as e:
+            return None, str(e)  # nothing was released, nothing is charged
+        if event is not None:
+            self.ledger = copy.deepcopy(self.ledger)
+            self.ledger.spend(event)  # charged even if the round is rejected below
+            info.epsilon = self.ledger.epsilon()
+        report = self.pipeline.report(new_agg)
+        info.accepted = [bool(a) for a in report.accepted]
+        info.weights = [float(w) for w in report.weights]
+        info.noise_std = report.noise_std
+        why = too_few_accepted(self.cfg, report.accepted)
+        if why:
+            return None, why
+        if not bool(np.all(to_host(tree.finite_mask(tree.stack([merged]))))):
+            return None, "the new consensus is not finite"
+        self.agg_state = new_agg
+        return jax.tree.map(lambda a, p: a.astype(p.dtype), merged, self.consensus), ""
+
+    def _round_metrics(self, info: FlowerRound, records: list[RecordDict]) -> MetricRecord:
+        out: dict[str, Any] = {
+            "ok": int(info.ok),
+            "answered": int(sum(info.answered)),
+            "valid": int(sum(info.valid)),
+            "accepted": [int(a) for a in info.accepted],
+            "weights": [float(w) for w in info.weights],
+            "epsilon": float(info.epsilon),
+            "noise_std": float(info.noise_std),
+            "consensus_accuracy": float(info.consensus_accuracy),
+            "heldout_accuracy": float(info.heldout_accuracy),
+        }
+        if records:
+            # Flower's convention: node metrics averaged with weights num-examples.
+            out["train_loss"] = float(node_weighted_mean(records)["train_loss"])
+        return MetricRecord(out)
+
+
+def node_weighted_mean(contents: list[RecordDict]) -> MetricRecord:
+    """Flower's aggregation of node metrics (means weighted by ``num-examples``), ids and rounds left out."""
+    keep = []
+    for content in contents:
+        m = content["metrics"]
+        keep.append(
+            RecordDict(
+                {"metrics": MetricRecord({k: v for k, v in m.items() if k not in (PARTITION_KEY, ROUND_KEY)})}
+            )
+        )
+    return aggregate_metricrecords(keep, EXAMPLES_KEY)
