@@ -10,6 +10,7 @@ A Flower app's ``pyproject.toml`` names them (see docs/flower.md)::
     config = "configs/flower.toml"   # this package's run config (server side); "" = the default
     overrides = "rounds=3;nodes.count=2"  # optional key=value overrides, ';'-separated
     round-timeout = 600.0             # seconds a round waits for its replies
+    evaluate = true                   # federated evaluation of the consensus on the nodes' shards
 
 The server reads the config, runs :class:`~meta_consensus.flower.strategy.ConsensusStrategy`
 for ``rounds`` rounds and writes ``<output_dir>/<name>/consensus.safetensors`` and
@@ -27,11 +28,12 @@ from typing import Any
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import Result
 
 from meta_consensus import config as config_lib
 from meta_consensus.config import Config
 from meta_consensus.flower.node import make_client_app
-from meta_consensus.flower.strategy import ConsensusStrategy, FlowerRound
+from meta_consensus.flower.strategy import ConsensusStrategy
 
 HISTORY_FILE = "flower_rounds.jsonl"
 
@@ -43,18 +45,22 @@ def config_from_run_config(run_config: dict[str, Any]) -> Config:
     return config_lib.load(path, overrides)
 
 
-def run_strategy(strategy: ConsensusStrategy, grid: Grid, *, timeout: float = 600.0) -> list[FlowerRound]:
-    """All the config's rounds on ``grid``; writes the consensus and the round history to the run dir."""
+def run_strategy(strategy: ConsensusStrategy, grid: Grid, *, timeout: float = 600.0) -> Result:
+    """All the config's rounds on ``grid``; writes the consensus and the round history to the run dir.
+
+    Returns Flower's :class:`~flwr.serverapp.strategy.Result` (the aggregated metrics of every
+    round); the strategy's :attr:`~ConsensusStrategy.history` has the rounds' reasons and errors.
+    """
     from meta_consensus.run import save_consensus
 
-    strategy.start(grid, strategy.initial_arrays(), num_rounds=strategy.cfg.rounds, timeout=timeout)
+    result = strategy.start(grid, strategy.initial_arrays(), num_rounds=strategy.cfg.rounds, timeout=timeout)
     run_dir = Path(strategy.cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_consensus(run_dir, strategy.consensus, {"rounds": str(strategy.rounds_done), "front_end": "flower"})
     with open(run_dir / HISTORY_FILE, "w") as fh:
         for r in strategy.history:
             fh.write(json.dumps(dataclasses.asdict(r), allow_nan=True) + "\n")
-    return strategy.history
+    return result
 
 
 server_app = ServerApp()
@@ -62,8 +68,9 @@ server_app = ServerApp()
 
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
-    cfg = config_from_run_config(dict(context.run_config))
-    run_strategy(ConsensusStrategy(cfg), grid, timeout=float(context.run_config.get("round-timeout", 600.0)))
+    rc = dict(context.run_config)
+    strategy = ConsensusStrategy(config_from_run_config(rc), evaluate=bool(rc.get("evaluate", True)))
+    run_strategy(strategy, grid, timeout=float(rc.get("round-timeout", 600.0)))
 
 
 client_app = make_client_app()

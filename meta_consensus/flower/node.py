@@ -195,9 +195,9 @@ class FlowerNode:
 # ---------------------------------------------------------------------- the ClientApp
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=256)
 def _node(config_text: str, index: int, task: Task | None) -> FlowerNode:
-    # A long-lived ClientApp process (simulation, --isolation process) builds its node once per run config.
+    # A long-lived ClientApp process (the in-process grid, --isolation process) builds a node once per config.
     return FlowerNode(config_lib.from_dict(_toml_loads(config_text)), index, task=task)
 
 

@@ -109,6 +109,8 @@ class ConsensusStrategy(Strategy):
       initial_params: the first consensus (default: the task's init from ``cfg.seed``, as in-process).
       wait_for_nodes_s: how long the first round waits for all ``nodes.count`` SuperNodes to
         connect before it starts with those that did.
+      evaluate: send the consensus to the nodes for evaluation on their own shards after
+        every round (Flower's federated evaluation); False skips it.
     """
 
     def __init__(
@@ -118,6 +120,7 @@ class ConsensusStrategy(Strategy):
         task: Task | None = None,
         initial_params: PyTree | None = None,
         wait_for_nodes_s: float = 120.0,
+        evaluate: bool = True,
     ):
         self.cfg = check_flower_config(cfg)
         n = cfg.nodes.count
@@ -153,6 +156,7 @@ class ConsensusStrategy(Strategy):
         self.stopped = ""  # why the strategy sends no more work ("" while it runs)
         self.history: list[FlowerRound] = []
         self.wait_for_nodes_s = float(wait_for_nodes_s)
+        self.evaluate = bool(evaluate)
         self.config_text = config_lib.dumps(cfg)
         self._partition_of: dict[int, int] = {}  # Flower node id -> partition id (from replies)
         self._metrics = jax.jit(self.task.metrics)
@@ -201,6 +205,8 @@ class ConsensusStrategy(Strategy):
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        if not self.evaluate:
+            return []
         return self._messages(server_round, grid, MessageType.EVALUATE, config)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
