@@ -11,6 +11,7 @@ A Flower app's ``pyproject.toml`` names them (see docs/flower.md)::
     overrides = "rounds=3;nodes.count=2"  # optional key=value overrides, ';'-separated
     round-timeout = 600.0             # seconds a round waits for its replies
     evaluate = true                   # federated evaluation of the consensus on the nodes' shards
+    wait-for-nodes = 120.0            # seconds the first round waits for all nodes.count SuperNodes
 
 The server reads the config, runs :class:`~meta_consensus.flower.strategy.ConsensusStrategy`
 for ``rounds`` rounds and writes ``<output_dir>/<name>/consensus.safetensors`` and
@@ -69,7 +70,11 @@ server_app = ServerApp()
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
     rc = dict(context.run_config)
-    strategy = ConsensusStrategy(config_from_run_config(rc), evaluate=bool(rc.get("evaluate", True)))
+    strategy = ConsensusStrategy(
+        config_from_run_config(rc),
+        evaluate=bool(rc.get("evaluate", True)),
+        wait_for_nodes_s=float(rc.get("wait-for-nodes", 120.0)),
+    )
     run_strategy(strategy, grid, timeout=float(rc.get("round-timeout", 600.0)))
 
 

@@ -28,7 +28,6 @@ alongside for comparison) is ignored on Flower.
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 from typing import Any
 
@@ -195,20 +194,33 @@ class FlowerNode:
 # ---------------------------------------------------------------------- the ClientApp
 
 
-@functools.lru_cache(maxsize=256)
-def _node(config_text: str, index: int, task: Task | None) -> FlowerNode:
-    # A long-lived ClientApp process (the in-process grid, --isolation process) builds a node once per config.
-    return FlowerNode(config_lib.from_dict(_toml_loads(config_text)), index, task=task)
-
-
-def _toml_loads(text: str) -> dict[str, Any]:
+@functools.lru_cache(maxsize=16)
+def parse_config(text: str) -> Config:
+    """The config the server sent (TOML text), validated."""
     import tomllib
 
-    return tomllib.loads(text)
+    return check_flower_config(config_lib.from_dict(tomllib.loads(text)))
 
 
-def config_digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+def _node_view(cfg: Config) -> str:
+    """What a node's training depends on (seed, task, nodes): configs that differ elsewhere share nodes."""
+    import tomli_w
+
+    d = config_lib.to_dict(cfg)
+    return tomli_w.dumps({k: d[k] for k in ("seed", "task", "nodes")})
+
+
+_NODES: dict[tuple[str, int, Any], FlowerNode] = {}
+
+
+def node_for(cfg: Config, index: int, task: Task | None = None) -> FlowerNode:
+    """Node ``index`` of ``cfg``, built once per process (the in-process grid, ``--isolation process``)."""
+    key = (_node_view(cfg), int(index), task)
+    if key not in _NODES:
+        if len(_NODES) >= 256:
+            _NODES.pop(next(iter(_NODES)))
+        _NODES[key] = FlowerNode(cfg, index, task=task)
+    return _NODES[key]
 
 
 def _partition(context: Context) -> int:
@@ -223,8 +235,8 @@ def _partition(context: Context) -> int:
 
 def _node_of(msg: Message, context: Context, task: Task | None) -> tuple[FlowerNode, int]:
     cfg_record: ConfigRecord = msg.content["config"]
-    text = str(cfg_record[CONFIG_KEY])
-    return _node(text, _partition(context), task), int(cfg_record[ROUND_KEY])
+    cfg = parse_config(str(cfg_record[CONFIG_KEY]))
+    return node_for(cfg, _partition(context), task), int(cfg_record[ROUND_KEY])
 
 
 def train_reply(msg: Message, context: Context, task: Task | None = None) -> Message:

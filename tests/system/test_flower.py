@@ -1,0 +1,254 @@
+"""The Flower front end in one process: ArrayRecords, the node, the strategy's rounds and its rules.
+
+The strategy and the ClientApp run on :class:`~meta_consensus.flower.InProcessGrid` (Flower's
+Grid interface, every node in this process). The reference is the in-process system
+(:class:`~meta_consensus.MetaConsensus` / :class:`~meta_consensus.coordinator.Coordinator`)
+on the same config and seed. The deployment over a real SuperLink is in
+``test_flower_deployment.py``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flower_helpers import flower_config
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+
+from meta_consensus import MetaConsensus
+from meta_consensus.config import ConfigError
+from meta_consensus.coordinator import Coordinator, too_few_answers
+from meta_consensus.flower import (
+    ArrayRecordMismatch,
+    ConsensusStrategy,
+    FlowerNode,
+    InProcessGrid,
+    from_array_record,
+    make_client_app,
+    to_array_record,
+)
+from meta_consensus.flower.apps import run_strategy
+from meta_consensus.flower.node import node_for
+
+
+def _max_abs(a, b) -> float:
+    return max(
+        float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def _bit_equal(a, b) -> bool:
+    return all(
+        np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+# ------------------------------------------------------------------ ArrayRecord
+
+
+def test_array_record_round_trip_is_lossless_and_keyed_by_dotted_paths():
+    rng = np.random.default_rng(0)
+    tree = {
+        "dense": {
+            "kernel": rng.normal(size=(3, 4)).astype(np.float32),
+            "bias": np.float32([np.nan, -0.0, 1e-45]),
+        },
+        "emb": jnp.asarray(rng.normal(size=(5,)), jnp.bfloat16),
+        "count": np.arange(4, dtype=np.int32),
+    }
+    rec = to_array_record(tree)
+    assert sorted(rec.keys()) == ["count", "dense.bias", "dense.kernel", "emb"]
+    assert rec["emb"].dtype == "bfloat16"
+    back = from_array_record(rec, tree)
+    for key in ("kernel", "bias"):
+        # Bit for bit, NaN, signed zero and subnormals included.
+        assert back["dense"][key].tobytes() == tree["dense"][key].tobytes()
+    assert back["emb"].dtype == ml_dtypes.bfloat16
+    assert back["emb"].tobytes() == np.asarray(tree["emb"]).tobytes()
+    assert np.array_equal(back["count"], tree["count"])
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda r: r.pop("b"), "missing keys ['b']"),
+        (lambda r: r.__setitem__("c", Array(np.zeros(2, np.float32))), "unexpected keys ['c']"),
+        (lambda r: r.__setitem__("b", Array(np.zeros((3, 2), np.float32))), "'b' has shape (3, 2)"),
+        (lambda r: r.__setitem__("b", Array(np.zeros((2, 3), np.float64))), "'b' has dtype float64"),
+    ],
+)
+def test_array_record_mismatch_names_the_problem(change, message):
+    like = {"a": np.zeros((4,), np.float32), "b": np.zeros((2, 3), np.float32)}
+    rec = to_array_record(like)
+    change(rec)
+    with pytest.raises(ArrayRecordMismatch) as e:
+        from_array_record(rec, like, "node 3's candidate")
+    assert message in str(e.value) and "node 3's candidate" in str(e.value)
+
+
+def test_array_record_whose_bytes_lie_about_their_shape_is_refused():
+    like = {"a": np.zeros((4,), np.float32)}
+    honest = Array(np.zeros((2,), np.float32))
+    rec = ArrayRecord({"a": Array(dtype="float32", shape=(4,), stype=honest.stype, data=honest.data)})
+    with pytest.raises(ArrayRecordMismatch, match=r"declared shape \(4,\), its bytes hold \(2,\)"):
+        from_array_record(rec, like)
+
+
+# ------------------------------------------------------------------ the node
+
+
+def test_flower_node_is_the_in_process_fleets_node(tmp_path):
+    cfg = flower_config(tmp_path)
+    co = Coordinator(cfg)
+    state = co.init(cfg.seed)
+    for i in range(cfg.nodes.count):
+        node = FlowerNode(cfg, i)
+        own = node.init_state(state.consensus)
+        # Its key stream is row i of the fleet's, and it holds exactly its own shard.
+        assert np.array_equal(jax.random.key_data(own.key)[0], jax.random.key_data(state.nodes.key)[i])
+        k = int(co.fleet.data.train_count[i])
+        assert node.num_examples == k
+        for name, v in node.data.train.items():
+            assert np.array_equal(v[0, :k], co.fleet.data.train[name][i, :k])
+
+
+def test_flower_config_refuses_what_flower_does_not_carry(tmp_path):
+    with pytest.raises(ConfigError, match="byzantine.nodes is not supported on Flower"):
+        ConsensusStrategy(flower_config(tmp_path, "byzantine.nodes=[4]", "byzantine.attack=alie"))
+    with pytest.raises(ConfigError, match="simulated faults"):
+        FlowerNode(flower_config(tmp_path, "faults.crash_nodes=[1]"), 0)
+    with pytest.raises(ValueError, match=r"partition-id must be an int in \[0, 5\)"):
+        FlowerNode(flower_config(tmp_path), 5)
+
+
+# ------------------------------------------------------------------ the rounds
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same config in process and on Flower (every node in this process)."""
+    cfg = flower_config(tmp_path_factory.mktemp("flower"))
+    ref = MetaConsensus(cfg, write=False, progress=False).train()
+    strategy = ConsensusStrategy(cfg)
+    result = run_strategy(strategy, InProcessGrid(make_client_app(), cfg.nodes.count), timeout=60)
+    return cfg, ref, strategy, result
+
+
+def test_flower_rounds_match_the_in_process_run(runs):
+    cfg, ref, strategy, result = runs
+    assert [h.ok for h in ref.history] == [h.ok for h in strategy.history] == [True, True]
+    for mine, theirs in zip(strategy.history, ref.history, strict=True):
+        assert mine.accepted == theirs.accepted
+        # The ledger is the same computation on the same events: equal to the last bit.
+        assert mine.epsilon == theirs.epsilon
+        np.testing.assert_allclose(mine.weights, theirs.weights, atol=1e-4)
+    # Not bit-exact: a node trains alone (a vmapped batch of 1) where the fleet trains all n in one
+    # vmapped batch, and XLA rounds the batched matmuls differently (a few ulp per round); the wire
+    # is lossless (see test_array_record_round_trip_is_lossless_and_keyed_by_dotted_paths).
+    assert 0 <= _max_abs(strategy.consensus, ref.consensus_params) < 1e-5
+    # The round's info is in the returned metrics.
+    last = result.train_metrics_clientapp[cfg.rounds]
+    assert last["ok"] == 1 and last["valid"] == cfg.nodes.count
+    assert list(last["accepted"]) == [int(a) for a in strategy.history[-1].accepted]
+    assert list(last["weights"]) == pytest.approx(strategy.history[-1].weights)
+    assert last["epsilon"] == strategy.history[-1].epsilon
+
+
+def test_flower_evaluation_is_the_example_weighted_mean_of_the_nodes(runs):
+    cfg, _, strategy, result = runs
+    per_node = [node_for(cfg, i) for i in range(cfg.nodes.count)]
+    counts = np.array([n.num_examples for n in per_node], np.float64)
+    acc = np.array([n.evaluate(strategy.consensus)["accuracy"] for n in per_node])
+    got = result.evaluate_metrics_clientapp[cfg.rounds]["eval_accuracy"]
+    assert got == pytest.approx(float(np.sum(acc * counts) / counts.sum()), rel=1e-9)
+
+
+class _Recording(ConsensusStrategy):
+    """Keeps the consensus after every round (for the test's replay)."""
+
+    def aggregate_train(self, server_round, replies):
+        out = super().aggregate_train(server_round, replies)
+        self.after = [*getattr(self, "after", []), self.consensus]
+        return out
+
+
+def _sabotaging_app(bad_round: int):
+    """A ClientApp whose partitions 0-2 misbehave in ``bad_round``: late, wrong shape, raising."""
+    honest = make_client_app()
+
+    def app(msg: Message, context) -> Message:
+        pid = int(context.node_config["partition-id"])
+        server_round = int(msg.content["config"]["server-round"])
+        if server_round == bad_round and pid == 2 and msg.metadata.message_type == "train":
+            raise RuntimeError("disk full")
+        reply = honest(msg, context)
+        if server_round != bad_round or msg.metadata.message_type != "train":
+            return reply
+        metrics = dict(reply.content["metrics"])
+        arrays = reply.content["arrays"]
+        if pid == 0:
+            metrics["server-round"] = server_round - 1  # an answer to an earlier round
+        if pid == 1:
+            key = next(iter(arrays.keys()))
+            arrays[key] = Array(np.zeros((7,), np.float32))
+        return Message(RecordDict({"arrays": arrays, "metrics": MetricRecord(metrics)}), reply_to=msg)
+
+    return app
+
+
+def test_bad_and_missing_answers_fail_the_round_under_the_coordinators_rule_then_the_run_goes_on(tmp_path):
+    cfg = flower_config(tmp_path, "rounds=3", "vote.rule=median", "weights.objective=uniform")
+    strategy = _Recording(cfg, evaluate=False, wait_for_nodes_s=0.0)
+    grid = InProcessGrid(_sabotaging_app(bad_round=2), cfg.nodes.count)
+    grid.kill(3)  # its SuperNode is gone from the start
+    run_strategy(strategy, grid, timeout=60)
+    first, second, third = strategy.history
+    # Round 1 goes on without the dead node.
+    assert first.ok and first.valid == [True, True, True, False, True]
+    assert "no answer" in first.errors["3"]
+    # Round 2: a late answer, a wrong shape, an error reply and the dead node are missing answers.
+    assert not second.ok and second.valid == [False, False, False, False, True]
+    assert (
+        second.reason
+        == too_few_answers(cfg, np.array(second.valid))
+        == "too few valid answers: 1 of 5, need 3"
+    )
+    assert second.errors["0"] == "too late: answers round 1, this is round 2"
+    assert "has shape (7,)" in second.errors["1"]
+    assert "RuntimeError: disk full" in second.errors["2"]
+    assert second.epsilon == first.epsilon > 0  # nothing was released in round 2, nothing charged
+    assert _bit_equal(strategy.after[1], strategy.after[0])  # the failed round kept the consensus
+    # Round 3 goes on from it.
+    assert third.ok and third.valid == first.valid and third.epsilon > first.epsilon
+    assert not _bit_equal(strategy.after[2], strategy.after[1])
+
+
+def test_a_vote_below_consensus_threshold_keeps_the_consensus_and_charges_the_ledger(tmp_path):
+    # Multi-Krum with f = 1 keeps n - f = 4 of 5: a threshold of 1.0 rejects every round.
+    cfg = flower_config(tmp_path, "rounds=1", "consensus_threshold=1.0")
+    ref = MetaConsensus(cfg, write=False, progress=False).train()
+    strategy = ConsensusStrategy(cfg)
+    initial = strategy.consensus
+    run_strategy(strategy, InProcessGrid(make_client_app(), cfg.nodes.count), timeout=60)
+    (mine,), (theirs,) = strategy.history, ref.history
+    assert not mine.ok and not theirs.ok
+    assert mine.reason == theirs.reason == "the vote accepted 4 of 5 nodes, consensus_threshold needs 5"
+    assert mine.epsilon == theirs.epsilon > 0  # the DP release happened: it is charged
+    assert _bit_equal(strategy.consensus, initial)
+
+
+def test_the_privacy_budget_stops_the_work(tmp_path):
+    cfg = flower_config(tmp_path, "rounds=3", "dp.budget=8.0")
+    strategy = ConsensusStrategy(cfg, evaluate=False)
+    grid = InProcessGrid(make_client_app(), cfg.nodes.count)
+    run_strategy(strategy, grid, timeout=60)
+    ok = [h.ok for h in strategy.history]
+    assert ok[0] and not any(ok[1:])
+    assert strategy.history[1].reason.startswith("privacy budget: epsilon would reach")
+    assert strategy.history[-1].epsilon <= 8.0
+    # Once stopped, no round sends work.
+    assert strategy.configure_train(4, strategy.initial_arrays(), None, grid) == []
