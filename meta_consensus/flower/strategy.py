@@ -159,6 +159,7 @@ class ConsensusStrategy(Strategy):
         self.evaluate = bool(evaluate)
         self.config_text = config_lib.dumps(cfg)
         self._partition_of: dict[int, int] = {}  # Flower node id -> partition id (from replies)
+        self._sent: list[Message] = []  # this round's messages (error replies name them)
         self._metrics = jax.jit(self.task.metrics)
         self._node_metrics = jax.jit(jax.vmap(self.task.metrics, in_axes=(0, None)))
 
@@ -194,7 +195,8 @@ class ConsensusStrategy(Strategy):
         config[CONFIG_KEY] = self.config_text
         content = RecordDict({"arrays": to_array_record(self.consensus), "config": config})
         ids = self._node_ids(grid, first=server_round == 1 and kind == MessageType.TRAIN)
-        return [Message(content, dst, kind, group_id=str(server_round)) for dst in ids]
+        self._sent = [Message(content, dst, kind, group_id=str(server_round)) for dst in ids]
+        return self._sent
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -237,6 +239,10 @@ class ConsensusStrategy(Strategy):
         for msg in replies:
             src = msg.metadata.src_node_id
             if msg.has_error():
+                # An error the SuperLink writes for a lost node may not come from that node: the
+                # message it answers names the node.
+                to = msg.metadata.reply_to_message_id
+                src = next((m.metadata.dst_node_id for m in self._sent if m.metadata.message_id == to), src)
                 who = self._partition_of.get(src)
                 key = str(who) if who is not None else f"node {src}"
                 errors[key] = f"error reply: {msg.error.reason}"

@@ -1,0 +1,169 @@
+"""Flower's robust strategies and this package's rules on the same replies: outputs and time.
+
+Run ``python -m benchmarks.flower_side_by_side [--quick]`` (needs the ``flower`` extra). Writes
+benchmarks/results/flower_side_by_side.json and .md (``*_quick.*`` with --quick: d = 1e5
+instead of 1e6).
+
+n = 16 nodes reply with Flower ``Message`` s holding ArrayRecords of a two-leaf model (d
+parameters in all); f = 3 of them are outliers (honest mean + 10, so every rule has something to
+reject) and every reply says ``num-examples = 1`` (Flower's Krum, Multi-Krum and Bulyan average
+weighted by it; equal weights make that the plain mean). Each Flower strategy's
+``aggregate_train(1, replies)`` runs as Flower runs it (ArrayRecord -> numpy, numpy on the host)
+next to the package rule with the same convention:
+
+* FedMedian ~ ``median``; FedTrimmedAvg(beta = f / n) ~ ``trimmed_mean(f)`` (both cut
+  ``floor(beta n) = f`` values from each side);
+* Krum(f) ~ ``krum(f)`` and MultiKrum(f, m - f) ~ ``multi_krum(f)`` (scores: the sum of squared
+  distances to the m - f - 2 nearest, as in docs/rules.md);
+* Bulyan(f) ~ ``bulyan(f)``: **conventions differ**: Flower selects theta = m - 2f nodes by
+  Multi-Krum scores computed once (one shot); this package by iterated Krum (El Mhamdi et al.
+  2018). Both then average the beta = theta - 2f values closest to the median at every coordinate.
+
+Outputs are compared by the largest absolute difference (float32: a few ulp where the
+conventions agree). Times: the best of ``repeats`` calls; for the package both the rule alone on
+a device-resident stack (eager ``update``, compiled on a warm-up call) and the whole path from
+the replies (decode and check every ArrayRecord, stack, merge), with the ratio Flower / package.
+The floor for the ratios is one numpy pass over the (n, d) stack in the same run: the machine is
+shared, absolute times are not comparable across runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flwr.app import Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp.strategy import Bulyan, FedMedian, FedTrimmedAvg, Krum, MultiKrum
+from flwr.supercore.task_identity import TaskIdentity
+
+from benchmarks.harness import best_time, header, markdown_table, parse, parser, ratio, save
+from consensus import registry, tree
+from meta_consensus.flower.arrays import from_array_record, to_array_record
+
+NAME = "flower_side_by_side"
+N, F = 16, 3
+
+
+def replies_of(model: dict[str, np.ndarray]) -> list[Message]:
+    """One train reply per node: its row of every leaf as an ArrayRecord, num-examples = 1."""
+    for name, value in (("run_id", 1), ("node_id", 0), ("task_id", 0)):
+        if getattr(TaskIdentity, f"_{name}") is None:
+            setattr(TaskIdentity, name, value)
+    out = []
+    for i in range(N):
+        row = {k: v[i] for k, v in model.items()}
+        sent = Message(RecordDict(), dst_node_id=1000 + i, message_type=MessageType.TRAIN)
+        content = RecordDict({"arrays": to_array_record(row), "metrics": MetricRecord({"num-examples": 1})})
+        out.append(Message(content, reply_to=sent))
+    return out
+
+
+def flower_strategies(f: int, n: int) -> dict[str, tuple[Any, str, dict[str, Any]]]:
+    """Flower strategy -> (the strategy, the package rule, its options)."""
+    return {
+        "FedMedian": (FedMedian(), "median", {}),
+        "FedTrimmedAvg": (FedTrimmedAvg(beta=f / n), "trimmed_mean", {}),
+        "Krum": (Krum(num_malicious_nodes=f), "krum", {}),
+        "MultiKrum": (MultiKrum(num_malicious_nodes=f, num_nodes_to_select=n - f), "multi_krum", {}),
+        "Bulyan": (Bulyan(num_malicious_nodes=f), "bulyan", {}),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse(parser(__doc__, "d = 1e5 instead of 1e6"), argv)
+    d = 100_000 if args.quick else 1_000_000
+    repeats = 3
+    rng = np.random.default_rng(0)
+    shapes = {"dense.kernel": (d // 100, 99), "dense.bias": (d - 99 * (d // 100),)}
+    model = {k: rng.standard_normal((N, *s), dtype=np.float32) for k, s in shapes.items()}
+    for v in model.values():
+        v[-F:] += 10.0  # the outliers: the last f nodes
+    like = {"dense": {"kernel": model["dense.kernel"][0], "bias": model["dense.bias"][0]}}
+    replies = replies_of(model)
+    stacked = {
+        "dense": {"kernel": jnp.asarray(model["dense.kernel"]), "bias": jnp.asarray(model["dense.bias"])}
+    }
+    host_stack = np.concatenate([v.reshape(N, -1) for v in model.values()], 1)
+    floor = best_time(lambda: host_stack.sum(axis=0), 7)
+
+    def from_replies(rule):
+        trees = [from_array_record(r.content["arrays"], like) for r in replies]
+        st = tree.stack(trees)
+        return rule.update(st, rule.init(like), like)[0]
+
+    rows, results = [], []
+    for flower_name, (strategy, rule_name, options) in flower_strategies(F, N).items():
+        rule = registry.make(rule_name, F, **options)
+        state = rule.init(like)
+        theirs_arrays, _ = strategy.aggregate_train(1, replies)
+        theirs = {k: np.asarray(a.numpy()) for k, a in theirs_arrays.items()}
+        ours = jax.tree.map(np.asarray, rule.update(stacked, state, like)[0])
+        ours_flat = {"dense.kernel": ours["dense"]["kernel"], "dense.bias": ours["dense"]["bias"]}
+        diff = max(float(np.max(np.abs(theirs[k].astype(np.float64) - ours_flat[k]))) for k in shapes)
+        t_flower = best_time(lambda s=strategy: s.aggregate_train(1, replies), repeats, warmup=0)
+        t_rule = best_time(lambda r=rule, s=state: r.update(stacked, s, like)[0], repeats)
+        t_path = best_time(lambda r=rule: from_replies(r), repeats)
+        agree = flower_name != "Bulyan"
+        results.append(
+            {
+                "flower": flower_name,
+                "package": rule_name,
+                "max_abs_diff": diff,
+                "conventions_agree": agree,
+                "flower_s": t_flower,
+                "package_rule_s": t_rule,
+                "package_from_replies_s": t_path,
+                "speedup_rule": t_flower / t_rule,
+                "speedup_from_replies": t_flower / t_path,
+                "flower_x_floor": ratio(t_flower, floor),
+                "package_rule_x_floor": ratio(t_rule, floor),
+            }
+        )
+        rows.append(
+            [
+                flower_name,
+                rule_name,
+                "yes" if agree else "no (one-shot vs iterated selection)",
+                f"{diff:.2e}",
+                f"{t_flower * 1e3:.1f}",
+                f"{t_rule * 1e3:.1f}",
+                f"{t_path * 1e3:.1f}",
+                f"{t_flower / t_rule:.1f}x",
+                f"{t_flower / t_path:.1f}x",
+            ]
+        )
+        print(rows[-1], flush=True)
+    settings = {"n": N, "f": F, "d": d, "outliers": "last f nodes, + 10", "repeats": repeats}
+    md = header("Flower's robust strategies next to this package's rules", NAME, args.quick, settings)
+    md += [
+        f"Floor (one numpy pass over the (n, d) float32 stack): {floor * 1e3:.2f} ms. The machine is shared:",
+        "compare the ratios within this run, not absolute times across runs.",
+        "",
+        markdown_table(
+            [
+                "Flower",
+                "package",
+                "same convention",
+                "max |diff|",
+                "Flower ms",
+                "package rule ms",
+                "package from replies ms",
+                "speedup (rule)",
+                "speedup (from replies)",
+            ],
+            rows,
+        ),
+        "",
+        "'from replies' includes decoding and checking every ArrayRecord and stacking, as the",
+        "ConsensusStrategy does; Flower's time includes its own ArrayRecord -> numpy decoding.",
+    ]
+    payload = {"floor_s": floor, "results": results}
+    save(NAME, args.quick, payload, "\n".join(md) + "\n", settings=settings)
+    print("\n".join(md))
+    return payload
+
+
+if __name__ == "__main__":
+    main()

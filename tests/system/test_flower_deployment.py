@@ -1,0 +1,192 @@
+"""A real Flower deployment on loopback: flower-superlink, three flower-supernode processes, flwr run.
+
+The package's ServerApp and ClientApp (:mod:`meta_consensus.flower.apps`) run two rounds over
+127.0.0.1 (insecure mode: test only, loopback only, free ports). One SuperNode is killed
+(SIGKILL of its process group) after it received its round-2 train message: a missing answer,
+and the round goes on with the other two. The deployment's consensus must equal, bit for bit,
+the same strategy and ClientApp run in this process (:class:`InProcessGrid`) with that node
+gone in round 2: the wire (ArrayRecord, ``.npy`` float32) is lossless, the node's state survives
+between rounds in Flower's ``context.state``, and the rest is the same computation. (The
+in-process :class:`MetaConsensus` comparison, within 1e-5, is in ``test_flower.py``.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flower_helpers import flower_config
+
+from consensus.io import load_safetensors
+from meta_consensus import config as config_lib
+from meta_consensus.flower import ConsensusStrategy, InProcessGrid, make_client_app
+
+pytestmark = pytest.mark.multiprocess
+
+BIN = Path(sys.executable).parent
+NODES = 3
+KILLED = 2
+APP_PYPROJECT = """\
+[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "meta-consensus-flower-test"
+version = "0.1.0"
+dependencies = []
+
+[tool.flwr.app]
+publisher = "meta-consensus"
+
+[tool.flwr.app.components]
+serverapp = "meta_consensus.flower.apps:server_app"
+clientapp = "meta_consensus.flower.apps:client_app"
+
+[tool.flwr.app.config]
+config = ""
+overrides = ""
+round-timeout = 600.0
+evaluate = true
+wait-for-nodes = 120.0
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(tmp_path):
+    return flower_config(
+        tmp_path,
+        f"nodes.count={NODES}",
+        "nodes.strategies=['hierarchical', 'convexity', 'local']",
+        "vote.rule=median",
+        "vote.num_byzantine=0",
+    )
+
+
+class _KillAtRound2(InProcessGrid):
+    """The in-process twin of the deployment: node KILLED is gone when round 2's training is sent."""
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        if messages and messages[0].metadata.group_id == "2" and messages[0].metadata.message_type == "train":
+            self.kill(KILLED)
+        return super().send_and_receive(messages, timeout=timeout)
+
+
+def _receipts(log: Path) -> int:
+    return log.read_text(errors="replace").count("Receiving: train message") if log.exists() else 0
+
+
+def test_loopback_deployment_with_a_node_killed_mid_round_equals_the_in_process_run(tmp_path):
+    cfg = _config(tmp_path / "runs")
+    cfg_file = tmp_path / "config.toml"
+    cfg_file.write_text(config_lib.dumps(cfg))
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "pyproject.toml").write_text(APP_PYPROJECT)
+    home = tmp_path / "flwr_home"
+    home.mkdir()
+    link = _free_port()
+    # flwr's own config (FLWR_HOME): the SuperLink connection "local", insecure, on loopback.
+    connection = f'address = "127.0.0.1:{link}"\ninsecure = true\n'
+    (home / "config.toml").write_text(f'[superlink]\ndefault = "local"\n\n[superlink.local]\n{connection}')
+    env = dict(os.environ)
+    env.update(
+        FLWR_HOME=str(home),
+        PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+        # blobs_task (the config's task) is a module of tests/system.
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")]),
+        JAX_PLATFORMS="cpu",
+    )
+    procs: list[subprocess.Popen] = []
+
+    def start(args: list[str], log: Path) -> subprocess.Popen:
+        fh = open(log, "w")  # noqa: SIM115 - closed with the process below
+        p = subprocess.Popen(args, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        p.log = fh
+        procs.append(p)
+        return p
+
+    try:
+        start(
+            [str(BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(link)],
+            tmp_path / "superlink.log",
+        )
+        nodes = []
+        for i in range(NODES):
+            nodes.append(
+                start(
+                    [
+                        str(BIN / "flower-supernode"),
+                        "--insecure",
+                        "--superlink",
+                        f"127.0.0.1:{link}",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(_free_port()),
+                        "--node-config",
+                        f"partition-id={i} num-partitions={NODES}",
+                    ],
+                    tmp_path / f"supernode{i}.log",
+                )
+            )
+        run_config = f"config='{cfg_file}' evaluate=false round-timeout=90.0 wait-for-nodes=120.0"
+        run = start(
+            [str(BIN / "flwr"), "run", str(app), "local", "--stream", "--run-config", run_config],
+            tmp_path / "flwr_run.log",
+        )
+        # Kill node KILLED's SuperNode (and its ClientApp process) once round 2's training reached it.
+        deadline = time.monotonic() + 420
+        killed = False
+        while run.poll() is None and time.monotonic() < deadline:
+            if not killed and _receipts(tmp_path / f"supernode{KILLED}.log") >= 2:
+                os.killpg(nodes[KILLED].pid, signal.SIGKILL)
+                killed = True
+            time.sleep(0.5)
+        assert run.poll() is not None, (
+            "flwr run did not finish in time: " + (tmp_path / "flwr_run.log").read_text()[-3000:]
+        )
+        assert run.returncode == 0, (tmp_path / "flwr_run.log").read_text()[-3000:]
+        assert killed, "the SuperNode to kill never received round 2's training"
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+            p.log.close()
+
+    run_dir = Path(cfg.run_dir)
+    history = [json.loads(line) for line in (run_dir / "flower_rounds.jsonl").read_text().splitlines()]
+    assert [h["ok"] for h in history] == [True, True]
+    assert history[0]["valid"] == [True] * NODES
+    assert history[1]["valid"] == [i != KILLED for i in range(NODES)]
+    # The SuperLink answers for the lost node ("Node Unavailable") or the round's timeout runs out.
+    why = history[1]["errors"][str(KILLED)]
+    assert "Node Unavailable" in why or "no answer" in why, history[1]["errors"]
+    twin = ConsensusStrategy(cfg, evaluate=False, wait_for_nodes_s=0.0)
+    twin.start(
+        _KillAtRound2(make_client_app(), NODES), twin.initial_arrays(), num_rounds=cfg.rounds, timeout=60
+    )
+    for mine, theirs in zip(twin.history, history, strict=True):
+        assert mine.accepted == theirs["accepted"] and mine.weights == theirs["weights"]
+        assert mine.epsilon == theirs["epsilon"]
+    # Checked against the twin's keys, shapes and dtypes, then compared bit for bit.
+    deployed = load_safetensors(run_dir / "consensus.safetensors", like=twin.consensus)
+    for got, want in zip(jax.tree.leaves(deployed), jax.tree.leaves(twin.consensus), strict=True):
+        assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
