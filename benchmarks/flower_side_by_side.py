@@ -29,6 +29,7 @@ shared, absolute times are not comparable across runs.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import jax
@@ -36,28 +37,72 @@ import jax.numpy as jnp
 import numpy as np
 from flwr.app import Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp.strategy import Bulyan, FedMedian, FedTrimmedAvg, Krum, MultiKrum
+from flwr.serverapp.strategy.bulyan import aggregate_n_closest_weights
+from flwr.serverapp.strategy.multikrum import select_multikrum
 from flwr.supercore.task_identity import TaskIdentity
 
 from benchmarks.harness import best_time, header, markdown_table, parse, parser, ratio, save
 from consensus import registry, tree
+from consensus.base import get_info
+from consensus.io.keys import flatten
 from meta_consensus.flower.arrays import from_array_record, to_array_record
 
 NAME = "flower_side_by_side"
 N, F = 16, 3
 
 
-def replies_of(model: dict[str, np.ndarray]) -> list[Message]:
+def replies_of(model: dict[str, Any]) -> list[Message]:
     """One train reply per node: its row of every leaf as an ArrayRecord, num-examples = 1."""
     for name, value in (("run_id", 1), ("node_id", 0), ("task_id", 0)):
         if getattr(TaskIdentity, f"_{name}") is None:
             setattr(TaskIdentity, name, value)
     out = []
     for i in range(N):
-        row = {k: v[i] for k, v in model.items()}
+        row = jax.tree.map(lambda v, i=i: v[i], model)
         sent = Message(RecordDict(), dst_node_id=1000 + i, message_type=MessageType.TRAIN)
         content = RecordDict({"arrays": to_array_record(row), "metrics": MetricRecord({"num-examples": 1})})
         out.append(Message(content, reply_to=sent))
     return out
+
+
+def _time_flower(strategy: Any, model: dict[str, Any]) -> float:
+    """One Flower aggregation on fresh replies (it consumes them); the replies are built untimed."""
+    replies = replies_of(model)
+    start = time.perf_counter()
+    strategy.aggregate_train(1, replies)
+    return time.perf_counter() - start
+
+
+def bulyan_selection(model: dict[str, Any], rule: Any, stacked: Any, like: Any) -> dict[str, Any]:
+    """Where the two Bulyans part: the nodes each selects, and Flower's coordinate step on ours.
+
+    Flower's selection (Multi-Krum scores computed once) and this package's (iterated Krum) may
+    pick different honest nodes; the coordinate step (the beta values closest to the median) is
+    the same convention, so Flower's step run on the package's selection must give its output.
+    """
+    contents = [r.content for r in replies_of(model)]
+    theta = N - 2 * F
+    chosen = select_multikrum(contents, F, theta)
+    flower_sel = sorted(next(i for i, c in enumerate(contents) if c is x) for x in chosen)
+    merged, state = rule.update(stacked, rule.init(like), like)
+    ours_sel = [int(i) for i in np.flatnonzero(np.asarray(get_info(state).selected))]
+    keys = list(flatten(like))
+    rows = [
+        [np.asarray(flatten(jax.tree.map(lambda v, i=i: v[i], model))[k]) for k in keys] for i in ours_sel
+    ]
+    medians = [np.median(np.stack(col), axis=0) for col in zip(*rows, strict=True)]
+    step = aggregate_n_closest_weights(medians, rows, theta - 2 * F)
+    ours = flatten(jax.tree.map(np.asarray, merged))
+    diff = max(
+        float(np.max(np.abs(np.asarray(a, np.float64) - ours[k]))) for k, a in zip(keys, step, strict=True)
+    )
+    outliers = set(range(N - F, N))
+    return {
+        "flower_selected": flower_sel,
+        "package_selected": ours_sel,
+        "outliers_excluded_by_both": not (outliers & set(flower_sel)) and not (outliers & set(ours_sel)),
+        "coordinate_step_on_package_selection_max_abs_diff": diff,
+    }
 
 
 def flower_strategies(f: int, n: int) -> dict[str, tuple[Any, str, dict[str, Any]]]:
@@ -71,21 +116,30 @@ def flower_strategies(f: int, n: int) -> dict[str, tuple[Any, str, dict[str, Any
     }
 
 
+def bulyan_lines(results: list[dict[str, Any]]) -> list[str]:
+    b = next(r for r in results if r["flower"] == "Bulyan")
+    return [
+        f"Bulyan: Flower selected {b['flower_selected']}, the package {b['package_selected']} (outliers "
+        f"{'excluded by both' if b['outliers_excluded_by_both'] else 'NOT excluded by both'}); Flower's "
+        f"coordinate step on the package's selection differs from the package's output by "
+        f"{b['coordinate_step_on_package_selection_max_abs_diff']:.2e} (the same convention there).",
+        "",
+    ]
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(parser(__doc__, "d = 1e5 instead of 1e6"), argv)
     d = 100_000 if args.quick else 1_000_000
     repeats = 3
     rng = np.random.default_rng(0)
-    shapes = {"dense.kernel": (d // 100, 99), "dense.bias": (d - 99 * (d // 100),)}
-    model = {k: rng.standard_normal((N, *s), dtype=np.float32) for k, s in shapes.items()}
-    for v in model.values():
+    shapes = {"kernel": (d // 100, 99), "bias": (d - 99 * (d // 100),)}
+    model = {"dense": {k: rng.standard_normal((N, *s), dtype=np.float32) for k, s in shapes.items()}}
+    for v in jax.tree.leaves(model):
         v[-F:] += 10.0  # the outliers: the last f nodes
-    like = {"dense": {"kernel": model["dense.kernel"][0], "bias": model["dense.bias"][0]}}
+    like = jax.tree.map(lambda v: v[0], model)
     replies = replies_of(model)
-    stacked = {
-        "dense": {"kernel": jnp.asarray(model["dense.kernel"]), "bias": jnp.asarray(model["dense.bias"])}
-    }
-    host_stack = np.concatenate([v.reshape(N, -1) for v in model.values()], 1)
+    stacked = jax.tree.map(jnp.asarray, model)
+    host_stack = np.concatenate([v.reshape(N, -1) for v in jax.tree.leaves(model)], 1)
     floor = best_time(lambda: host_stack.sum(axis=0), 7)
 
     def from_replies(rule):
@@ -97,12 +151,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for flower_name, (strategy, rule_name, options) in flower_strategies(F, N).items():
         rule = registry.make(rule_name, F, **options)
         state = rule.init(like)
-        theirs_arrays, _ = strategy.aggregate_train(1, replies)
+        # Flower's strategies consume the replies (they pop the arrays): fresh replies every call.
+        theirs_arrays, _ = strategy.aggregate_train(1, replies_of(model))
         theirs = {k: np.asarray(a.numpy()) for k, a in theirs_arrays.items()}
-        ours = jax.tree.map(np.asarray, rule.update(stacked, state, like)[0])
-        ours_flat = {"dense.kernel": ours["dense"]["kernel"], "dense.bias": ours["dense"]["bias"]}
-        diff = max(float(np.max(np.abs(theirs[k].astype(np.float64) - ours_flat[k]))) for k in shapes)
-        t_flower = best_time(lambda s=strategy: s.aggregate_train(1, replies), repeats, warmup=0)
+        ours = flatten(jax.tree.map(np.asarray, rule.update(stacked, state, like)[0]))
+        assert sorted(ours) == sorted(theirs), (sorted(ours), sorted(theirs))
+        diff = max(float(np.max(np.abs(theirs[k].astype(np.float64) - ours[k]))) for k in ours)
+        extra = bulyan_selection(model, rule, stacked, like) if flower_name == "Bulyan" else {}
+        t_flower = min(_time_flower(strategy, model) for _ in range(repeats))
         t_rule = best_time(lambda r=rule, s=state: r.update(stacked, s, like)[0], repeats)
         t_path = best_time(lambda r=rule: from_replies(r), repeats)
         agree = flower_name != "Bulyan"
@@ -119,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "speedup_from_replies": t_flower / t_path,
                 "flower_x_floor": ratio(t_flower, floor),
                 "package_rule_x_floor": ratio(t_rule, floor),
+                **extra,
             }
         )
         rows.append(
@@ -156,6 +213,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows,
         ),
         "",
+        *bulyan_lines(results),
         "'from replies' includes decoding and checking every ArrayRecord and stacking, as the",
         "ConsensusStrategy does; Flower's time includes its own ArrayRecord -> numpy decoding.",
     ]
