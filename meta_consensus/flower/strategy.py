@@ -242,7 +242,10 @@ class ConsensusStrategy(Strategy):
                 # An error the SuperLink writes for a lost node may not come from that node: the
                 # message it answers names the node.
                 to = msg.metadata.reply_to_message_id
-                src = next((m.metadata.dst_node_id for m in self._sent if m.metadata.message_id == to), src)
+                if to:
+                    src = next(
+                        (m.metadata.dst_node_id for m in self._sent if m.metadata.message_id == to), src
+                    )
                 who = self._partition_of.get(src)
                 key = str(who) if who is not None else f"node {src}"
                 errors[key] = f"error reply: {msg.error.reason}"

@@ -138,6 +138,7 @@ def runs(tmp_path_factory):
     return cfg, ref, strategy, result
 
 
+@pytest.mark.slow  # an in-process run next to the Flower one: ~15-40 s on 2 cores
 def test_flower_rounds_match_the_in_process_run(runs):
     cfg, ref, strategy, result = runs
     assert [h.ok for h in ref.history] == [h.ok for h in strategy.history] == [True, True]
@@ -158,6 +159,7 @@ def test_flower_rounds_match_the_in_process_run(runs):
     assert last["epsilon"] == strategy.history[-1].epsilon
 
 
+@pytest.mark.slow  # an in-process run next to the Flower one: ~15-40 s on 2 cores
 def test_flower_evaluation_is_the_example_weighted_mean_of_the_nodes(runs):
     cfg, _, strategy, result = runs
     per_node = [node_for(cfg, i) for i in range(cfg.nodes.count)]
@@ -227,6 +229,7 @@ def test_bad_and_missing_answers_fail_the_round_under_the_coordinators_rule_then
     assert not _bit_equal(strategy.after[2], strategy.after[1])
 
 
+@pytest.mark.slow  # an in-process run next to the Flower one: ~15-40 s on 2 cores
 def test_a_vote_below_consensus_threshold_keeps_the_consensus_and_charges_the_ledger(tmp_path):
     # Multi-Krum with f = 1 keeps n - f = 4 of 5: a threshold of 1.0 rejects every round.
     cfg = flower_config(tmp_path, "rounds=1", "consensus_threshold=1.0")
