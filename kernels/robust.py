@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels import rows as row_kernels
 from kernels.gram import CHUNK, HIGHEST
 from kernels.sorting import count, exclude, pick, sort_rows, window_sum
 
@@ -110,39 +111,5 @@ def meamed(
     return jnp.where(width > 0, best_sum / jnp.maximum(width, 1).astype(jnp.float32), jnp.nan)
 
 
-MIX_CHUNK = 16384
-
-
-@jax.jit
-def mix_rows(x: jax.Array, mixing: jax.Array) -> jax.Array:
-    """y_b = sum_j M[b, j] x_j for a (B, n) M: B new rows from n, float32, streamed in chunks.
-
-    Columns j of M that are all zero are zeroed first (a NaN row that no output
-    uses cannot leak in); output rows with an all-zero row of M are NaN ("no
-    value", excluded by every rule downstream).
-    """
-    n, b = x.shape[0], mixing.shape[0]
-    shape = (b,) + x.shape[1:]
-    x = x.reshape(n, -1)
-    used = jnp.any(mixing != 0, axis=0)
-    produced = jnp.any(mixing != 0, axis=1)
-    mixing = mixing.astype(jnp.float32)
-
-    def block(xs):
-        xs = jnp.where(used[:, None], xs.astype(jnp.float32), 0.0)
-        y = jnp.dot(mixing, xs, precision=HIGHEST)
-        return jnp.where(produced[:, None], y, jnp.nan)
-
-    d = x.shape[1]
-    k = d // MIX_CHUNK
-    if k < 2:
-        return block(x).reshape(shape)
-
-    def body(i, out):
-        xs = jax.lax.dynamic_slice_in_dim(x, i * MIX_CHUNK, MIX_CHUNK, axis=1)
-        return jax.lax.dynamic_update_slice_in_dim(out, block(xs), i * MIX_CHUNK, axis=1)
-
-    out = jax.lax.fori_loop(0, k, body, jnp.zeros((b, d), jnp.float32))
-    if d % MIX_CHUNK:
-        out = out.at[:, k * MIX_CHUNK :].set(block(x[:, k * MIX_CHUNK :]))
-    return out.reshape(shape)
+# y_b = sum_j M[b, j] x_j for a (B, n) M: B new rows from n (bucket means), streamed in chunks.
+mix_rows = row_kernels.mix

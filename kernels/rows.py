@@ -93,7 +93,7 @@ MIX_CHUNK = 16384
 
 @jax.jit
 def mix(x: jax.Array, mixing: jax.Array) -> jax.Array:
-    """y_i = sum_j M[i, j] x_j for all i: an (n, n) mixing of the rows, float32.
+    """y_b = sum_j M[b, j] x_j for a (B, n) mixing M (B = n: a mixing of the rows), float32.
 
     Streams the columns in cache-sized chunks (XLA:CPU's plain dot on a long
     (n, d) operand is ~10x slower than one pass). Columns j with an all-zero
@@ -101,8 +101,8 @@ def mix(x: jax.Array, mixing: jax.Array) -> jax.Array:
     and output rows i with an all-zero row of M are NaN: "no value", which
     every aggregator then excludes as non-finite.
     """
-    n = x.shape[0]
-    shape = x.shape
+    n, b = x.shape[0], mixing.shape[0]
+    shape = (b,) + x.shape[1:]
     x = x.reshape(n, -1)
     used = jnp.any(mixing != 0, axis=0)
     produced = jnp.any(mixing != 0, axis=1)
@@ -122,7 +122,7 @@ def mix(x: jax.Array, mixing: jax.Array) -> jax.Array:
         xs = jax.lax.dynamic_slice_in_dim(x, i * MIX_CHUNK, MIX_CHUNK, axis=1)
         return jax.lax.dynamic_update_slice_in_dim(out, block(xs), i * MIX_CHUNK, axis=1)
 
-    out = jax.lax.fori_loop(0, k, body, jnp.zeros((n, d), jnp.float32))
+    out = jax.lax.fori_loop(0, k, body, jnp.zeros((b, d), jnp.float32))
     if d % MIX_CHUNK:
         out = out.at[:, k * MIX_CHUNK :].set(block(x[:, k * MIX_CHUNK :]))
     return out.reshape(shape)
