@@ -146,6 +146,12 @@ class VoteConfig:
         ``num_byzantine // groups``), then ``top_rule`` votes over the group results.
       top_rule, top_num_byzantine, top_options: the rule over the group results, its f
         (groups that may be wholly Byzantine) and its parameters.
+      root_size: server-guided rules (``fltrust``, ``server_monna``): rows of the held-out
+        split the coordinator keeps as its root set (drawn from ``seed``; removed from the
+        held-out data the quality gate, the weights and evaluation use; see
+        :mod:`meta_consensus.server`). Unused by other rules.
+      server_steps: the coordinator's Adam steps on the root set per round (None:
+        ``nodes.local_steps``, a plain local node's budget).
     """
 
     rule: str = "multi_krum"
@@ -158,6 +164,8 @@ class VoteConfig:
     top_rule: str = "median"
     top_num_byzantine: int = 0
     top_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    root_size: int = 100
+    server_steps: int | None = None
 
     def f(self, answered: int) -> int:
         """f of a flat vote when ``answered`` nodes answered with a valid candidate."""
@@ -358,8 +366,10 @@ def _registered(key: str, build: Any) -> Any:
 
 
 # What the system's round hands a rule besides the stacked candidates: the last consensus
-# (the base of merge methods, the centre of the votes).
-SYSTEM_PROVIDES = frozenset({"params"})
+# (the base of merge methods, the centre of the votes), a key from the round key (randomized
+# rules) and the coordinator's own update on its root set (server-guided rules; see
+# meta_consensus.server).
+SYSTEM_PROVIDES = frozenset({"params", "key", "server_update"})
 
 
 def _check_rule(key: str, name: str, f: int, n: int, options: Mapping[str, Any], where: str) -> None:
@@ -393,6 +403,10 @@ def _check_vote(cfg: Config) -> None:
         f"0, 1 or a divisor of nodes.count = {n}",
     )
     _check(v.top_num_byzantine >= 0, "vote.top_num_byzantine", v.top_num_byzantine, "need >= 0")
+    _check(v.root_size >= 1, "vote.root_size", v.root_size, "need >= 1 held-out rows")
+    _check(
+        v.server_steps is None or v.server_steps >= 1, "vote.server_steps", v.server_steps, "need >= 1"
+    )
     vote_rules = rules.vote_rules()
     _choices("vote.rule", v.rule, vote_rules)
     unknown_pre = sorted(set(v.pre_options) - set(v.pre))

@@ -38,6 +38,7 @@ from meta_consensus import example_privacy
 from meta_consensus.config import Config, ConfigError
 from meta_consensus.fleet import Fleet
 from meta_consensus.pipeline import MergePipeline, MergeReport, RoundFailure
+from meta_consensus.server import SERVER_UPDATE, ServerReference, round_extra, round_needs, split_root
 from strategies.tasks.base import Task
 from strategies.trainer import TrainState
 
@@ -154,6 +155,7 @@ class Coordinator:
     ):
         self.cfg = cfg
         self.fleet = Fleet(cfg, task=task, process_index=process_index, process_count=process_count)
+        self.server = self._server_reference(process_count)
         self.example = self._example_accountant()
         self.noise_multiplier = self._noise_multiplier()
         # Example-level DP lives in the nodes: the merge pipeline adds no node-level DP step.
@@ -164,6 +166,21 @@ class Coordinator:
         self.aggregator = self.pipeline.aggregator
         self._eval_jit = None  # built on the first evaluated round
         self.dp = cfg.dp.enabled and self.example is None  # node-level DP (the ledger)
+
+    def _server_reference(self, process_count: int) -> ServerReference | None:
+        """Server-guided rules: split the root set off the held-out data (before anything reads it)."""
+        self.round_needs = round_needs(self.cfg)
+        if SERVER_UPDATE not in self.round_needs:
+            return None
+        if process_count > 1:
+            raise ConfigError(
+                f"vote.rule = {self.cfg.vote.rule!r} needs the coordinator's own update; "
+                "server-guided rules run in one process"
+            )
+        data = self.fleet.data
+        root, rest = split_root(data.heldout, self.cfg.vote.root_size, self.cfg.seed)
+        self.fleet.data = dataclasses.replace(data, heldout=rest)
+        return ServerReference(self.fleet.task, root, self.cfg)
 
     def _example_accountant(self) -> example_privacy.ExampleAccountant | None:
         """Example-level DP-SGD: refuse leaking configs, calibrate every node, hand the fleet its settings."""
@@ -322,7 +339,8 @@ class Coordinator:
                 f"over the budget {ledger.budget}"
             )
         try:
-            merged, new_agg = self.pipeline.update(out.submitted, agg_state, state.consensus, valid)
+            extra = round_extra(self.round_needs, self.server, state.consensus, key)
+            merged, new_agg = self.pipeline.update(out.submitted, agg_state, state.consensus, valid, **extra)
         except (RoundFailure, ByzantineToleranceError) as e:
             # Solver failure, or too few valid nodes left for the rule's precondition (Krum needs
             # m > 2f + 2 of the nodes that answered). The pipeline stopped before the noise was

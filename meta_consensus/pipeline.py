@@ -158,10 +158,16 @@ class MergePipeline:
         """What the next update will cost in privacy (None without DP)."""
         return privacy_event(state) if self.cfg.dp.enabled else None
 
-    def update(self, stacked: PyTree, state: Any, params: PyTree, valid: np.ndarray) -> tuple[PyTree, Any]:
-        """Merge the valid candidates. Raises RoundFailure (solver, empty vote) or ByzantineToleranceError."""
+    def update(
+        self, stacked: PyTree, state: Any, params: PyTree, valid: np.ndarray, **extra: Any
+    ) -> tuple[PyTree, Any]:
+        """Merge the valid candidates. Raises RoundFailure (solver, empty vote) or ByzantineToleranceError.
+
+        ``extra``: what the vote's rules need from the round (``key``, ``server_update``; see
+        :func:`meta_consensus.server.round_extra`), passed through to them.
+        """
         agg = self.for_answered(int(np.sum(valid)))
-        merged, state = agg.update(stacked, state, params, mask=jnp.asarray(valid))
+        merged, state = agg.update(stacked, state, params, mask=jnp.asarray(valid), **extra)
         return jax.block_until_ready(merged), state
 
     def report(self, state: Any) -> MergeReport:

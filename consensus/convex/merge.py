@@ -103,7 +103,8 @@ def convex_merge(
 
     ``update(stacked, state, params=None, *, mask=None, **extra)`` combines
     ``mask`` with the finite-node mask, calls ``weigher(stacked, params, valid,
-    **extra)`` on the host, and merges with one weighted-sum pass (nodes of
+    **extra)`` on the host (``extra`` also reaches the vote, whose rules may need a
+    ``key`` or a ``server_update``), and merges with one weighted-sum pass (nodes of
     weight 0 contribute exactly 0, even when they hold NaN). The state records
     the ConvexWeights result, so a solver fallback is visible in the round's
     info. Infeasible options (caps below 1/n_valid, no valid node) raise the
@@ -171,7 +172,8 @@ def convex_merge(
         # to_host: the stack may be sharded over other processes' devices (multi-process meshes)
         finite = np.asarray(to_host(tree.finite_mask(stacked)), bool)
         if vote is not None:
-            voted, vote_state = vote.update(stacked, state.vote, params, mask=mask)
+            # extra reaches the vote too: its rules may need a key or the server's update.
+            voted, vote_state = vote.update(stacked, state.vote, params, mask=mask, **extra)
             vinfo = get_info(vote_state)
             valid = np.asarray(to_host(vinfo.selected & vinfo.valid), bool) & finite  # waits for the vote
             if not valid.any():

@@ -76,6 +76,11 @@ def check_flower_config(cfg: Config) -> Config:
         )
     if cfg.mesh.enabled:
         raise ConfigError("mesh.* is not supported on Flower: each node is one process")
+    from meta_consensus.server import round_needs
+
+    needs = sorted(round_needs(cfg))
+    if needs:  # the in-process coordinator provides them (meta_consensus.server); this strategy not yet
+        raise ConfigError(f"vote.rule = {cfg.vote.rule!r} needs {needs}, not provided on Flower yet")
     return cfg
 
 

@@ -1,0 +1,136 @@
+"""The coordinator's own update, for the server-guided rules (FLTrust, server MoNNA).
+
+FLTrust (Cao et al. 2021, NDSS) and the server-reference variant of MoNNA trust the
+coordinator's own update ``g`` on a small, clean *root set* (``update(...,
+server_update=g)``, see :mod:`consensus.aggregators.server`). The system builds it so:
+
+* **The root set** is ``vote.root_size`` rows split off the task's held-out split by a
+  permutation drawn from the run's seed (:func:`split_root`). Held-out data is never a
+  node's training data (each node trains on its own shard, and the hierarchical
+  strategy on the shared general pool), so the root set is never node data.
+* **It is removed from the held-out split the rest of the run sees**: the quality
+  gate, the convex weights, the soups' greedy selection and the held-out accuracy
+  all use the remaining rows. The server update is fitted on the root set; scoring
+  candidates on the same rows would reward nodes for agreeing with the server on
+  data it trained on, and the held-out accuracy of the consensus would no longer be
+  held-out.
+* **The update**: every round the coordinator starts from the current consensus and
+  takes ``vote.server_steps`` (default: ``nodes.local_steps``) Adam steps of the
+  task's loss on minibatches of ``nodes.batch_size`` root rows, at
+  ``nodes.learning_rate``: a plain local node's budget and optimizer. The Adam state
+  starts fresh every round (the coordinator keeps no optimizer state across rounds),
+  and the minibatches come from the round key, so a resumed run computes the same
+  update. ``g = params_after - consensus``.
+
+What it assumes: the root set is clean and roughly representative of the task
+(FLTrust's assumption); a skewed root set pulls every round towards its own classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from consensus import registry
+from meta_consensus.config import Config, ConfigError
+from strategies.tasks.base import NodeData, Task
+from strategies.trainer import NodeTrainer
+
+PyTree = Any
+
+SERVER_UPDATE = "server_update"
+ROOT_STREAM = 0x5EED  # fold_in tag of the root split's key (a stream no other draw of the run uses)
+SERVER_STREAM = 0x5E4  # fold_in tag of the server's minibatch key inside a round key
+
+
+def vote_rules_of(cfg: Config) -> list[str]:
+    """Every registered rule the config's vote runs (pre-aggregators, the rule, the top rule)."""
+    v = cfg.vote
+    return [*v.pre, v.rule, *([v.top_rule] if v.groups > 1 else [])]
+
+
+def round_needs(cfg: Config) -> frozenset[str]:
+    """What the config's vote needs from the round besides the stack and params (key, server_update)."""
+    out: set[str] = set()
+    for name in vote_rules_of(cfg):
+        out |= registry.RULES[name].needs
+    return frozenset(out - {"params"})
+
+
+def split_root(
+    heldout: Mapping[str, np.ndarray], root_size: int, seed: int
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(root set, the rest): ``root_size`` held-out rows drawn without replacement from ``seed``.
+
+    Both keep the held-out split's row order. Raises ConfigError when the held-out split
+    is too small to leave rows for the quality gate, the weights and evaluation.
+    """
+    sizes = {len(v) for v in heldout.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"held-out arrays disagree on their row count: {sorted(sizes)}")
+    total = sizes.pop()
+    if not 1 <= root_size < total:
+        raise ConfigError(
+            f"vote.root_size = {root_size} is not valid: need 1 <= root_size < {total} "
+            "(the held-out rows of this task; the rest stay held out)"
+        )
+    key = jax.random.fold_in(jax.random.key(seed), ROOT_STREAM)
+    perm = np.asarray(jax.random.permutation(key, total))
+    in_root = np.zeros(total, bool)
+    in_root[perm[:root_size]] = True
+    root = {k: np.asarray(v)[in_root] for k, v in heldout.items()}
+    rest = {k: np.asarray(v)[~in_root] for k, v in heldout.items()}
+    return root, rest
+
+
+class ServerReference:
+    """The coordinator's update on its root set (see the module docstring)."""
+
+    def __init__(self, task: Task, root: Mapping[str, np.ndarray], cfg: Config):
+        nd = cfg.nodes
+        self.steps = cfg.vote.server_steps if cfg.vote.server_steps is not None else nd.local_steps
+        self.root_size = len(next(iter(root.values())))
+        # Its own single-device trainer: one node, whatever the fleet's mesh.
+        lr = {"learning_rate": nd.learning_rate}
+        self.trainer = NodeTrainer(task, optax.adam, lr, batch_size=nd.batch_size)
+        self.data = self.trainer.place(
+            NodeData(
+                dict(root),
+                np.arange(self.root_size, dtype=np.int32)[None],
+                np.asarray([self.root_size], np.int32),
+                shared=True,
+                name="root",
+                identity=True,
+            )
+        )
+
+    def update(self, params: PyTree, round_key: jax.Array) -> PyTree:
+        """g = (``steps`` Adam steps on the root set from ``params``) - ``params``, like ``params``."""
+        key = jax.random.fold_in(round_key, SERVER_STREAM)
+        state = self.trainer.init(key, params, 1)
+        state, _ = self.trainer.fit(state, self.data, self.steps)
+        return jax.tree.map(lambda x, p: (x[0] - p).astype(p.dtype), state.params, params)
+
+
+VOTE_STREAM = 0x707E  # fold_in tag of the randomized rules' key inside a round key
+
+
+def round_extra(
+    needs: frozenset[str], server: ServerReference | None, consensus: PyTree, round_key: jax.Array
+) -> dict[str, Any]:
+    """The keyword arguments the round hands the merge: ``key``, ``server_update`` when the vote needs them.
+
+    Both come from the round key (a retry draws fresh ones; a resumed run the same ones).
+    """
+    extra: dict[str, Any] = {}
+    if "key" in needs:
+        extra["key"] = jax.random.fold_in(round_key, VOTE_STREAM)
+    if SERVER_UPDATE in needs:
+        if server is None:
+            raise ValueError("the vote needs a server_update but the coordinator has no root set")
+        extra[SERVER_UPDATE] = server.update(consensus, round_key)
+    return extra

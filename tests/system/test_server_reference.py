@@ -1,0 +1,121 @@
+"""Server-guided rules in the system: the root set, the coordinator's own update, FLTrust in a run."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from meta_consensus import config
+from meta_consensus.coordinator import Coordinator
+from meta_consensus.server import ServerReference, round_needs, split_root
+from tests.robust_reference import fltrust as fltrust_reference
+
+TINY = [
+    "rounds=2",
+    "seed=5",
+    "checkpoint_every=0",
+    "baseline_fedavg=false",
+    "task.options.hidden=[8]",
+    "task.alpha=0.3",
+    "nodes.count=4",
+    "nodes.strategies=local",
+    "nodes.local_steps=4",
+    "nodes.learning_rate=0.01",
+    "byzantine.nodes=[3]",
+    "byzantine.attack=sign_flip",
+    "byzantine.options={scale = 4.0}",
+    "vote.rule=fltrust",
+    "vote.root_size=40",
+    "weights.objective=vote",
+]
+
+
+def tiny(tmp_path, *overrides: str) -> config.Config:
+    return config.load(None, [*TINY, f"output_dir={tmp_path}", "name=fl", *overrides])
+
+
+def _rows(d: dict[str, np.ndarray]) -> set[bytes]:
+    return {np.asarray(x).tobytes() for x in d["x"]}
+
+
+def test_root_split_is_a_seeded_partition_of_heldout():
+    rng = np.random.default_rng(0)
+    held = {"x": rng.normal(size=(50, 3)).astype(np.float32), "y": np.arange(50)}
+    root, rest = split_root(held, 12, seed=1)
+    assert len(root["y"]) == 12 and len(rest["y"]) == 38
+    # Disjoint, together every row once, each keeping the held-out order; x and y stay paired.
+    assert sorted([*root["y"], *rest["y"]]) == list(range(50))
+    assert np.all(np.diff(root["y"]) > 0) and np.all(np.diff(rest["y"]) > 0)
+    np.testing.assert_array_equal(root["x"], held["x"][root["y"]])
+    again, _ = split_root(held, 12, seed=1)
+    other, _ = split_root(held, 12, seed=2)
+    np.testing.assert_array_equal(again["y"], root["y"])
+    assert set(other["y"]) != set(root["y"])
+    with pytest.raises(config.ConfigError, match="vote.root_size = 50"):
+        split_root(held, 50, seed=1)
+
+
+def test_config_accepts_server_rules_and_checks_their_options(tmp_path):
+    cfg = tiny(tmp_path)
+    assert round_needs(cfg) == {"server_update"}
+    assert round_needs(tiny(tmp_path, "vote.rule=dnc", "vote.num_byzantine=1")) == {"key"}
+    with pytest.raises(config.ConfigError, match="vote.root_size"):
+        tiny(tmp_path, "vote.root_size=0")
+    with pytest.raises(config.ConfigError, match="vote.server_steps"):
+        tiny(tmp_path, "vote.server_steps=0")
+
+
+@pytest.mark.slow  # a coordinator, two rounds and a refit: over a minute on the shared 2-core machine
+def test_fltrust_run_root_set_disjoint_from_node_data_and_the_rule_applied(tmp_path):
+    cfg = tiny(tmp_path)
+    co = Coordinator(cfg)
+    data = co.fleet.data
+    # The full held-out split of a coordinator whose rule needs no server update.
+    full = co.fleet.task.splits(cfg.nodes.count, seed=cfg.task.data_seed, alpha=cfg.task.alpha).heldout
+    root, rest = split_root(full, 40, cfg.seed)
+    # The held-out split the gate, weights and evaluation see is the rest; the root set is the server's.
+    np.testing.assert_array_equal(data.heldout["x"], rest["x"])
+    np.testing.assert_array_equal(co.server.data.pool["x"], root["x"])
+    node_rows = set()
+    for i, c in enumerate(np.asarray(data.train_count)):
+        node_rows |= _rows({"x": np.asarray(data.train["x"])[i, :c]})
+    node_rows |= _rows(data.general)
+    assert not _rows(root) & node_rows
+    assert not _rows(root) & _rows(data.heldout)
+
+    state = co.init()
+    for _ in range(cfg.rounds):
+        prev = state.consensus
+        key = co.round_key(state, 0)
+        new, info = co.round(state)
+        assert info.ok, info.reason
+        # Recompute the round's FLTrust from its parts: the nodes' candidates (the same fit keys
+        # give the same fit) and the server's update, against the float64 reference.
+        g = co.server.update(prev, key)
+        out = co.fleet.fit(state.nodes, prev, jax.random.split(key)[0])
+        flat = lambda t: np.concatenate([np.asarray(x, np.float64).reshape(-1) for x in jax.tree.leaves(t)])  # noqa: E731
+        X = np.stack([flat(jax.tree.map(lambda a, i=i: a[i], out.submitted)) for i in range(cfg.nodes.count)])
+        want = fltrust_reference(X, flat(prev), flat(g), np.ones(cfg.nodes.count, bool))
+        np.testing.assert_allclose(flat(new.consensus), want, rtol=1e-4, atol=1e-5)
+        # The sign-flipping node points away from the honest ones: FLTrust gives it no trust.
+        assert info.weights[3] == 0.0 and max(info.weights[:3]) > 0
+        state = new
+    assert np.isfinite(info.consensus_accuracy)
+
+
+@pytest.mark.slow  # builds a coordinator and compiles the server trainer (a minute when shared)
+def test_server_update_is_the_trainers_on_the_root_set_only(tmp_path):
+    cfg = tiny(tmp_path)
+    co = Coordinator(cfg)
+    params = co.init().consensus
+    key = jax.random.key(9)
+    g1 = co.server.update(params, key)
+    np.testing.assert_array_equal(
+        np.asarray(jax.tree.leaves(g1)[0]), np.asarray(jax.tree.leaves(co.server.update(params, key))[0])
+    )
+    # A root set of other rows gives another update (it is trained on those rows, not the nodes').
+    other = ServerReference(co.fleet.task, {k: v[:40] for k, v in co.fleet.data.heldout.items()}, cfg)
+    g2 = other.update(params, key)
+    assert not np.allclose(np.asarray(jax.tree.leaves(g1)[0]), np.asarray(jax.tree.leaves(g2)[0]))
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(g1))
