@@ -86,6 +86,19 @@ class NodesConfig:
       options: per strategy name, the keyword options of its class, for example
         ``{hierarchical = {fractions = [0.5, 0.25, 0.25]}, convexity = {mu = 0.5, radius = inf},
         soup = {snapshots = 4}}``.
+      sampling: client sampling (see :mod:`meta_consensus.sampling`): "full" (every node every
+        round, the default), "uniform" (``per_round`` nodes drawn without replacement from the
+        round key) or "poisson" (every node independently with rate ``sampling_rate``, or
+        ``per_round / count`` when only ``per_round`` is given). Only the sampled nodes train
+        and vote; the others keep their state on the host.
+      per_round: m, the nodes of a uniform sample (Poisson: the expected count, when
+        ``sampling_rate`` is not given).
+      sampling_rate: q, the Poisson rate.
+      optimizer: the nodes' local optimizer, "adam" (default) or "sgd" (plain SGD, no state:
+        the local update of textbook FedAvg / DP-FedAvg).
+      chunk: sampled nodes per vmapped fit call (0: all the round's nodes in one call); a
+        Poisson sample is padded to a multiple of it (padding rows are missing answers), so
+        the fit compiles once and the vote once per bucket of that size.
     """
 
     count: int = 8
@@ -94,6 +107,42 @@ class NodesConfig:
     batch_size: int = 32
     learning_rate: float = 3e-3
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    sampling: Literal["full", "uniform", "poisson"] = "full"
+    per_round: int | None = None
+    sampling_rate: float | None = None
+    chunk: int = 0
+    optimizer: Literal["adam", "sgd"] = "adam"
+
+    @property
+    def sampled(self) -> bool:
+        """Whether only a sample of the nodes takes part in a round."""
+        return self.sampling != "full"
+
+    def poisson_rate(self) -> float:
+        """q of Poisson sampling (1.0 under full participation or a uniform sample)."""
+        if self.sampling != "poisson":
+            return 1.0
+        if self.sampling_rate is not None:
+            return float(self.sampling_rate)
+        return float(self.per_round) / self.count
+
+    def expected_per_round(self) -> float:
+        """The expected number of nodes in a round's sample (n under full participation)."""
+        if self.sampling == "uniform":
+            return float(self.per_round)
+        if self.sampling == "poisson":
+            return self.poisson_rate() * self.count
+        return float(self.count)
+
+    def vote_size(self) -> int:
+        """The node count the vote is checked against at load: the (expected) sample size."""
+        return max(int(math.floor(self.expected_per_round())), 1) if self.sampled else self.count
+
+    def chunk_size(self) -> int:
+        """Sampled nodes per vmapped fit call (the fit's one compiled node count)."""
+        if self.chunk > 0:
+            return self.chunk
+        return max(int(math.ceil(self.expected_per_round())), 1)
 
     def strategy_of(self) -> tuple[str, ...]:
         s = self.strategies
@@ -368,8 +417,9 @@ def _registered(key: str, build: Any) -> Any:
 # What the system's round hands a rule besides the stacked candidates: the last consensus
 # (the base of merge methods, the centre of the votes), a key from the round key (randomized
 # rules) and the coordinator's own update on its root set (server-guided rules; see
-# meta_consensus.server).
-SYSTEM_PROVIDES = frozenset({"params", "key", "server_update"})
+# meta_consensus.server), and the nodes' Fisher / input Grams (fisher_merge, regmean; see
+# meta_consensus.statistics).
+SYSTEM_PROVIDES = frozenset({"params", "key", "server_update", "fisher", "grams"})
 
 
 def _check_rule(key: str, name: str, f: int, n: int, options: Mapping[str, Any], where: str) -> None:
@@ -391,8 +441,9 @@ def _check_rule(key: str, name: str, f: int, n: int, options: Mapping[str, Any],
 
 
 def _check_vote(cfg: Config) -> None:
-    """Every rule of the vote is registered, takes its options, and holds on the full fleet."""
-    v, n = cfg.vote, cfg.nodes.count
+    """Every rule of the vote is registered, takes its options, and holds on the full fleet
+    (on the expected sample when only a sample of the nodes takes part in a round)."""
+    v, n = cfg.vote, cfg.nodes.vote_size()
     _check(0.0 <= v.fault_tolerance < 0.5, "vote.fault_tolerance", v.fault_tolerance, "need [0, 0.5)")
     if v.num_byzantine is not None:
         _check(0 <= v.num_byzantine < n, "vote.num_byzantine", v.num_byzantine, f"need 0 <= f < n = {n}")
@@ -427,6 +478,46 @@ def _check_vote(cfg: Config) -> None:
         _check_rule(
             "vote.top_rule", v.top_rule, v.top_num_byzantine, v.groups, v.top_options, "the group results"
         )
+
+
+def _check_sampling(cfg: Config) -> None:
+    """Client sampling: a size or rate that fits the fleet, and the features it does not combine with."""
+    nd, n = cfg.nodes, cfg.nodes.count
+    _choices("nodes.sampling", nd.sampling, ("full", "uniform", "poisson"))
+    _choices("nodes.optimizer", nd.optimizer, ("adam", "sgd"))
+    _check(nd.chunk >= 0, "nodes.chunk", nd.chunk, "need >= 0 (0: all the round's nodes in one fit call)")
+    if not nd.sampled:
+        for key, value in (("per_round", nd.per_round), ("sampling_rate", nd.sampling_rate)):
+            _check(value is None, f"nodes.{key}", value, 'only with nodes.sampling = "uniform" or "poisson"')
+        return
+    if nd.sampling == "uniform":
+        _check(nd.per_round is not None, "nodes.per_round", nd.per_round, "give the sample size m")
+        _check(nd.sampling_rate is None, "nodes.sampling_rate", nd.sampling_rate, "Poisson sampling only")
+    else:
+        _check(
+            (nd.per_round is None) != (nd.sampling_rate is None),
+            "nodes.sampling_rate",
+            nd.sampling_rate,
+            "give exactly one of nodes.sampling_rate (q) and nodes.per_round (expected count q * n)",
+        )
+        if nd.sampling_rate is not None:
+            _check(0 < nd.sampling_rate <= 1, "nodes.sampling_rate", nd.sampling_rate, "need (0, 1]")
+    if nd.per_round is not None:
+        _check(2 <= nd.per_round <= n, "nodes.per_round", nd.per_round, f"need 2 <= m <= nodes.count = {n}")
+    _check(
+        nd.expected_per_round() >= 1,
+        "nodes.sampling_rate",
+        nd.sampling_rate,
+        f"q * nodes.count must be at least 1 (count = {n})",
+    )
+    _check(nd.chunk_size() % cfg.mesh.node == 0, "nodes.chunk", nd.chunk, "a multiple of mesh.node")
+    _check(cfg.vote.groups <= 1, "vote.groups", cfg.vote.groups, "a grouped vote needs full participation")
+    _check(
+        not (cfg.dp.enabled and cfg.dp.level == "example"),
+        "dp.level",
+        cfg.dp.level,
+        'client sampling runs node-level DP only (dp.level = "node")',
+    )
 
 
 def validate(cfg: Config) -> None:
@@ -486,6 +577,7 @@ def validate(cfg: Config) -> None:
     _check(cfg.nodes.local_steps >= 1, "nodes.local_steps", cfg.nodes.local_steps, "need >= 1")
     _check(cfg.nodes.batch_size >= 1, "nodes.batch_size", cfg.nodes.batch_size, "need >= 1")
     _check(cfg.nodes.learning_rate > 0, "nodes.learning_rate", cfg.nodes.learning_rate, "need > 0")
+    _check_sampling(cfg)
     for name, opts in cfg.nodes.options.items():
         _choices("nodes.options", name, node_lib.STRATEGIES.names())
         _check(isinstance(opts, Mapping), f"nodes.options.{name}", opts, "a table of the strategy's options")

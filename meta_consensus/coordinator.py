@@ -34,11 +34,13 @@ from consensus import tree
 from consensus.base import ByzantineToleranceError
 from consensus.mesh import to_host
 from consensus.privacy import PrivacyLedger, calibrate_noise, pld_epsilon, rdp_epsilon
-from meta_consensus import example_privacy
+from meta_consensus import example_privacy, sampling
 from meta_consensus.config import Config, ConfigError
 from meta_consensus.fleet import Fleet
 from meta_consensus.pipeline import MergePipeline, MergeReport, RoundFailure
 from meta_consensus.server import SERVER_UPDATE, ServerReference, round_extra, round_needs, split_root
+from meta_consensus.statistics import check_config as check_statistics_config
+from meta_consensus.statistics import round_statistics
 from strategies.tasks.base import Task
 from strategies.trainer import TrainState
 
@@ -102,6 +104,9 @@ class RoundInfo:
     seconds: dict[str, float]
     # Example-level DP: every node's epsilon (the run's accountant) after this round.
     node_epsilon: list[float] = dataclasses.field(default_factory=list)
+    # Client sampling: the nodes sampled this round (empty under full participation); the
+    # per-node lists above hold the sampled nodes' values and False / NaN / 0 for the others.
+    sampled: list[int] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -170,6 +175,7 @@ class Coordinator:
     def _server_reference(self, process_count: int) -> ServerReference | None:
         """Server-guided rules: split the root set off the held-out data (before anything reads it)."""
         self.round_needs = round_needs(self.cfg)
+        check_statistics_config(self.cfg, self.round_needs, process_count)  # fisher_merge, regmean
         if SERVER_UPDATE not in self.round_needs:
             return None
         if process_count > 1:
@@ -238,7 +244,8 @@ class Coordinator:
             return None
         if d.noise_multiplier is not None:
             return float(d.noise_multiplier)
-        return calibrate_noise(d.epsilon, d.delta, 1.0, self.cfg.rounds, d.accountant)
+        q = sampling.privacy_sampling_rate(self.cfg.nodes)
+        return calibrate_noise(d.epsilon, d.delta, q, self.cfg.rounds, d.accountant)
 
     # ------------------------------------------------------------------ init
 
@@ -293,6 +300,9 @@ class Coordinator:
             evaluate = state.round + 1 >= self.cfg.rounds or (state.round + 1) % self.cfg.eval_every == 0
         key = self.round_key(state, attempt)
         k_fit, k_dp = jax.random.split(key)
+        # Client sampling: the round's nodes (None: all); only they train, vote and are charged.
+        sample = sampling.draw(self.cfg.nodes, key)
+        asked = None if sample is None else max(sample.count, 1)
         secs: dict[str, float] = {}
         if self.example is not None:
             why = self.example.over_budget(self.example_steps(state))
@@ -300,7 +310,7 @@ class Coordinator:
                 raise PrivacyBudgetStop(f"round {state.round}: {why}")
 
         # 1-2. broadcast + node fit (each node with its strategy; Byzantine nodes attack)
-        out = self.fleet.fit(state.nodes, state.consensus, k_fit)
+        out = self.fleet.fit(state.nodes, state.consensus, k_fit, sample)
         secs["fit"] = out.seconds
 
         # 3. validate: structure and dtype, finiteness, quality gate on held-out data
@@ -323,7 +333,7 @@ class Coordinator:
         info = self._info(state, attempt, n, out, valid, errors, node_test, secs)
         if self.example is not None:
             self._example_epsilons(info, self.example_steps(state), pld=False)
-        why = too_few_answers(self.cfg, valid)
+        why = too_few_answers(self.cfg, valid, asked)
         if why:
             return state, self._fail(info, why)
 
@@ -340,6 +350,8 @@ class Coordinator:
             )
         try:
             extra = round_extra(self.round_needs, self.server, state.consensus, key)
+            # The nodes' Fisher / input Grams when the vote needs them (meta_consensus.statistics).
+            extra.update(round_statistics(self.round_needs, self.fleet.task, self.fleet.data, out.submitted))
             merged, new_agg = self.pipeline.update(out.submitted, agg_state, state.consensus, valid, **extra)
         except (RoundFailure, ByzantineToleranceError) as e:
             # Solver failure, or too few valid nodes left for the rule's precondition (Krum needs
@@ -359,7 +371,7 @@ class Coordinator:
         self._merge_info(info, report, ledger, second_accountant=self.second_accountant_due(state.round))
 
         accepted = np.asarray(info.accepted, bool)
-        why = too_few_accepted(self.cfg, accepted)
+        why = too_few_accepted(self.cfg, accepted, asked)
         if why:
             return state._replace(ledger=ledger), self._fail(info, why)
         if not bool(np.all(to_host(tree.finite_mask(tree.stack([merged]))))):
@@ -369,7 +381,7 @@ class Coordinator:
         fedavg, fedavg_nodes = state.fedavg, state.fedavg_nodes
         if fedavg is not None:
             t = time.perf_counter()
-            b = self.fleet.fit(fedavg_nodes, fedavg, k_fit)
+            b = self.fleet.fit(fedavg_nodes, fedavg, k_fit, sample)
             ok = b.answered & np.asarray(to_host(tree.finite_mask(b.submitted)), bool)
             if ok.any():
                 fedavg = tree.weighted_sum(b.submitted, jnp.asarray(ok / ok.sum(), jnp.float32))
@@ -433,6 +445,8 @@ class Coordinator:
     # ------------------------------------------------------------------ info
 
     def _info(self, state, attempt, n, out, valid, errors, node_test, secs) -> RoundInfo:
+        if out.ids is not None:  # client sampling: rows are the sample's slots
+            return _sampled_info(self, state, attempt, n, out, valid, errors, node_test, secs)
         nan = math.nan
         eps = state.ledger.epsilon() if state.ledger is not None else 0.0
         return RoundInfo(
@@ -467,6 +481,10 @@ class Coordinator:
     ) -> None:
         info.accepted = _bools(report.accepted)
         info.weights = _floats(report.weights)
+        if info.sampled:  # slot values -> the sampled nodes' entries of the (n,) lists
+            k, n = len(info.sampled), self.cfg.nodes.count
+            info.accepted = _bools(sampling.place(report.accepted[:k], info.sampled, n, False))
+            info.weights = _floats(sampling.place(report.weights[:k], info.sampled, n, 0.0))
         info.solve_ms, info.weight_cap = report.solve_ms, report.weight_cap
         if ledger is not None:
             info.clip_norm, info.noise_std = report.clip_norm, report.noise_std
@@ -497,6 +515,23 @@ class Coordinator:
         return info
 
 
+def _sampled_info(co, state, attempt, n, out, valid, errors, node_test, secs) -> RoundInfo:
+    """The RoundInfo of a client-sampled round: slot values placed at their nodes (lists of n)."""
+    ids, real = out.ids, out.ids >= 0
+    k = int(real.sum())
+    nodes = ids[:k]  # real slots come first, in node order
+
+    def at(values, fill):
+        return sampling.place(np.asarray(values)[:k], nodes, n, fill)
+
+    full = dataclasses.replace(out, answered=at(out.answered, False), loss=at(out.loss, np.nan), ids=None)
+    test = None if node_test is None else {m: at(v, np.nan) for m, v in node_test.items()}
+    named = {str(int(ids[int(j)])): e for j, e in errors.items() if real[int(j)]}
+    info = co._info(state, attempt, n, full, at(valid, False), named, test, secs)
+    info.sampled = [int(i) for i in nodes]
+    return info
+
+
 def _pld(z: float, q: float, rounds: int, delta: float, eps_rdp: float) -> float:
     """PLD epsilon on a grid scaled to the epsilon (RDP's, an upper bound) so it costs milliseconds.
 
@@ -521,16 +556,22 @@ def round_key(key_data: jax.Array, round_index: int, attempt: int) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(root, round_index), attempt)
 
 
-def too_few_answers(cfg: Config, valid: np.ndarray) -> str:
-    """Why the round fails before the merge (fewer valid answers than ``min_answers``), or ""."""
-    n, got = cfg.nodes.count, int(np.sum(valid))
+def too_few_answers(cfg: Config, valid: np.ndarray, asked: int | None = None) -> str:
+    """Why the round fails before the merge (fewer valid answers than ``min_answers``), or "".
+
+    ``asked``: the nodes the round asked (the sample's size under client sampling; default n).
+    """
+    n, got = cfg.nodes.count if asked is None else asked, int(np.sum(valid))
     need = math.ceil(cfg.min_answers * n)
     return f"too few valid answers: {got} of {n}, need {need}" if got < need else ""
 
 
-def too_few_accepted(cfg: Config, accepted: np.ndarray) -> str:
-    """Why the round fails after the vote (fewer accepted than ``consensus_threshold``), or ""."""
-    n, got = cfg.nodes.count, int(np.sum(accepted))
+def too_few_accepted(cfg: Config, accepted: np.ndarray, asked: int | None = None) -> str:
+    """Why the round fails after the vote (fewer accepted than ``consensus_threshold``), or "".
+
+    ``asked``: the nodes the round asked (the sample's size under client sampling; default n).
+    """
+    n, got = cfg.nodes.count if asked is None else asked, int(np.sum(accepted))
     need = math.ceil(cfg.consensus_threshold * n)
     return f"the vote accepted {got} of {n} nodes, consensus_threshold needs {need}" if got < need else ""
 

@@ -20,6 +20,12 @@ Failures are answers, not crashes: a fit call that raises or runs past the
 timeout marks its nodes as not answering, and simulated faults (a drop rate,
 crashing nodes) do the same per node. The round then goes on with the nodes
 that did answer (see :mod:`meta_consensus.coordinator`).
+
+Client sampling (``nodes.sampling``, :mod:`meta_consensus.sampling`): only the round's
+sampled nodes train. The n nodes' states then live on the host (numpy, key data as uint32;
+checkpointed by orbax like the on-device one); a round gathers the sampled rows, moves them
+to the devices ``nodes.chunk`` at a time (with the mesh's sharding), trains each chunk in the
+same vmapped program, and scatters the trained rows back into a new host state.
 """
 
 from __future__ import annotations
@@ -36,12 +42,13 @@ import optax
 
 from consensus import mesh as mesh_lib
 from meta_consensus.config import Config
+from meta_consensus.sampling import ClientSample
 from strategies import byzantine as byz_lib
 from strategies.hierarchical import Level, plan
 from strategies.node import LEVELS
 from strategies.registry import check_task, resolve_task
 from strategies.tasks import TaskData
-from strategies.tasks.base import Task
+from strategies.tasks.base import NodeData, Task
 from strategies.trainer import NodeTrainer, Proximal, Schedule, TrainState
 
 PyTree = Any
@@ -63,6 +70,8 @@ class FleetOutput:
       errors: node index -> why it did not answer.
       loss: (n,) mean training loss of the round (NaN for a failed fit).
       seconds: wall time of the fit.
+      ids: under client sampling, (slots,) the node of every row above (-1 on padding), and
+        ``errors`` is keyed by slot; None under full participation (row i is node i).
     """
 
     state: TrainState
@@ -71,6 +80,7 @@ class FleetOutput:
     errors: dict[int, str]
     loss: np.ndarray
     seconds: float
+    ids: np.ndarray | None = None
 
 
 class Fleet:
@@ -93,7 +103,9 @@ class Fleet:
         mesh = (
             (cfg.mesh.node, cfg.mesh.data, cfg.mesh.model) if cfg.mesh.enabled or process_count > 1 else None
         )
-        self.trainer = _trainer(self.task, cfg.nodes.learning_rate, cfg.nodes.batch_size, mesh)
+        self.trainer = _trainer(
+            self.task, cfg.nodes.learning_rate, cfg.nodes.batch_size, mesh, cfg.nodes.optimizer
+        )
         self.strategies = cfg.nodes.build_strategies()
         self.settings = [s.settings(cfg.nodes.local_steps, cfg.nodes.learning_rate) for s in self.strategies]
         self.byzantine = byz_lib.Byzantine(
@@ -114,6 +126,9 @@ class Fleet:
         self._segments = np.array_split(np.arange(cfg.nodes.local_steps), snaps.pop() if snaps else 1)
         self._metrics = _metrics(self.task)
         self._broadcast_jit = None
+        self._chunk_broadcast_jit = None
+        self._own_data = None  # TaskData.own(), built once for sampled rounds
+        self._key_impl = None  # the PRNG impl of the node keys (host state keeps raw key data)
         # Example-level DP-SGD settings (strategies.dpsgd.ExampleDP), set by the coordinator.
         self.example_dp = None
 
@@ -129,22 +144,32 @@ class Fleet:
         return plan(levels, self.data)
 
     def init(self, key: jax.Array, params: PyTree) -> TrainState:
-        """Every node starts from ``params`` (the initial consensus)."""
-        return self.trainer.init(key, params, self.n)
+        """Every node starts from ``params`` (the initial consensus); on the host under client sampling."""
+        state = self.trainer.init(key, params, self.n)
+        if not self.cfg.nodes.sampled:
+            return state
+        if jnp.issubdtype(state.key.dtype, jax.dtypes.prng_key):
+            self._key_impl = jax.random.key_impl(state.key)
+        return _to_host(state)
 
     def initial_params(self, key: jax.Array) -> PyTree:
         return self.task.init(key)
 
     # ------------------------------------------------------------------ fit
 
-    def fit(self, state: TrainState, anchor: PyTree, key: jax.Array) -> FleetOutput:
+    def fit(
+        self, state: TrainState, anchor: PyTree, key: jax.Array, sample: ClientSample | None = None
+    ) -> FleetOutput:
         """One round of node training from the broadcast consensus ``anchor``.
 
         Args:
           state: the nodes' state (optimizer state, keys and step counts carry over rounds).
           anchor: the consensus every node starts from (and the proximal anchor).
           key: this round's node key (model attacks, simulated faults).
+          sample: the round's client sample (None: every node); see :meth:`fit_sample`.
         """
+        if sample is not None:
+            return self.fit_sample(state, anchor, key, sample)
         k_attack, k_fault = jax.random.split(key)
         answered = np.ones((self.n,), bool)
         errors: dict[int, str] = {}
@@ -182,9 +207,86 @@ class Fleet:
                 errors[int(i)] = "no answer (simulated drop)"
         return FleetOutput(new_state, submitted, answered, errors, loss, seconds)
 
-    def trainer_broadcast(self, params: PyTree) -> PyTree:
+    def fit_sample(
+        self, state: TrainState, anchor: PyTree, key: jax.Array, sample: ClientSample
+    ) -> FleetOutput:
+        """One round of the sampled nodes: gather from the host state, fit in chunks, scatter back.
+
+        Rows of the output are the sample's slots; a padding slot trains a copy of a sampled
+        node (fixed shapes) and is a missing answer. Attacks see the whole sample at once (an
+        attack such as ALIE uses the sampled honest nodes' statistics); faults are drawn per
+        node, as under full participation.
+        """
+        k_attack, k_fault = jax.random.split(key)
+        real, rows = sample.real, sample.rows
+        slots, chunk = len(rows), self.cfg.nodes.chunk_size()
+        host = _to_host(state)
+        t0 = time.perf_counter()
+        try:
+            trained, losses, candidates = [], [], []
+            for start in range(0, slots, chunk):
+                part = rows[start : start + chunk]
+                new_part, loss, snapshots = self._train(self._device_rows(host, part), anchor, part)
+                candidates.append(self._soups(new_part.params, snapshots, part))
+                trained.append(_to_host(new_part))
+                losses.append(loss)
+            stacked = jax.tree.map(lambda *xs: jnp.concatenate(xs, 0), *candidates)
+            byz = dataclasses.replace(self.byzantine, mask=self.byzantine.mask[rows] & real)
+            submitted = byz_lib.submit(byz, k_attack, stacked, anchor)
+            jax.block_until_ready(submitted)
+            new_host = _scatter_rows(host, trained, sample.ids)
+        except Exception as e:  # noqa: BLE001 - a failed fit is a missing answer, never a crash
+            msg = f"fit raised {type(e).__name__}: {e}"
+            return FleetOutput(
+                state,
+                self.trainer_broadcast(anchor, slots),
+                np.zeros((slots,), bool),
+                dict.fromkeys(np.flatnonzero(real).tolist(), msg),
+                np.full((slots,), np.nan),
+                time.perf_counter() - t0,
+                ids=sample.ids,
+            )
+        seconds = time.perf_counter() - t0
+        loss = np.where(real, np.concatenate(losses, 0), np.nan)
+        answered = real.copy()
+        errors: dict[int, str] = {}
+        faults = self.cfg.faults
+        if faults.timeout_s is not None and seconds > faults.timeout_s:
+            answered[:] = False
+            why = f"timed out ({seconds:.1f} s > {faults.timeout_s} s)"
+            errors.update(dict.fromkeys(np.flatnonzero(real).tolist(), why))
+        crash = np.isin(rows, np.asarray(faults.crash_nodes, np.int64)) & real
+        for j in np.flatnonzero(crash):
+            answered[j] = False
+            errors[int(j)] = "fit raised RuntimeError: simulated crash"
+        if faults.drop_rate > 0:
+            drop = np.asarray(jax.random.uniform(k_fault, (self.n,)))[rows] < faults.drop_rate
+            for j in np.flatnonzero(drop & answered):
+                answered[j] = False
+                errors[int(j)] = "no answer (simulated drop)"
+        return FleetOutput(new_host, submitted, answered, errors, loss, seconds, ids=sample.ids)
+
+    def _device_rows(self, host: TrainState, rows: np.ndarray) -> TrainState:
+        """The host state's ``rows`` on the devices (params are reset to the anchor by ``_train``)."""
+        part = jax.tree.map(lambda x: x[rows], host)
+        key = jnp.asarray(part.key)
+        if self._key_impl is not None:
+            key = jax.random.wrap_key_data(key, impl=self._key_impl)
+        part = part._replace(key=key)
+        shardings = self.trainer.shardings(part.params)
+        if shardings is None:
+            return jax.tree.map(jnp.asarray, part)
+        return TrainState(
+            jax.device_put(part.params, shardings.params),
+            jax.device_put(part.opt_state, shardings.opt_state),
+            jax.device_put(part.key, shardings.key),
+            jax.device_put(part.step, shardings.step),
+        )
+
+    def trainer_broadcast(self, params: PyTree, n: int | None = None) -> PyTree:
         """n copies of ``params`` as a stacked tree (the placeholder of a failed fit)."""
-        return jax.tree.map(lambda p: jnp.broadcast_to(p, (self.n, *p.shape)), params)
+        n = self.n if n is None else n
+        return jax.tree.map(lambda p: jnp.broadcast_to(p, (n, *p.shape)), params)
 
     def _broadcast_placed(self, anchor: PyTree, like: PyTree) -> PyTree:
         """n copies of ``anchor`` placed like the nodes' params (on the mesh's node axis)."""
@@ -195,19 +297,50 @@ class Fleet:
             self._broadcast_jit = jax.jit(self.trainer_broadcast, out_shardings=sh)
         return self._broadcast_jit(anchor)
 
-    def _train(self, state: TrainState, anchor: PyTree) -> tuple[TrainState, np.ndarray, list[PyTree]]:
+    def _broadcast_rows(self, anchor: PyTree, like: PyTree) -> PyTree:
+        """As many copies of ``anchor`` as ``like`` has rows, placed like it (a sampled chunk)."""
+        rows = int(jax.tree.leaves(like)[0].shape[0])
+        if self.trainer.mesh is None:
+            return self.trainer_broadcast(anchor, rows)
+        if self._chunk_broadcast_jit is None:
+            sh = self.trainer.shardings(like).params
+            self._chunk_broadcast_jit = jax.jit(
+                functools.partial(self.trainer_broadcast, n=rows), out_shardings=sh
+            )
+        return self._chunk_broadcast_jit(anchor)
+
+    def _train(
+        self, state: TrainState, anchor: PyTree, rows: np.ndarray | None = None
+    ) -> tuple[TrainState, np.ndarray, list[PyTree]]:
+        """Train ``state``'s nodes (all n, or, under sampling, the nodes ``rows`` of the chunk)."""
         # Every node restarts from the consensus; its optimizer state and key stream carry over.
-        state = state._replace(params=self._broadcast_placed(anchor, state.params))
+        if rows is None:
+            state = state._replace(params=self._broadcast_placed(anchor, state.params))
+            pick = slice(None)
+        else:
+            state = state._replace(params=self._broadcast_rows(anchor, state.params))
+            pick = rows
         if self._plan is not None:
             data, hp = self._plan.data, self._plan.hyperparams
             level, active = np.asarray(self._plan.schedule.level), np.asarray(self._plan.schedule.active)
+            if rows is not None:
+                data = tuple(_data_rows(d, rows) for d in data)
+                hp = {k: np.asarray(v)[rows] for k, v in hp.items()}
+                level, active = level[rows], active[rows]
         else:
-            data, hp = self.data.own(), None
+            if rows is None:
+                data = self.data.own()
+            else:
+                if self._own_data is None:
+                    self._own_data = self.data.own()
+                data = _data_rows(self._own_data, rows)
+            hp = None
             level = active = None
         prox = None
         if self._proximal is not None:
-            prox = Proximal(anchor, *self._proximal)
-        flip = self.byzantine.flip_mask
+            mu, radius = self._proximal
+            prox = Proximal(anchor, mu[pick], radius[pick])
+        flip = self.byzantine.flip_mask[pick]
         snapshots, losses = [], []
         for seg in self._segments:
             schedule = None if level is None else Schedule(level[:, seg], active[:, seg])
@@ -227,18 +360,23 @@ class Fleet:
         loss = np.concatenate(losses, 0).mean(0)
         return state, loss, snapshots
 
-    def _soups(self, stacked: PyTree, snapshots: list[PyTree]) -> PyTree:
-        """Each node that took snapshots submits what its strategy's submit hook makes of them."""
-        if not self.snapshot_nodes.size:
+    def _soups(self, stacked: PyTree, snapshots: list[PyTree], rows: np.ndarray | None = None) -> PyTree:
+        """Each node that took snapshots submits what its strategy's submit hook makes of them.
+
+        ``rows``: the nodes of the stacked rows (a sampled chunk); None: row i is node i.
+        """
+        local = self.snapshot_nodes if rows is None else np.flatnonzero(np.isin(rows, self.snapshot_nodes))
+        if not local.size:
             return stacked
         held = self.data.heldout
         # One batched evaluation of every snapshot of every node, then each hook picks its own.
         scores = np.stack([self.trainer.evaluate(s, held)["accuracy"] for s in snapshots], 0)
         out = stacked
-        for i in self.snapshot_nodes:
+        for i in local:
+            node = int(i) if rows is None else int(rows[i])
             ingredients = [jax.tree.map(functools.partial(_row, i=int(i)), s) for s in snapshots]
             final = jax.tree.map(functools.partial(_row, i=int(i)), stacked)
-            submitted = self.strategies[i].submit(
+            submitted = self.strategies[node].submit(
                 final,
                 ingredients,
                 lambda p: float(self._metrics(p, held)["accuracy"]),
@@ -261,14 +399,17 @@ class Fleet:
 
 @functools.lru_cache(maxsize=16)
 def _trainer(
-    task: Task, learning_rate: float, batch_size: int, mesh: tuple[int, int, int] | None
+    task: Task,
+    learning_rate: float,
+    batch_size: int,
+    mesh: tuple[int, int, int] | None,
+    optimizer: str = "adam",
 ) -> NodeTrainer:
     # Trainers are immutable and carry their compiled steps: runs of the same task and
     # optimizer settings (tests, benchmark sweeps, notebooks) share them instead of recompiling.
     mesh_cfg = None if mesh is None else mesh_lib.MeshConfig(node=mesh[0], data=mesh[1], model=mesh[2])
-    return NodeTrainer(
-        task, optax.adam, {"learning_rate": learning_rate}, batch_size=batch_size, mesh=mesh_cfg
-    )
+    make = {"adam": optax.adam, "sgd": optax.sgd}[optimizer]
+    return NodeTrainer(task, make, {"learning_rate": learning_rate}, batch_size=batch_size, mesh=mesh_cfg)
 
 
 @functools.lru_cache(maxsize=16)
@@ -278,3 +419,31 @@ def _metrics(task: Task):
 
 def _row(x: jax.Array, i: int) -> jax.Array:
     return x[i]
+
+
+def _to_host(state: TrainState) -> TrainState:
+    """A TrainState as numpy arrays on the host (typed keys as their raw uint32 data)."""
+    key = state.key
+    if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    return jax.tree.map(lambda x: np.asarray(mesh_lib.to_host(x)), state._replace(key=key))
+
+
+def _scatter_rows(host: TrainState, parts: list[TrainState], ids: np.ndarray) -> TrainState:
+    """A copy of ``host`` with the trained rows of the sample's real slots written back."""
+    real = ids >= 0
+
+    def write(old, *chunks):
+        new = np.array(old, copy=True)
+        new[ids[real]] = np.concatenate(chunks, 0)[real]
+        return new
+
+    return jax.tree.map(write, host, *parts)
+
+
+def _data_rows(data: NodeData, rows: np.ndarray) -> NodeData:
+    """The NodeData of the nodes ``rows`` (a shared pool stays whole; per-node pools are gathered)."""
+    pool = data.pool if data.shared else {k: np.asarray(v)[rows] for k, v in data.pool.items()}
+    return dataclasses.replace(
+        data, pool=pool, index=np.asarray(data.index)[rows], count=np.asarray(data.count)[rows]
+    )

@@ -46,6 +46,7 @@ from consensus.mesh import to_host
 from consensus.privacy import PrivacyEvent
 from meta_consensus.config import Config, ConfigError, plain_fedavg
 from meta_consensus.objectives import OBJECTIVES
+from meta_consensus.sampling import privacy_sampling_rate as sampling_rate
 from strategies.tasks.base import Task
 
 PyTree = Any
@@ -105,7 +106,7 @@ class MergePipeline:
         self.plain_fedavg = plain_fedavg(cfg)
         self._by_f: dict[int, Aggregator] = {}
         self.vote = build_vote(cfg)
-        self.aggregator = self.for_answered(cfg.nodes.count)
+        self.aggregator = self.for_answered(cfg.nodes.vote_size())
 
     # ---------------------------------------------------------------- composition
 
@@ -133,13 +134,18 @@ class MergePipeline:
         if not d.enabled:
             return merge
         adaptive = AdaptiveClipConfig(d.target_quantile, d.adaptive_lr) if d.adaptive else None
+        # Client sampling: the system draws the sample (the aggregator's own sampling stays off,
+        # rate 1) and the fixed denominator / expected count is the sample's expected size.
+        expected = cfg.nodes.expected_per_round() if cfg.nodes.sampled else None
         if self.plain_fedavg:
-            return dp_fedavg(d.clip_norm, self.noise_multiplier, adaptive=adaptive, key=0)
+            return dp_fedavg(
+                d.clip_norm, self.noise_multiplier, expected_nodes=expected, adaptive=adaptive, key=0
+            )
         return privatize(
             merge,
             d.clip_norm,
             self.noise_multiplier,
-            expected_nodes=cfg.nodes.count,
+            expected_nodes=cfg.nodes.count if expected is None else expected,
             adaptive=adaptive,
             key=0,
             project=True,
@@ -155,8 +161,17 @@ class MergePipeline:
         return state._replace(key=jax.random.key_data(key)) if self.cfg.dp.enabled else state
 
     def privacy_event(self, state: Any) -> PrivacyEvent | None:
-        """What the next update will cost in privacy (None without DP)."""
-        return privacy_event(state) if self.cfg.dp.enabled else None
+        """What the next update will cost in privacy (None without DP).
+
+        Under Poisson client sampling the event is the Poisson-subsampled Gaussian with the
+        sampling rate q (amplified); a uniform sample of m is charged at rate 1 (the accountants
+        have no fixed-size sampling event; see :mod:`meta_consensus.sampling`).
+        """
+        if not self.cfg.dp.enabled:
+            return None
+        event = privacy_event(state)
+        q = sampling_rate(self.cfg.nodes)
+        return event if q == 1.0 else dataclasses.replace(event, sampling_rate=q)
 
     def update(
         self, stacked: PyTree, state: Any, params: PyTree, valid: np.ndarray, **extra: Any
