@@ -24,10 +24,21 @@ embedded default (digits, 8 nodes, Multi-Krum, mixture-NLL weights, DP) and the 
 (byte-level transformer) with the same pipeline. The FedAvg baseline that the default
 runs alongside is switched off here: it is a second fleet, not part of the round.
 Warm-up rounds (compilation) are excluded; the remaining rounds are averaged.
+
+``--cross-device`` (writes ``rounds_cross_device[_quick].*``): client sampling, N = 1000 digits
+clients of 1-2 examples each (IID shards, ``benchmarks.cross_device.ManyClientDigits``), m in
+{10, 100, 500} sampled uniformly per round (``nodes.sampling = "uniform"``), fitted 100 at a
+time (``nodes.chunk``), the default pipeline otherwise (Multi-Krum at fault_tolerance 0.25,
+mixture-NLL weights, no DP, no baseline). Each m runs in a fresh process so its peak RSS
+(``ru_maxrss``) is its own; the baseline of the same process is the RSS after the coordinator's
+init (the host state of the 1000 clients included), and times are also given as ratios to m = 10.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
+import resource
 import statistics
 import tempfile
 import time
@@ -62,10 +73,36 @@ SETTINGS = {
 }
 
 
-def measure(overrides: list[str], rounds: int, warmup: int, out_dir: Path) -> dict:
+CROSS_DEVICE_N = 1000
+CROSS_DEVICE_M = (10, 100, 500)
+
+
+def cross_device_overrides(m: int) -> list[str]:
+    """N = 1000 clients, m of them per round, the default pipeline without DP and baseline."""
+    return [
+        "baseline_fedavg=false",
+        "task.options.hidden=[32]",
+        f"nodes.count={CROSS_DEVICE_N}",
+        "nodes.strategies=local",
+        "nodes.local_steps=10",
+        "nodes.batch_size=2",
+        "nodes.sampling=uniform",
+        f"nodes.per_round={m}",
+        f"nodes.chunk={min(m, 100)}",
+        "byzantine.nodes=[]",
+        "checkpoint_every=5",
+    ]
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+def measure(overrides: list[str], rounds: int, warmup: int, out_dir: Path, task=None) -> dict:
     cfg = config.load(None, [*overrides, f"rounds={rounds + warmup}", f"output_dir={out_dir}"])
-    co = Coordinator(cfg)
+    co = Coordinator(cfg, task=task)
     state = co.init(cfg.seed)
+    rss_init = _rss_mb()
     log = RunLog(cfg.run_dir)
     ckpt = RunCheckpoints(cfg.run_dir, cfg)
     rows, history = [], []
@@ -107,7 +144,78 @@ def measure(overrides: list[str], rounds: int, warmup: int, out_dir: Path) -> di
         "merge_share": merge / mean["total"],
         "consensus_accuracy": history[-1].consensus_accuracy,
         "solve_ms": history[-1].solve_ms,
+        "rss_after_init_mb": rss_init,
+        "peak_rss_mb": _rss_mb(),
     }
+
+
+def _cross_device_one(m: int, rounds: int, warmup: int) -> dict:
+    """One m in this (fresh) process: the round split and the process's peak RSS."""
+    from benchmarks.cross_device import ManyClientDigits
+
+    with tempfile.TemporaryDirectory() as tmp:
+        task = ManyClientDigits(hidden=(32,))
+        return measure(cross_device_overrides(m), rounds, warmup, Path(tmp) / f"m{m}", task=task)
+
+
+def cross_device(quick: bool) -> None:
+    rounds, warmup = (3, 2) if quick else (6, 2)
+    ms = CROSS_DEVICE_M
+    results = {}
+    spawn = multiprocessing.get_context("spawn")
+    for m in ms:
+        with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+            results[m] = pool.submit(_cross_device_one, m, rounds, warmup).result()
+        r = results[m]
+        print(f"m = {m}: round {r['ms']['total']:.0f} ms, peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
+    base = results[ms[0]]
+    rows = []
+    for m, r in results.items():
+        ms_ = r["ms"]
+        rows.append(
+            [str(m), f"{ms_['total']:.0f}", f"{ms_['total'] / base['ms']['total']:.1f}x"]
+            + [f"{ms_[p]:.1f}" for p in PHASES]
+            + [
+                f"{ms_['fit'] / base['ms']['fit']:.1f}x",
+                f"{(ms_['total'] - ms_['fit']) / (base['ms']['total'] - base['ms']['fit']):.1f}x",
+                f"{r['rss_after_init_mb']:.0f}",
+                f"{r['peak_rss_mb']:.0f}",
+                f"{r['peak_rss_mb'] - r['rss_after_init_mb']:.0f}",
+            ]
+        )
+    cmd = "python -m benchmarks.rounds --cross-device" + (" --quick" if quick else "")
+    md = "\n".join(
+        [
+            "# Where a round's time goes: cross-device client sampling",
+            "",
+            f"Command: `{cmd}`. Machine: {_machine_line()} (shared with other work: times are",
+            f"noisy; compare the ratios). N = {CROSS_DEVICE_N} digits clients (IID shards of 1-2 examples),",
+            "m sampled uniformly per round, fitted 100 at a time; Multi-Krum (fault_tolerance 0.25) +",
+            f"mixture-NLL weights, no DP. Mean of {rounds} rounds after {warmup} warm-up rounds; ms a round.",
+            "Each m runs in its own process: 'RSS init' is its RSS after the coordinator's init (the",
+            "1000 clients' host state included), 'peak RSS' its maximum over the rounds.",
+            "",
+            markdown_table(
+                [
+                    "m",
+                    "round ms",
+                    "round vs m=10",
+                    *[f"{p} ms" for p in PHASES],
+                    "fit vs m=10",
+                    "coordinator vs m=10",
+                    "RSS init MB",
+                    "peak RSS MB",
+                    "peak - init MB",
+                ],
+                rows,
+            ),
+            "",
+        ]
+    )
+    settings = {"quick": quick, "rounds": rounds, "warmup": warmup, "N": CROSS_DEVICE_N, "m": list(ms)}
+    payload = {"results": {str(m): r for m, r in results.items()}}
+    harness.save("rounds_cross_device", quick, payload, md, settings=settings)
+    print(md)
 
 
 def _machine_line() -> str:
@@ -117,7 +225,11 @@ def _machine_line() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = harness.parser(__doc__, "fewer rounds")
+    ap.add_argument("--cross-device", action="store_true", help="N = 1000 clients, m in {10, 100, 500}")
     args = harness.parse(ap, argv)
+    if args.cross_device:
+        cross_device(args.quick)
+        return
     rounds, warmup = (3, 2) if args.quick else (8, 2)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
