@@ -1,0 +1,880 @@
+"""Ablations: what each part of meta-consensus buys (node strategies, merge pipeline, baselines).
+
+Run ``python -m benchmarks.ablations [--quick] [--task digits|fashion_mnist|text] [--seeds 0,1,2]``.
+Writes benchmarks/results/ablations_<task>.json, .md and .png (``ablations_<task>_quick.*`` with
+--quick). Fashion-MNIST needs ``make data``; the text task reads the interpreter's stdlib.
+
+Every system run is the task's default config (digits and Fashion-MNIST: the embedded default of
+``meta-consensus run``; text: :data:`TEXT` below, 4 byte-level transformer nodes) at a small round
+budget (:data:`BUDGETS`), changed only by the overrides named here, on the same node split
+(``task.data_seed`` 0) with the same seeds. Three families of runs:
+
+* **node strategies**: every node ``local``, every node ``hierarchical``, ``convexity``, ``soup``,
+  and the default mix; Dirichlet alpha in {0.1, 0.5, 10} (text: its fixed split by module family);
+  with no attacker and with the default's attackers. Reported: the consensus's test accuracy (text:
+  perplexity and next-byte accuracy), the honest nodes' test accuracies (mean, spread), and loss
+  barriers (``strategies.convexity``: the held-out loss above the chord on the straight line)
+  between every pair of honest nodes and between each honest node and the final consensus, on the
+  nodes' parameters after the last round's training (soup nodes: their last snapshot, not the soup
+  they submitted).
+* **merge pipeline** (default strategy mix, default alpha): plain mean, convex weights without a
+  vote, the vote alone, the vote plus each weight objective, plus node-level DP (nominal noise and
+  epsilon = 8), and example-level DP-SGD (``configs/private.toml`` against the same config without
+  DP); the Byzantine nodes' total weight in the consensus ("byz weight") and the accuracy.
+* **baselines that never see the consensus**: each node trained alone on its own shard for the
+  system's whole budget (rounds x local steps, the same Adam, batch and learning rate), and
+  centralised training on the union of the honest nodes' shards (the ceiling: the same number of
+  steps with one batch per node of the fleet in each step), and the barriers between the
+  independently trained nodes and to their plain average.
+
+The baselines are written here with the task's loss and optax (:func:`train_alone`,
+:func:`centralized`), not with the system, so they share no code path with what they check.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from benchmarks import harness
+from benchmarks.harness import markdown_table, mean_std
+from meta_consensus import MetaConsensus, config
+from meta_consensus.fleet import make_task
+from strategies.convexity import anchor_barriers, pairwise_barriers
+from strategies.tasks.base import Task
+
+NAME = "ablations"
+PRIVATE_TOML = Path(__file__).resolve().parents[1] / "configs" / "private.toml"
+PyTree = Any
+
+# --task -> overrides of the embedded default. The text setting is the rounds benchmark's: 4 nodes
+# (one of each strategy), one attacker, a median vote (Multi-Krum needs n > 2f + 2 = 4 nodes).
+TEXT = [
+    "task.name=text",
+    "nodes.count=4",
+    "nodes.strategies=['hierarchical', 'convexity', 'soup', 'local']",
+    "nodes.options.soup.snapshots=2",
+    "byzantine.nodes=[3]",
+    "vote.rule=median",
+    "weights.max_examples=32",
+    # A smaller corpus sample than the task's default, so that a round costs seconds on 2 cores.
+    "task.options={windows_per_node = 256, general_windows = 1024, heldout_windows = 64, test_windows = 128}",
+]
+TASKS: dict[str, list[str]] = {"digits": [], "fashion_mnist": ["task.name=fashion_mnist"], "text": TEXT}
+
+# Per task: (rounds, local_steps) of every run, full and --quick; alphas; default seeds.
+BUDGETS: dict[str, dict[str, Any]] = {
+    "digits": {"full": (10, 20), "quick": (4, 10), "alphas": (0.1, 0.5, 10.0), "seeds": (0, 1)},
+    "fashion_mnist": {"full": (10, 20), "quick": (4, 10), "alphas": (0.1, 0.5, 10.0), "seeds": (0, 1)},
+    # Text is split by module family, not by Dirichlet alpha: one "alpha" (unused by the task).
+    "text": {"full": (6, 10), "quick": (2, 4), "alphas": (0.5,), "seeds": (0, 1)},
+}
+# --quick: the merge variants that show each component once (the full mode runs every one).
+QUICK_MERGES = {
+    "plain mean (FedAvg)",
+    "weights alone (mean vote + mixture NLL)",
+    "vote alone",
+    "vote + mixture NLL (default)",
+    "default + node DP, z = 0.01 (nominal)",
+}
+QUICK_ALPHAS = (0.5,)
+
+# Every run: no FedAvg twin (the merge ablation has the plain mean as a variant of its own), no
+# checkpoints, evaluation only after the last round.
+COMMON = ["baseline_fedavg=false", "checkpoint_every=0"]
+
+STRATEGY_MIXES = ("local", "hierarchical", "convexity", "soup", "default mix")
+THREATS: dict[str, list[str]] = {"clean": ["byzantine.nodes=[]"], "attack": []}
+
+# Merge variant -> overrides of the default config (the vote rule stays the task's own).
+MERGES: dict[str, list[str]] = {
+    "plain mean (FedAvg)": ["vote.rule=mean", "weights.objective=vote"],
+    "weights alone (mean vote + mixture NLL)": ["vote.rule=mean", "weights.objective=mixture_nll"],
+    "vote alone": ["weights.objective=vote"],
+    "vote + uniform": ["weights.objective=uniform"],
+    "vote + quadratic": ["weights.objective=quadratic"],
+    "vote + anchor": ["weights.objective=anchor"],
+    "vote + mixture NLL (default)": ["weights.objective=mixture_nll"],
+    "default + node DP, z = 0.01 (nominal)": [
+        "dp.enabled=true",
+        "dp.clip_norm=1.0",
+        "dp.noise_multiplier=0.01",
+    ],
+    "default + node DP, epsilon = 8": [
+        "dp.enabled=true",
+        "dp.clip_norm=1.0",
+        "dp.noise_multiplier=none",
+        "dp.epsilon=8.0",
+    ],
+}
+# Objectives that need a classification task (per-class logits): left out on text.
+CLASSIFICATION_ONLY = {"vote + quadratic"}
+# Example-level DP-SGD: configs/private.toml (hierarchical nodes cannot take part, their general pool
+# is every node's data) against the same file with DP off. Digits and Fashion-MNIST only.
+EXAMPLE_DP: dict[str, list[str]] = {
+    "private.toml without DP": ["dp.enabled=false"],
+    "private.toml, example-level DP-SGD, epsilon = 8": [],
+}
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def strategy_overrides(mix: str, base: config.Config) -> list[str]:
+    """Every node on one strategy, or the task's default mix."""
+    if mix == "default mix":
+        return []
+    if mix not in STRATEGY_MIXES:
+        raise ValueError(f"unknown strategy mix {mix!r}; valid: {list(STRATEGY_MIXES)}")
+    out = [f"nodes.strategies={mix}"]
+    if mix == "soup" and base.nodes.options.get("soup"):
+        out.append(f"nodes.options.soup.snapshots={base.nodes.options['soup']['snapshots']}")
+    return out
+
+
+def build_config(
+    task: str, budget: tuple[int, int], seed: int, extra: Sequence[str], *, path: Path | None = None
+) -> config.Config:
+    """The task's default (or the file at ``path``) at the budget, with ``extra`` overrides."""
+    rounds, steps = budget
+    task_ov = TASKS[task] if path is None else ([] if task == "digits" else ["task.name=fashion_mnist"])
+    overrides = [
+        *COMMON,
+        *task_ov,
+        f"seed={seed}",
+        f"rounds={rounds}",
+        f"eval_every={rounds}",
+        f"nodes.local_steps={steps}",
+        *extra,
+    ]
+    return config.load(path, overrides)
+
+
+# ----------------------------------------------------------------------------- barriers
+
+
+@functools.cache
+def barrier_loss(task: Task):
+    """``loss(params, batch)`` of ``task`` as one function object per task, so the barrier kernels'
+    compiled code (keyed on the loss function) is reused across runs."""
+
+    def loss(params: PyTree, batch: Mapping[str, Any]) -> jax.Array:
+        return task.loss(params, batch)
+
+    return loss
+
+
+def take_rows(stacked: PyTree, rows: np.ndarray) -> PyTree:
+    return jax.tree.map(lambda x: x[jnp.asarray(rows)], stacked)
+
+
+def barriers(
+    task: Task, stacked: PyTree, consensus: PyTree, batch: Mapping[str, Any], num_points: int = 9
+) -> dict[str, Any]:
+    """Loss barriers on ``batch`` between k stacked nodes and from the consensus to each node.
+
+    Returns host arrays ``pairwise`` (k, k) and ``to_consensus`` (k,) (the barrier: the largest
+    loss above the chord, >= 0), their means (over distinct pairs), the mean **midpoint gap** of
+    each (the loss at alpha = 1/2 minus the chord's: negative when the average of the two is
+    better than their mean loss, i.e. merging gains) and the mean pairwise L2 distance.
+    """
+    if num_points % 2 != 1:
+        raise ValueError(f"barriers: num_points must be odd (a point at alpha = 1/2), got {num_points}")
+    loss = barrier_loss(task)
+    pair_report = pairwise_barriers(loss, stacked, batch, num_points)
+    anchor_report = anchor_barriers(loss, stacked, consensus, batch, num_points)
+    pair = np.asarray(pair_report.barrier, np.float64)
+    anchor = np.asarray(anchor_report.barrier, np.float64)
+    mid = num_points // 2
+    pair_mid = np.asarray(pair_report.gaps, np.float64)[..., mid]
+    k = pair.shape[0]
+    off = ~np.eye(k, dtype=bool)
+    flat = np.concatenate([np.asarray(x, np.float64).reshape(k, -1) for x in jax.tree.leaves(stacked)], 1)
+    dist = np.sqrt(np.maximum(((flat[:, None, :] - flat[None, :, :]) ** 2).sum(-1), 0.0))
+    return {
+        "pairwise": pair,
+        "to_consensus": anchor,
+        "pairwise_mean": float(pair[off].mean()) if k > 1 else 0.0,
+        "to_consensus_mean": float(anchor.mean()),
+        "pairwise_midpoint_gap": float(pair_mid[off].mean()) if k > 1 else 0.0,
+        "to_consensus_midpoint_gap": float(np.asarray(anchor_report.gaps, np.float64)[:, mid].mean()),
+        "pairwise_distance": float(dist[off].mean()) if k > 1 else 0.0,
+    }
+
+
+# ----------------------------------------------------------------------------- baselines
+
+
+@functools.partial(jax.jit, static_argnames=("task", "steps", "batch_size", "learning_rate"))
+def _train_stacked(task, params, data, counts, keys, *, steps, batch_size, learning_rate):
+    tx = optax.adam(learning_rate)
+
+    def one(rows: Mapping[str, jax.Array], count: jax.Array, key: jax.Array) -> PyTree:
+        def step(carry, s):
+            p, opt = carry
+            # Uniform rows of this shard's valid prefix: the padding is never drawn.
+            idx = jax.random.randint(jax.random.fold_in(key, s), (batch_size,), 0, count)
+            grads = jax.grad(task.loss)(p, {k: v[idx] for k, v in rows.items()})
+            # optax mixes Python floats with int32 step counts (Adam's bias correction); the tests run
+            # under strict promotion, as the package's trainer does for its own optax calls.
+            with jax.numpy_dtype_promotion("standard"):
+                updates, opt = tx.update(grads, opt, p)
+            return (optax.apply_updates(p, updates), opt), None
+
+        with jax.numpy_dtype_promotion("standard"):
+            opt0 = tx.init(params)
+        (p, _), _ = jax.lax.scan(step, (params, opt0), jnp.arange(steps))
+        return p
+
+    return jax.vmap(one)(data, counts, keys)
+
+
+def train_alone(
+    task: Task,
+    params: PyTree,
+    data: Mapping[str, np.ndarray],
+    counts: np.ndarray,
+    key: jax.Array,
+    *,
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+) -> PyTree:
+    """Each of n shards trains its own copy of ``params`` with Adam, never communicating.
+
+    Args:
+      data: dict of (n, m, ...) arrays, shard i's valid rows first (zero padded after ``counts[i]``).
+      counts: (n,) valid rows per shard (>= 1).
+      key: one key; shard i draws its step-s batch from ``fold_in(fold_in(key, i), s)``.
+    Returns:
+      The n trained trees, stacked on a leading axis.
+    """
+    counts = np.asarray(counts)
+    n = counts.shape[0]
+    if any(np.shape(v)[0] != n for v in data.values()):
+        raise ValueError(f"train_alone: every data array needs {n} shards on its leading axis")
+    if counts.min(initial=1) < 1:
+        raise ValueError(f"train_alone: every shard needs at least one row, got counts {counts.tolist()}")
+    if steps < 1 or batch_size < 1:
+        raise ValueError(f"train_alone: steps and batch_size must be >= 1, got {steps}, {batch_size}")
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n))
+    return _train_stacked(
+        task,
+        params,
+        {k: jnp.asarray(v) for k, v in data.items()},
+        jnp.asarray(counts, jnp.int32),
+        keys,
+        steps=int(steps),
+        batch_size=int(batch_size),
+        learning_rate=float(learning_rate),
+    )
+
+
+def union_of_shards(data: Mapping[str, np.ndarray], counts: np.ndarray, nodes: Sequence[int]):
+    """The valid rows of the chosen shards, concatenated in node order: a (1, m, ...) data dict and count."""
+    rows = {k: np.concatenate([v[i, : counts[i]] for i in nodes], 0)[None] for k, v in data.items()}
+    return rows, np.asarray([sum(int(counts[i]) for i in nodes)])
+
+
+def centralized(
+    task: Task,
+    params: PyTree,
+    data: Mapping[str, np.ndarray],
+    counts: np.ndarray,
+    nodes: Sequence[int],
+    key: jax.Array,
+    *,
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+) -> PyTree:
+    """One model trained on the union of the chosen shards (the ceiling of the merged models)."""
+    if not len(nodes):
+        raise ValueError("centralized: needs at least one node's shard")
+    rows, count = union_of_shards(data, counts, nodes)
+    stacked = train_alone(
+        task, params, rows, count, key, steps=steps, batch_size=batch_size, learning_rate=learning_rate
+    )
+    return take_rows(stacked, np.asarray([0]))
+
+
+@functools.cache
+def _metrics(task: Task):
+    return jax.jit(jax.vmap(task.metrics, in_axes=(0, None)))
+
+
+def evaluate_stacked(task: Task, stacked: PyTree, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Each stacked tree's metrics on ``batch`` (host float64 arrays)."""
+    return {k: np.asarray(v, np.float64) for k, v in _metrics(task)(stacked, batch).items()}
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def honest(cfg: config.Config) -> np.ndarray:
+    """Indices of the nodes that are not Byzantine."""
+    return np.setdiff1d(np.arange(cfg.nodes.count), np.asarray(cfg.byzantine.nodes, np.int64))
+
+
+def system_run(cfg: config.Config, *, with_barriers: bool, barrier_rows: int) -> dict[str, Any]:
+    """Train one config; the consensus's and the honest nodes' test numbers (and barriers)."""
+    t0 = time.perf_counter()
+    mc = MetaConsensus(cfg, write=False, progress=False)
+    result = mc.train()
+    ok = [i for i in result.history if i.ok]
+    last = result.history[-1]
+    fleet = mc.coordinator.fleet
+    good = honest(cfg)
+    bad = np.setdiff1d(np.arange(cfg.nodes.count), good)
+    task = fleet.task
+    test = evaluate_stacked(task, jax.tree.map(lambda x: x[None], result.consensus_params), fleet.data.test)
+    nodes = evaluate_stacked(task, take_rows(result.state.nodes.params, good), fleet.data.test)
+    out: dict[str, Any] = {
+        "consensus_accuracy": float(test["accuracy"][0]),
+        "consensus_loss": float(test["loss"][0]),
+        "node_accuracy": nodes["accuracy"].tolist(),
+        "node_loss": nodes["loss"].tolist(),
+        "node_strategies": [cfg.nodes.strategy_of()[i] for i in good],
+        "byzantine_weight": (
+            float(np.mean([np.sum(np.asarray(i.weights)[bad]) for i in ok])) if len(bad) and ok else 0.0
+        ),
+        "failed_rounds": int(sum(not i.ok for i in result.history)),
+        "last_round_ok": bool(last.ok),
+        "epsilon": float(last.epsilon) if cfg.dp.enabled else math.inf,
+    }
+    if with_barriers:
+        held = {k: v[:barrier_rows] for k, v in fleet.data.heldout.items()}
+        b = barriers(task, take_rows(result.state.nodes.params, good), result.consensus_params, held)
+        out.update(
+            pairwise_barrier=b["pairwise"].tolist(),
+            to_consensus_barrier=b["to_consensus"].tolist(),
+            pairwise_barrier_mean=b["pairwise_mean"],
+            to_consensus_barrier_mean=b["to_consensus_mean"],
+            pairwise_midpoint_gap=b["pairwise_midpoint_gap"],
+            to_consensus_midpoint_gap=b["to_consensus_midpoint_gap"],
+            pairwise_distance=b["pairwise_distance"],
+        )
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def baseline_runs(
+    task_name: str, budget: tuple[int, int], seed: int, alpha: float, barrier_rows: int
+) -> dict[str, Any]:
+    """Independently trained nodes (their accuracies, and the barriers between them and to their
+    plain average) and centralised training, for one alpha and seed."""
+    t0 = time.perf_counter()
+    cfg = build_config(task_name, budget, seed, [f"task.alpha={alpha}"])
+    task = make_task(cfg)
+    data = task.splits(cfg.nodes.count, seed=cfg.task.data_seed, alpha=cfg.task.alpha)
+    rounds, steps = budget
+    total = rounds * steps
+    # The system's initial consensus: the first half of the root key (Coordinator.init).
+    params = task.init(jax.random.split(jax.random.key(seed))[0])
+    key = jax.random.fold_in(jax.random.key(seed), 7)
+    n = cfg.nodes.count
+    lr, bs = cfg.nodes.learning_rate, cfg.nodes.batch_size
+    alone = train_alone(
+        task, params, data.train, data.train_count, key, steps=total, batch_size=bs, learning_rate=lr
+    )
+    alone_acc = evaluate_stacked(task, alone, data.test)
+    attacked = honest(build_config(task_name, budget, seed, []))
+    out: dict[str, Any] = {
+        "alpha": alpha,
+        "seed": seed,
+        "alone_accuracy": alone_acc["accuracy"].tolist(),
+        "alone_loss": alone_acc["loss"].tolist(),
+        "steps": total,
+    }
+    held = {k: v[:barrier_rows] for k, v in data.heldout.items()}
+    average = jax.tree.map(lambda x: jnp.mean(x, 0), alone)
+    b = barriers(task, alone, average, held)
+    averaged = evaluate_stacked(task, jax.tree.map(lambda x: x[None], average), data.test)
+    out["alone_average_accuracy"] = float(averaged["accuracy"][0])
+    out.update({f"alone_{k}": v for k, v in b.items() if not isinstance(v, np.ndarray)})
+    # One batch per node of the whole fleet in every step (the same compiled program for both unions).
+    for label, nodes in (("all", np.arange(n)), ("honest", attacked)):
+        central = centralized(
+            task,
+            params,
+            data.train,
+            data.train_count,
+            nodes.tolist(),
+            key,
+            steps=total,
+            batch_size=bs * n,
+            learning_rate=lr,
+        )
+        m = evaluate_stacked(task, central, data.test)
+        out[f"central_{label}_accuracy"] = float(m["accuracy"][0])
+        out[f"central_{label}_loss"] = float(m["loss"][0])
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+# ----------------------------------------------------------------------------- summaries
+
+
+def _values(runs: Sequence[Mapping[str, Any]], field: str, **where: Any) -> list[float]:
+    """``field`` of the runs matching ``where``, in seed order."""
+    chosen = [r for r in runs if all(r.get(k) == v for k, v in where.items())]
+    return [float(r[field]) for r in sorted(chosen, key=lambda r: r["seed"])]
+
+
+def perplexity(loss: float) -> float:
+    return float(math.exp(loss)) if loss < 700 else math.inf
+
+
+def summarize(res: Mapping[str, Any]) -> dict[str, Any]:
+    """Per setting: every reported number over seeds (values, mean, std)."""
+    st = res["settings"]
+    runs = res["strategy_runs"]
+    out: dict[str, Any] = {"strategies": {}, "merges": {}, "baselines": {}, "by_node_strategy": {}}
+    fields = (
+        "consensus_accuracy",
+        "consensus_perplexity",
+        "node_accuracy_mean",
+        "node_accuracy_spread",
+        "node_accuracy_best",
+        "pairwise_barrier_mean",
+        "to_consensus_barrier_mean",
+        "pairwise_midpoint_gap",
+        "to_consensus_midpoint_gap",
+        "pairwise_distance",
+        "byzantine_weight",
+    )
+    for mix in st["mixes"]:
+        for alpha in st["alphas"]:
+            for threat in st["threats"]:
+                key = f"{mix} | alpha={alpha:g} | {threat}"
+                out["strategies"][key] = {
+                    f: mean_std(_values(runs, f, mix=mix, alpha=alpha, threat=threat)) for f in fields
+                }
+    # Within the default mix: each strategy's barrier to the consensus (every honest node of it).
+    for alpha in st["alphas"]:
+        for threat in st["threats"]:
+            per: dict[str, list[float]] = {}
+            for r in runs:
+                if (r["mix"], r["alpha"], r["threat"]) == ("default mix", alpha, threat):
+                    for s, b, a in zip(
+                        r["node_strategies"], r["to_consensus_barrier"], r["node_accuracy"], strict=True
+                    ):
+                        per.setdefault(s, []).append(b)
+                        per.setdefault(f"{s} accuracy", []).append(a)
+            out["by_node_strategy"][f"alpha={alpha:g} | {threat}"] = {s: mean_std(v) for s, v in per.items()}
+    for merge in st["merges"]:
+        for threat in st["threats"]:
+            vals = {
+                f: mean_std(_values(res["merge_runs"], f, merge=merge, threat=threat))
+                for f in ("consensus_accuracy", "consensus_perplexity", "byzantine_weight", "epsilon")
+            }
+            vals["failed_rounds"] = sum(
+                r["failed_rounds"] for r in res["merge_runs"] if (r["merge"], r["threat"]) == (merge, threat)
+            )
+            out["merges"][f"{merge} | {threat}"] = vals
+    for alpha in st["alphas"]:
+        b = [r for r in res["baseline_runs"] if r["alpha"] == alpha]
+        attacked = st["honest_under_attack"]
+        out["baselines"][f"alpha={alpha:g}"] = {
+            "alone_mean": mean_std([float(np.mean(r["alone_accuracy"])) for r in b]),
+            "alone_best": mean_std([float(np.max(r["alone_accuracy"])) for r in b]),
+            "alone_honest_best": mean_std(
+                [float(np.max(np.asarray(r["alone_accuracy"])[attacked])) for r in b]
+            ),
+            "alone_mean_perplexity": mean_std([float(np.mean(np.exp(r["alone_loss"]))) for r in b]),
+            "central_all": mean_std([r["central_all_accuracy"] for r in b]),
+            "central_honest": mean_std([r["central_honest_accuracy"] for r in b]),
+            "central_all_perplexity": mean_std([perplexity(r["central_all_loss"]) for r in b]),
+            "alone_average": mean_std([r["alone_average_accuracy"] for r in b]),
+            **{
+                f: mean_std([r[f"alone_{f}"] for r in b])
+                for f in ("pairwise_mean", "pairwise_midpoint_gap", "to_consensus_mean", "pairwise_distance")
+            },
+        }
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _pm(ms: Sequence[float], digits: int = 3, scale: float = 1.0) -> str:
+    m, s = ms
+    if not math.isfinite(m):
+        return "n/a"
+    return f"{scale * m:.{digits}f}" if s == 0 else f"{scale * m:.{digits}f} ± {scale * s:.{digits}f}"
+
+
+def markdown(res: Mapping[str, Any]) -> str:
+    st, sm = res["settings"], res["summary"]
+    text = st["task"] == "text"
+    lines = harness.header(
+        f"Ablations on {st['task']}: what each part of meta-consensus buys", st["name"], st["quick"], st
+    )
+    seeds = f"mean ± std over seeds {st['seeds']}" if len(st["seeds"]) > 1 else f"seed {st['seeds'][0]}"
+    lines.append(
+        f"Every run: {st['nodes']} nodes, {st['rounds']} rounds x {st['local_steps']} local steps, "
+        f"{seeds}; 'attack' = the default's attackers (nodes {st['byzantine_nodes']}, "
+        f"{st['attack']}); vote {st['vote']}, weights {st['weights']} unless the row says otherwise. "
+        "The machine was shared (2 cores, other jobs running): the seconds are not comparable."
+    )
+    lines.append("")
+    metric = "next-byte accuracy / perplexity" if text else "test accuracy"
+    lines.append(f"## Node strategies: the consensus's {metric}")
+    lines.append("")
+    head = ["strategy of every node"]
+    for alpha in st["alphas"]:
+        for threat in st["threats"]:
+            head.append(threat if text else f"a={alpha:g} {threat}")
+    rows = []
+    for mix in st["mixes"]:
+        row = [mix]
+        for alpha in st["alphas"]:
+            for threat in st["threats"]:
+                s = sm["strategies"][f"{mix} | alpha={alpha:g} | {threat}"]
+                cell = _pm(s["consensus_accuracy"])
+                if text:
+                    cell += f" / {_pm(s['consensus_perplexity'], 2)}"
+                row.append(cell)
+        rows.append(row)
+    lines.append(markdown_table(head, rows))
+    lines.append("## Node strategies: the honest nodes (no attacker)")
+    lines.append("")
+    lines.append(
+        "Per alpha: the honest nodes' test accuracy after the last round's training (mean over the "
+        "nodes), its spread (std over the nodes of one run) and the best node, each mean ± std over seeds."
+    )
+    lines.append("")
+    head = ["strategy"]
+    for alpha in st["alphas"]:
+        a = "" if text else f" a={alpha:g}"
+        head += [f"node acc{a}", f"spread{a}", f"best node{a}"]
+    rows = []
+    for mix in st["mixes"]:
+        row = [mix]
+        for alpha in st["alphas"]:
+            s = sm["strategies"][f"{mix} | alpha={alpha:g} | clean"]
+            row += [_pm(s[f]) for f in ("node_accuracy_mean", "node_accuracy_spread", "node_accuracy_best")]
+        rows.append(row)
+    lines.append(markdown_table(head, rows))
+    lines.append("## Mergeability: loss barriers (no attacker)")
+    lines.append("")
+    lines.append(
+        "On held-out data (nats; `strategies.convexity.pairwise_barriers` / `anchor_barriers`, 9 points "
+        "per line): 'barrier' is the largest loss above the chord (0 when the loss is convex along the "
+        "line), mean over pairs of honest nodes; 'midpoint' the loss at the midpoint minus the chord's "
+        "(negative: the average of two nodes beats their mean loss); 'dist' the mean L2 distance between "
+        "two nodes; 'to consensus' the barrier on the line from the final consensus to each node. "
+        "'nodes alone' are the independently trained nodes of the baselines (to consensus: to their "
+        "plain average)."
+    )
+    lines.append("")
+    head = ["strategy"]
+    for alpha in st["alphas"]:
+        a = "" if text else f" a={alpha:g}"
+        head += [f"barrier{a}", f"midpoint{a}", f"dist{a}", f"to consensus{a}"]
+    rows = []
+    fields = (
+        "pairwise_barrier_mean",
+        "pairwise_midpoint_gap",
+        "pairwise_distance",
+        "to_consensus_barrier_mean",
+    )
+    for mix in st["mixes"]:
+        row = [mix]
+        for alpha in st["alphas"]:
+            s = sm["strategies"][f"{mix} | alpha={alpha:g} | clean"]
+            row += [_pm(s[f], 2 if f == "pairwise_distance" else 4) for f in fields]
+        rows.append(row)
+    if sm["baselines"]:
+        row = ["nodes alone (no rounds)"]
+        for alpha in st["alphas"]:
+            s = sm["baselines"][f"alpha={alpha:g}"]
+            row += [
+                _pm(s["pairwise_mean"], 4),
+                _pm(s["pairwise_midpoint_gap"], 4),
+                _pm(s["pairwise_distance"], 2),
+                _pm(s["to_consensus_mean"], 4),
+            ]
+        rows.append(row)
+    lines.append(markdown_table(head, rows))
+    lines.append(
+        "Within the default mix (no attacker): each strategy's nodes, barrier to the consensus / "
+        "test accuracy:"
+    )
+    lines.append("")
+    strategies = sorted(
+        {s for r in res["strategy_runs"] if r["mix"] == "default mix" for s in r["node_strategies"]}
+    )
+    rows = []
+    for alpha in st["alphas"]:
+        d = sm["by_node_strategy"][f"alpha={alpha:g} | clean"]
+        rows.append(
+            [f"alpha = {alpha:g}"]
+            + [f"{_pm(d[s], 4)} / {_pm(d[f'{s} accuracy'])}" if s in d else "" for s in strategies]
+        )
+    lines.append(markdown_table(["setting", *strategies], rows))
+
+    lines.append(
+        "## Merge pipeline (default strategy mix"
+        + ("" if text else f", alpha = {st['default_alpha']:g}")
+        + ")"
+    )
+    lines.append("")
+    head = [
+        "merge",
+        f"{metric} clean",
+        f"{metric} attack",
+        "byz weight (attack)",
+        "vs default, clean (points)",
+        "epsilon",
+        "failed rounds",
+    ]
+    ref = (
+        sm["merges"]
+        .get("vote + mixture NLL (default) | clean", {})
+        .get("consensus_accuracy", (math.nan, 0))[0]
+    )
+    rows = []
+    for merge in st["merges"]:
+        c, a = sm["merges"][f"{merge} | clean"], sm["merges"][f"{merge} | attack"]
+        cells = []
+        for s in (c, a):
+            cell = _pm(s["consensus_accuracy"])
+            if text:
+                cell += f" / {_pm(s['consensus_perplexity'], 2)}"
+            cells.append(cell)
+        eps = c["epsilon"][0]
+        rows.append(
+            [
+                merge,
+                *cells,
+                _pm(a["byzantine_weight"], 3),
+                f"{100 * (c['consensus_accuracy'][0] - ref):+.1f}",
+                "∞" if not math.isfinite(eps) else f"{eps:.3g}",
+                c["failed_rounds"] + a["failed_rounds"],
+            ]
+        )
+    lines.append(markdown_table(head, rows))
+    lines.append(
+        "'byz weight': the attackers' total weight in the consensus, mean over rounds and seeds (a plain "
+        f"mean gives them {len(st['byzantine_nodes'])}/{st['nodes']}). 'failed rounds': rounds that failed "
+        "after their retries (the consensus carried over), summed over seeds and both threats. The "
+        "private.toml rows run that file (its own strategies, batch, learning rate and alpha) at this "
+        "budget: compare them with each other, not with the rows above."
+    )
+    lines.append("")
+    lines.append("## Baselines that never train from the consensus")
+    lines.append("")
+    head = [
+        "setting",
+        "nodes alone: mean",
+        "alone: best honest",
+        "alone, averaged",
+        "centralised: all nodes",
+        "centralised: honest nodes",
+        "system: default mix, clean",
+        "system: default mix, attack",
+        "system: best node (clean)",
+    ]
+    rows = []
+    for alpha in st["alphas"]:
+        b = sm["baselines"][f"alpha={alpha:g}"]
+        c = sm["strategies"][f"default mix | alpha={alpha:g} | clean"]
+        a = sm["strategies"][f"default mix | alpha={alpha:g} | attack"]
+        rows.append(
+            [
+                "text" if text else f"alpha = {alpha:g}",
+                _pm(b["alone_mean"]),
+                _pm(b["alone_honest_best"]),
+                _pm(b["alone_average"]),
+                _pm(b["central_all"]),
+                _pm(b["central_honest"]),
+                _pm(c["consensus_accuracy"]),
+                _pm(a["consensus_accuracy"]),
+                _pm(c["node_accuracy_best"]),
+            ]
+        )
+    lines.append(markdown_table(head, rows))
+    lines.append(
+        f"Each node alone: Adam on its own shard for {st['rounds']} x {st['local_steps']} steps, the "
+        "system's whole budget, from the system's initial model; centralised: the same steps on the "
+        "union of the shards with a batch of n x the nodes' batch in each step (the honest nodes of "
+        "the attack setting, or all); 'alone, averaged': the plain average of the independently trained "
+        "nodes' parameters (one merge at the end, no rounds). The system's best node is trained "
+        "from the consensus in the last round, so it inherits it: the comparison that separates "
+        "them is 'nodes alone'."
+    )
+    if text:
+        lines.append("")
+        b = sm["baselines"]["alpha=0.5"]
+        lines.append(
+            f"Text perplexity: nodes alone {_pm(b['alone_mean_perplexity'], 2)} (mean over nodes), "
+            f"centralised {_pm(b['central_all_perplexity'], 2)}."
+        )
+    lines.append("")
+    lines.append(f"Plot: `{res['plot']}`. Total time {res['total_s']:.0f} s.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: Mapping[str, Any]) -> str:
+    """Consensus accuracy and pairwise barrier per strategy mix over alpha; the merge variants."""
+    plt = harness.pyplot()
+    st, sm = res["settings"], res["summary"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    x = np.arange(len(st["alphas"]))
+    for mix in st["mixes"]:
+        for threat, style in (("clean", "-"), ("attack", "--")):
+            m = [
+                sm["strategies"][f"{mix} | alpha={a:g} | {threat}"]["consensus_accuracy"][0]
+                for a in st["alphas"]
+            ]
+            axes[0].plot(x, m, style, marker="o", label=f"{mix} ({threat})")
+        b = [
+            sm["strategies"][f"{mix} | alpha={a:g} | clean"]["pairwise_barrier_mean"][0] for a in st["alphas"]
+        ]
+        axes[1].plot(x, b, marker="o", label=mix)
+    for ax, title in ((axes[0], "consensus test accuracy"), (axes[1], "mean pairwise loss barrier (clean)")):
+        ax.set_xticks(x, [f"alpha={a:g}" for a in st["alphas"]])
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=6)
+    axes[1].legend(fontsize=7)
+    merges = st["merges"]
+    y = np.arange(len(merges))
+    for k, threat in enumerate(("clean", "attack")):
+        v = [sm["merges"][f"{m} | {threat}"]["consensus_accuracy"][0] for m in merges]
+        axes[2].barh(y + 0.4 * k, v, height=0.4, label=threat)
+    axes[2].set_yticks(y + 0.2, merges, fontsize=6)
+    axes[2].set_title("merge pipeline: consensus test accuracy", fontsize=10)
+    axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    path = harness.plot_path(st["name"], st["quick"])
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = harness.parser(__doc__, "one seed, alpha 0.5 only, a few rounds (under two minutes on digits)")
+    parser.add_argument(
+        "--task", default="digits", choices=list(TASKS), help="fashion_mnist needs `make data`"
+    )
+    parser.add_argument("--seeds", default=None, help="comma-separated root seeds (default: the task's)")
+    args = harness.parse(parser, argv)
+    budget_cfg = BUDGETS[args.task]
+    budget = budget_cfg["quick" if args.quick else "full"]
+    try:
+        seeds = (
+            [int(s) for s in args.seeds.split(",")]
+            if args.seeds
+            else [0]
+            if args.quick
+            else list(budget_cfg["seeds"])
+        )
+    except ValueError:
+        parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    text = args.task == "text"
+    alphas = list(budget_cfg["alphas"] if not args.quick or text else QUICK_ALPHAS)
+    base = build_config(args.task, budget, 0, [])
+    merges = [
+        m for m in MERGES if not (text and m in CLASSIFICATION_ONLY) and (not args.quick or m in QUICK_MERGES)
+    ]
+    example = not text and not args.quick  # DP-SGD rows: the full mode of the image tasks
+    name = f"{NAME}_{args.task}"
+    settings = {
+        "name": name,
+        "task": args.task,
+        "quick": args.quick,
+        "seeds": seeds,
+        "rounds": budget[0],
+        "local_steps": budget[1],
+        "alphas": alphas,
+        "default_alpha": base.task.alpha,
+        "nodes": base.nodes.count,
+        "default_strategies": list(base.nodes.strategy_of()),
+        "byzantine_nodes": list(base.byzantine.nodes),
+        "attack": f"{base.byzantine.attack} {dict(base.byzantine.options)}",
+        "vote": f"{base.vote.rule}, f = {base.vote.f(base.nodes.count)}",
+        "weights": f"{base.weights.objective}, max_weight = {base.weights.max_weight}",
+        "mixes": list(STRATEGY_MIXES),
+        "threats": list(THREATS),
+        "merges": merges + (list(EXAMPLE_DP) if example else []),
+        "honest_under_attack": honest(base).tolist(),
+        "overrides": {"task": TASKS[args.task], "common": COMMON, "threats": THREATS, "merges": MERGES},
+    }
+    t0 = time.perf_counter()
+    strategy_runs, merge_runs, baseline_list = [], [], []
+    rows = max(8, 64 if text else 512)
+    for seed in seeds:
+        for alpha in alphas:
+            for mix in STRATEGY_MIXES:
+                for threat, tov in THREATS.items():
+                    extra = [f"task.alpha={alpha}", *strategy_overrides(mix, base), *tov]
+                    r = system_run(
+                        build_config(args.task, budget, seed, extra), with_barriers=True, barrier_rows=rows
+                    )
+                    r.update(seed=seed, alpha=alpha, mix=mix, threat=threat)
+                    strategy_runs.append(r)
+                    print(
+                        f"seed {seed} alpha {alpha:g} {mix:12s} {threat:6s}: "
+                        f"consensus {r['consensus_accuracy']:.3f} "
+                        f"nodes {np.mean(r['node_accuracy']):.3f} barrier {r['pairwise_barrier_mean']:.4f} "
+                        f"({r['seconds']:.1f} s)",
+                        flush=True,
+                    )
+        for merge in settings["merges"]:
+            for threat, tov in THREATS.items():
+                if merge in EXAMPLE_DP:
+                    cfg = build_config(args.task, budget, seed, [*tov, *EXAMPLE_DP[merge]], path=PRIVATE_TOML)
+                else:
+                    cfg = build_config(args.task, budget, seed, [*MERGES[merge], *tov])
+                r = system_run(cfg, with_barriers=False, barrier_rows=rows)
+                r.update(seed=seed, merge=merge, threat=threat)
+                merge_runs.append(r)
+                print(
+                    f"seed {seed} {merge:45s} {threat:6s}: consensus {r['consensus_accuracy']:.3f} "
+                    f"byz weight {r['byzantine_weight']:.3f} ({r['seconds']:.1f} s)",
+                    flush=True,
+                )
+        for alpha in alphas:
+            r = baseline_runs(args.task, budget, seed, alpha, rows)
+            baseline_list.append(r)
+            print(
+                f"seed {seed} alpha {alpha:g} baselines: alone {np.mean(r['alone_accuracy']):.3f} "
+                f"central {r['central_all_accuracy']:.3f} ({r['seconds']:.1f} s)",
+                flush=True,
+            )
+    for r in strategy_runs + merge_runs:
+        r["consensus_perplexity"] = perplexity(r["consensus_loss"])
+        acc = np.asarray(r["node_accuracy"])
+        r["node_accuracy_mean"], r["node_accuracy_spread"] = float(acc.mean()), float(acc.std())
+        r["node_accuracy_best"] = float(acc.max())
+    res: dict[str, Any] = {
+        "settings": settings,
+        "strategy_runs": strategy_runs,
+        "merge_runs": merge_runs,
+        "baseline_runs": baseline_list,
+    }
+    res["summary"] = summarize(res)
+    res["plot"] = plot(res)
+    res["total_s"] = time.perf_counter() - t0
+    md = markdown(res)
+    harness.save(name, args.quick, res, md)
+    print(md)
+    return res
+
+
+if __name__ == "__main__":
+    main()
