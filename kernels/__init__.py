@@ -2,11 +2,12 @@
 
 * :mod:`kernels.rows` - unrolled streaming sums, norms, finiteness, mixing;
 * :mod:`kernels.sorting` - sorting-network order statistics (median, trimmed mean, Bulyan);
+* :mod:`kernels.selection` - the same order statistics above 64 rows, by exact bitwise selection;
 * :mod:`kernels.gram` - streamed Gram matrices and pairwise distances;
 * :mod:`kernels.krum` - Krum scores and selections from distances;
 * :mod:`kernels.weiszfeld` - geometric median, centered clipping, NNM in Gram space.
 """
 
-from kernels import gram, krum, rows, sorting, weiszfeld
+from kernels import gram, krum, rows, selection, sorting, weiszfeld
 
-__all__ = ["gram", "krum", "rows", "sorting", "weiszfeld"]
+__all__ = ["gram", "krum", "rows", "selection", "sorting", "weiszfeld"]

@@ -6,7 +6,8 @@ of consensus it is a chain of elementwise ops that XLA fuses into one loop over
 the coordinates, so it streams memory once and is exact; ``jnp.sort(x, 0)``
 and ``jnp.median(x, 0)`` are ~100x slower on XLA:CPU. Outputs that are not used
 (a median needs one or two positions) let XLA drop the comparators that only
-feed them. Above ``UNROLL_MAX`` rows the generic ``jnp.sort`` path is used.
+feed them. Above ``UNROLL_MAX`` rows the public kernels hand over to
+:mod:`kernels.selection` (exact bitwise selection, same semantics; issue 19).
 
 Every rule here is an *L-estimator*: a weighted sum of the order statistics
 ``sum_k c_k x_(k)`` with position weights c. Rows that must not take part
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels import selection
 from kernels.rows import UNROLL_MAX, rows, tree_sum, view_rows
 
 
@@ -145,6 +147,8 @@ def median(
     ``poison``, a NaN or Inf in any kept row makes the result NaN at that
     coordinate, so a finite result certifies that every kept row was finite.
     """
+    if x.shape[0] > UNROLL_MAX:
+        return selection.median(x, keep, m, mixing, centre, diagonal, poison)
     m = count(keep, x.shape[0], m)
     return _median_of_sorted(_sorted(exclude(x, keep, mixing, centre, diagonal, poison)), m)
 
@@ -165,6 +169,8 @@ def trimmed_mean(
     Needs m > 2f kept rows; with fewer the result is NaN (callers check first).
     ``poison`` as in :func:`median`.
     """
+    if x.shape[0] > UNROLL_MAX:
+        return selection.trimmed_mean(x, f, keep, m, mixing, centre, diagonal, poison)
     m = count(keep, x.shape[0], m)
     s = _sorted(exclude(x, keep, mixing, centre, diagonal, poison))
     total = window_sum(s, f, m - 2 * f)
@@ -177,6 +183,8 @@ def trimmed_mean(
 @functools.partial(jax.jit, static_argnames=("k",))
 def order_statistic(x: jax.Array, k: int, keep: jax.Array | None = None) -> jax.Array:
     """The k-th smallest value (0-based) over the kept rows, coordinate-wise (+inf if k >= m)."""
+    if x.shape[0] > UNROLL_MAX:
+        return selection.order_statistic(x, k, keep)
     return pick(_sorted(exclude(x, keep)), k)
 
 
@@ -209,6 +217,8 @@ def closest_to_median_mean(
     tied when attackers send one vector f times, and kept the first, which
     could be the attackers' copies (issue 17).
     """
+    if x.shape[0] > UNROLL_MAX:
+        return selection.closest_to_median_mean(x, f, keep, m, mixing, centre, diagonal)
     m = count(keep, x.shape[0], m)
     s = _sorted(exclude(x, keep, mixing, centre, diagonal))
     med = _median_of_sorted(s, m)
