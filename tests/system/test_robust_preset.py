@@ -1,0 +1,39 @@
+"""configs/robust.toml: the robust preset loads, is what its header says, and composes with --set."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from consensus import registry
+from meta_consensus import config
+from meta_consensus.config import ConfigError
+
+PRESET = Path(__file__).resolve().parents[2] / "configs" / "robust.toml"
+
+
+def test_robust_preset_loads_as_documented():
+    cfg = config.load(PRESET)
+    assert cfg.nodes.count == 16 and cfg.task.alpha == 0.3
+    assert cfg.byzantine.nodes == (12, 13, 14, 15)
+    assert cfg.vote.rule == "centered_clipping" and cfg.vote.pre == ("nnm",)
+    assert cfg.vote.f(cfg.nodes.count) == 4 == len(cfg.byzantine.nodes)
+    assert cfg.weights.objective == "vote" and cfg.baseline_fedavg
+    # Every rule of the vote holds at n = 16, f = 4 (the registry's static preconditions).
+    for name in (*cfg.vote.pre, cfg.vote.rule):
+        spec = registry.RULES[name]
+        assert spec.requirement(16, 4 if spec.takes_f else 0) is None
+
+
+def test_robust_preset_composes_with_set():
+    cfg = config.load(PRESET, ["byzantine.attack=min_max", "rounds=3", "vote.options.clip_radius=0.5"])
+    assert cfg.byzantine.attack == "min_max" and cfg.rounds == 3
+    assert dict(cfg.vote.options) == {"clip_radius": 0.5, "iterations": 3}  # the rest of the table stays
+    assert cfg.vote.pre == ("nnm",) and cfg.nodes.count == 16
+    # Overrides that do not fit the preset are refused with the reason: options of another rule,
+    # and Bulyan's n >= 4f + 3 at f = 4 of 16.
+    with pytest.raises(ConfigError, match="bulyan takes no parameter"):
+        config.load(PRESET, ["vote.rule=bulyan"])
+    with pytest.raises(ConfigError, match="vote.rule = 'bulyan' cannot run .* n >= 4f \\+ 3"):
+        config.load(PRESET, ["vote.rule=bulyan", "vote.options={}"])
