@@ -76,7 +76,7 @@ BUDGETS: dict[str, dict[str, Any]] = {
     "digits": {"full": (10, 20), "quick": (4, 10), "alphas": (0.1, 0.5, 10.0), "seeds": (0, 1)},
     "fashion_mnist": {"full": (10, 20), "quick": (4, 10), "alphas": (0.1, 0.5, 10.0), "seeds": (0, 1)},
     # Text is split by module family, not by Dirichlet alpha: one "alpha" (unused by the task).
-    "text": {"full": (6, 10), "quick": (2, 4), "alphas": (0.5,), "seeds": (0, 1)},
+    "text": {"full": (6, 10), "quick": (3, 8), "alphas": (0.5,), "seeds": (0, 1)},
 }
 # --quick: the merge variants that show each component once (the full mode runs every one).
 QUICK_MERGES = {
