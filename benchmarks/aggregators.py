@@ -18,6 +18,7 @@ robust pipelines use it) it stays a lazy view and writes nothing.
     python -m benchmarks.aggregators            # n in {8, 16, 32}, d in {1e5, 1e6, 1e7}
     python -m benchmarks.aggregators --quick    # n = 16, d in {1e6, 1e7}
     python -m benchmarks.aggregators --nodes 16 --sizes 1e7   # the README's table
+    python -m benchmarks.aggregators --n-sweep  # n in 8..1024 at n * d = 6.4e7 (--quick: 4e6)
 """
 
 from __future__ import annotations
@@ -169,6 +170,128 @@ def bench_one(
     return rows
 
 
+# Issue 19: n from 8 to 1024 at a fixed n * d.
+SWEEP_NODES = (8, 16, 32, 64, 128, 256, 512, 1024)
+SWEEP_RULES = ("median", "trimmed_mean", "bulyan", "krum", "geometric_median")
+
+
+def numpy_matmul_gflops(x_np: np.ndarray, repeats: int) -> float:
+    """The machine's float32 ``x @ x.T`` throughput in GFLOP/s (2 n^2 d flops), numpy in this run."""
+    n, d = x_np.shape
+    return 2.0 * n * n * d / best_time(lambda: x_np @ x_np.T, repeats) / 1e9
+
+
+def sweep_one(n: int, d: int, repeats: int) -> list[dict]:
+    """One n of the sweep: floor, numpy baselines, the Gram kernel and every sweep rule, eager and jit."""
+    from kernels import gram as gram_kernels
+
+    rng = np.random.default_rng(0)
+    params_np = rng.standard_normal(d, dtype=np.float32)
+    x_np = params_np + 0.01 * rng.standard_normal((n, d), dtype=np.float32)
+    f = byzantine_count(n)
+    floor = best_time(lambda: x_np.sum(axis=0), max(7, repeats))
+    base = dict(n=n, d=d, f=f)
+    out = [dict(base, rule="floor (numpy sum)", seconds=floor, eager=1.0)]
+    t_med = best_time(lambda: np.median(x_np, axis=0), repeats)
+    out.append(dict(base, rule="numpy median", seconds=t_med, eager=t_med / floor))
+    kth = sorted({f, n - f - 1})
+    t_part = best_time(lambda: np.partition(x_np, kth, axis=0), repeats)
+    out.append(dict(base, rule="numpy partition", seconds=t_part, eager=t_part / floor))
+    peak = numpy_matmul_gflops(x_np, repeats)
+    out.append(dict(base, rule="numpy x @ x.T", gflops=peak, seconds=2.0 * n * n * d / peak / 1e9))
+    x = jnp.asarray(x_np)
+    ref = jnp.asarray(params_np)
+    t_gram = best_time(lambda: gram_kernels.gram(x, ref), repeats)
+    gflops = 2.0 * n * n * d / t_gram / 1e9
+    out.append(
+        dict(
+            base,
+            rule="gram kernel",
+            seconds=t_gram,
+            eager=t_gram / floor,
+            gflops=gflops,
+            matmul_fraction=gflops / peak,
+        )
+    )
+    stacked, params = {"w": x}, {"w": ref}
+    numpy_ref = {"median": t_med, "trimmed_mean": t_part, "bulyan": t_part}
+    for name in SWEEP_RULES:
+        agg = rules(n)[name]
+        row = dict(base, rule=name)
+        for mode in ("eager", "jit"):
+            t = best_time(timed_call(agg, mode, stacked, params), repeats)
+            row[mode] = t / floor
+            if name in numpy_ref:
+                row[f"numpy / {mode}"] = numpy_ref[name] / t
+            gc.collect()
+        row["seconds"] = row["eager"] * floor
+        out.append(row)
+    return out
+
+
+def n_sweep(args, argv: list[str]) -> dict:
+    total = 4_000_000 if args.quick else 64_000_000
+    nodes = [int(v) for v in args.nodes.split(",")] if args.nodes else list(SWEEP_NODES)
+    repeats = args.repeats or (1 if args.quick else 2)
+    results = []
+    for n in nodes:
+        results += sweep_one(n, total // n, repeats)
+        print(f"done n={n}", flush=True)
+        # Written after every n: the large-n rows take longest, the small-n ones survive an interrupt.
+        md = _write_sweep(args, argv, total, results)
+    print(md)
+    return {"results": results}
+
+
+def _write_sweep(args, argv: list[str], total: int, results: list[dict]) -> str:
+    headers = [
+        "n",
+        "d",
+        "f",
+        "rule",
+        "eager",
+        "jit",
+        "numpy ref / eager",
+        "numpy ref / jit",
+        "GFLOP/s",
+        "of numpy matmul",
+    ]
+    fmt = lambda v: "" if v is None else v  # noqa: E731
+    table = [
+        [
+            r["n"],
+            f"{r['d']:.1e}",
+            r["f"],
+            r["rule"],
+            fmt(r.get("eager")),
+            fmt(r.get("jit")),
+            fmt(r.get("numpy / eager")),
+            fmt(r.get("numpy / jit")),
+            fmt(r.get("gflops")),
+            fmt(r.get("matmul_fraction")),
+        ]
+        for r in results
+    ]
+    command = "python -m benchmarks.aggregators" + (" " + " ".join(argv) if argv else "")
+    md = (
+        "# Aggregators from 8 to 1024 nodes at a fixed n * d (time / one numpy pass over the stack)\n\n"
+        f"Command: `{command}`. n * d = {total:.1e}. "
+        f"Machine: {machine()['processor']}, {machine()['cpu_count']} cores, jax {jax.__version__} "
+        f"({jax.default_backend()}), shared with other jobs while it ran. eager / jit: time / floor "
+        "(params given). numpy ref / mode: numpy's time over the rule's (np.median for the median, "
+        "np.partition at f and n - f - 1 for trimmed mean and Bulyan); above 1 the rule is faster. "
+        "GFLOP/s: the Gram's 2 n^2 d flops over its time; 'of numpy matmul': that over numpy's "
+        "x @ x.T in the same run.\n\n" + markdown_table(headers, table)
+    )
+    name = args.name or ("aggregators_nsweep" + ("_quick" if args.quick else ""))
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    harness.write_results(
+        name, {"machine": machine(), "command": command, "settings": settings, "results": results}, md
+    )
+    print(md)
+    return {"results": results}
+
+
 def main(argv: list[str] | None = None) -> dict:
     import sys
 
@@ -179,7 +302,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=None, help="best of this many timed calls")
     parser.add_argument("--rules", type=str, default=None, help="comma list of rule names (default: all)")
     parser.add_argument("--name", type=str, default=None, help="results file name (default: aggregators)")
+    parser.add_argument("--n-sweep", action="store_true", help="n from 8 to 1024 at fixed n * d (issue 19)")
     args = harness.parse(parser, argv)
+    if args.n_sweep:
+        return n_sweep(args, argv)
     if args.quick:
         nodes, sizes, repeats = [16], [1_000_000, 10_000_000], 2
     else:
@@ -230,8 +356,7 @@ def main(argv: list[str] | None = None) -> dict:
     harness.write_results(
         name, {"machine": machine(), "command": command, "settings": settings, "results": results}, md
     )
-    print(md)
-    return {"results": results}
+    return md
 
 
 if __name__ == "__main__":
