@@ -281,19 +281,102 @@ def assign_rules(keys: Sequence[str], plan: MergePlan) -> dict[str, RuleChoice]:
 # ----------------------------------------------------------------------------- merging
 
 
+# jax's CPU client aliases a host array instead of copying it when the buffer is this aligned
+# (XLA's minimum CPU alignment); numpy's large allocations are only 16-byte aligned, and the copy
+# into an XLA buffer was the merge's largest cost (more than the sorting network of a median).
+_ALIGN = 64
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialized C-contiguous array whose data starts on an ``_ALIGN``-byte boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
 def _stack(readers: Sequence[Any], key: str) -> np.ndarray:
     shape, dtype = readers[0].specs[key]
-    buf = np.empty((len(readers), *shape), dtype)
+    buf = _aligned_empty((len(readers), *shape), dtype)
     for i, r in enumerate(readers):
         r.read_into(key, buf[i])  # straight from the file into the stack: one copy, no mapped pages
     return buf
 
 
+def _read_one(reader: Any, key: str) -> np.ndarray:
+    shape, dtype = reader.specs[key]
+    buf = _aligned_empty(shape, dtype)
+    reader.read_into(key, buf)
+    return buf
+
+
 def _as_compute(x: np.ndarray) -> Any:
-    """Floating leaves are merged in float32 (bfloat16 / float16 inputs too) and cast back on output."""
+    """Floating leaves are merged in float32 (bfloat16 / float16 inputs too) and cast back on output.
+
+    A float32 / float64 host array is handed to jax as it is: on the CPU backend an aligned
+    buffer (``_aligned_empty``) is aliased, not copied; every buffer here is fresh per leaf
+    and never written after this, so the alias is safe.
+    """
+    import jax
     import jax.numpy as jnp
 
+    if np.dtype(x.dtype) in (np.dtype(np.float32), np.dtype(np.float64)):
+        return jax.device_put(x)
     return jnp.asarray(x, jnp.float32 if np.dtype(x.dtype).itemsize <= 4 else x.dtype)
+
+
+class _Prefetch:
+    """Reads the next leaf's inputs (and base) in a worker thread while the caller merges this one.
+
+    ``os.preadv`` and XLA's computations release the GIL, so reading leaf k + 1 overlaps the
+    merge of leaf k; at most one read is ahead, so memory stays about 2n + 2 leaves.
+    """
+
+    def __init__(self, readers: Sequence[Any], base: Any | None, keys: Sequence[str]):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.readers, self.base, self.keys = readers, base, list(keys)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="merge-read")
+
+    def _read(self, key: str) -> tuple[np.ndarray, np.ndarray | None]:
+        return _stack(self.readers, key), (None if self.base is None else _read_one(self.base, key))
+
+    def __iter__(self):
+        try:
+            ahead = self.pool.submit(self._read, self.keys[0]) if self.keys else None
+            for i, key in enumerate(self.keys):
+                stacked, base_leaf = ahead.result()
+                ahead = self.pool.submit(self._read, self.keys[i + 1]) if i + 1 < len(self.keys) else None
+                yield key, stacked, base_leaf
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _Writer:
+    """Writes the merged leaves in order in a worker thread (one write in flight), overlapping the merge."""
+
+    def __init__(self, writer: Any):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.writer = writer
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="merge-write")
+        self.pending: Any = None
+
+    def write(self, key: str, array: np.ndarray) -> None:
+        self.wait()
+        self.pending = self.pool.submit(self.writer.write, key, array)
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()  # a failed write raises here
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _centre(stacked: Any, base: np.ndarray | None) -> Any:
@@ -405,9 +488,10 @@ def merge_checkpoints(plan: MergePlan, *, progress: bool = True, overwrite: bool
         )
         for group, group_keys in vector_groups.items():
             gram, finite = np.zeros((n, n)), np.ones(n, bool)
-            for k in group_keys:  # pass 1: the Gram matrix of the whole slice, one leaf at a time
-                x = _as_compute(_stack(readers, k)).reshape(n, -1)
-                c = _centre(x, None if base is None else base.get(k).reshape(-1))
+            # pass 1: the Gram matrix of the whole slice, one leaf at a time
+            for _key, stacked, base_leaf in _Prefetch(readers, base, group_keys):
+                x = _as_compute(stacked).reshape(n, -1)
+                c = _centre(x, None if base_leaf is None else base_leaf.reshape(-1))
                 finite &= np.asarray(jnp.all(jnp.isfinite(x), axis=1))
                 gram += tree_lib.gram_f64({"x": jnp.where(jnp.isfinite(x), x, 0.0)}, {"x": c})
                 bar.update(1)
@@ -424,12 +508,14 @@ def merge_checkpoints(plan: MergePlan, *, progress: bool = True, overwrite: bool
             writer = ckpt.ShardedWriter(
                 tmp, specs, shard_size=plan.shard_size, metadata={"merged_by": "meta-consensus merge"}
             )
+            # pass 2: merge and write leaf by leaf; leaf k + 1 is read and leaf k - 1 written meanwhile
+            background = _Writer(writer)
             try:
-                for index, k in enumerate(keys):  # pass 2: merge and write leaf by leaf
+                for index, (k, stacked, base_leaf) in enumerate(_Prefetch(readers, base, keys)):
                     shape, dtype = specs[k]
                     merged, leaf_report = _merge_leaf(
-                        readers,
-                        base,
+                        stacked,
+                        base_leaf,
                         k,
                         rules[k],
                         weights.get(_rule_key(rules[k])),
@@ -437,10 +523,12 @@ def merge_checkpoints(plan: MergePlan, *, progress: bool = True, overwrite: bool
                         index,
                         compiled,
                     )
-                    writer.write(k, np.asarray(merged).astype(dtype, copy=False).reshape(shape))
+                    background.write(k, np.asarray(merged).astype(dtype, copy=False).reshape(shape))
                     report["leaves"][k] = leaf_report
                     bar.update(1)
+                background.close()  # the last write's error, if any, raises here
             finally:
+                background.pool.shutdown(wait=True, cancel_futures=True)
                 writer.abort()
             writer.close()
             (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
@@ -458,8 +546,8 @@ def _is_float(dtype: np.dtype) -> bool:
 
 
 def _merge_leaf(
-    readers: Sequence[Any],
-    base: Any | None,
+    stacked: np.ndarray,
+    base_leaf: np.ndarray | None,
     key: str,
     choice: RuleChoice,
     vector: tuple[np.ndarray, np.ndarray] | None,
@@ -472,8 +560,7 @@ def _merge_leaf(
 
     from consensus.base import get_info
 
-    stacked = _stack(readers, key)
-    n = len(readers)
+    n = len(stacked)
     if not _is_float(stacked.dtype):
         if not all(np.array_equal(stacked[0], stacked[i]) for i in range(1, n)):
             raise MergeError(
@@ -482,7 +569,7 @@ def _merge_leaf(
             )
         return stacked[0], {"method": "copy (non-float, equal in every input)"}
     x = _as_compute(stacked)
-    base_leaf = None if base is None else _as_compute(base.get(key))
+    base_leaf = None if base_leaf is None else _as_compute(base_leaf)
     if vector is not None:
         w, _ = vector
         flat = x.reshape(n, -1)
