@@ -186,6 +186,10 @@ class VoteConfig:
       fault_tolerance: f as a fraction of the nodes that **answered** this round:
         ``f = floor(fault_tolerance * answered)`` (a fraction of the fleet that is present;
         when you know an absolute bound on the Byzantine nodes, set ``num_byzantine``).
+        Under client sampling (``nodes.sampling``) ``answered`` counts the round's sampled
+        nodes that answered; a sample may hold more Byzantine nodes than that f (the count
+        is hypergeometric or binomial), and then the rule's guarantee does not hold for that
+        round (choose ``fault_tolerance`` above the Byzantine fraction to cover the tail).
       options: the rule's parameters (its factory's keywords, e.g. ``clip_radius`` for
         centered clipping); registered defaults fill the required ones left out.
       pre: pre-aggregators applied before the rule, in order ("clip", "nnm", ...).

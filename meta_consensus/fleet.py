@@ -41,7 +41,7 @@ import numpy as np
 import optax
 
 from consensus import mesh as mesh_lib
-from meta_consensus.config import Config
+from meta_consensus.config import Config, ConfigError
 from meta_consensus.sampling import ClientSample
 from strategies import byzantine as byz_lib
 from strategies.hierarchical import Level, plan
@@ -92,6 +92,10 @@ class Fleet:
         self.cfg = cfg
         n = cfg.nodes.count
         self.n = n
+        if cfg.nodes.sampled and process_count > 1:
+            # The n clients' state is one host's (gathered and scattered per round); a sample
+            # spread over processes would need every process to hold the rows it trains.
+            raise ConfigError("nodes.sampling: client sampling runs in one process (no jax.distributed)")
         self.task = make_task(cfg) if task is None else check_task(task, "the task object")
         self.data: TaskData = self.task.splits(
             n,

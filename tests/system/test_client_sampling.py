@@ -110,8 +110,11 @@ def test_bad_sampling_settings_name_the_key(tmp_path, overrides, key):
 
 
 @pytest.mark.slow
-def test_only_the_sampled_nodes_train_and_the_vote_uses_the_sample(tmp_path):
-    cfg = tiny(tmp_path, "rounds=1", "nodes.sampling=uniform", "nodes.per_round=4", "baseline_fedavg=false")
+@pytest.mark.parametrize("mesh", [[], ["mesh.node=2"]], ids=["no_mesh", "node_mesh_2"])
+def test_only_the_sampled_nodes_train_and_the_vote_uses_the_sample(tmp_path, mesh):
+    cfg = tiny(
+        tmp_path, "rounds=1", "nodes.sampling=uniform", "nodes.per_round=4", "baseline_fedavg=false", *mesh
+    )
     co = MetaConsensus(cfg, write=False, progress=False).coordinator
     state = co.init()
     new, info = co.round(state)
@@ -137,7 +140,8 @@ def test_only_the_sampled_nodes_train_and_the_vote_uses_the_sample(tmp_path):
 
 @pytest.mark.slow
 def test_resume_with_sampling_is_bit_exact(tmp_path):
-    sets = ["nodes.sampling=poisson", "nodes.sampling_rate=0.34", "nodes.chunk=2"]
+    # eval_every=1: the first part's run (2 rounds) writes its plots from evaluated rounds
+    sets = ["nodes.sampling=poisson", "nodes.sampling_rate=0.34", "nodes.chunk=2", "eval_every=1"]
     full = MetaConsensus(tiny(tmp_path, *sets, "name=full"), progress=False).train()
     cut_cfg = tiny(tmp_path, *sets, "name=cut")
     first = MetaConsensus(cut_cfg, progress=False).train(max_rounds=2)
