@@ -28,8 +28,9 @@ Warm-up rounds (compilation) are excluded; the remaining rounds are averaged.
 ``--cross-device`` (writes ``rounds_cross_device[_quick].*``): client sampling, N = 1000 digits
 clients of 1-2 examples each (IID shards, ``benchmarks.cross_device.ManyClientDigits``), m in
 {10, 100, 500} sampled uniformly per round (``nodes.sampling = "uniform"``), fitted 100 at a
-time (``nodes.chunk``), the default pipeline otherwise (Multi-Krum at fault_tolerance 0.25,
-mixture-NLL weights, no DP, no baseline). Each m runs in a fresh process so its peak RSS
+time (``nodes.chunk``), with two merges: the default pipeline (Multi-Krum at fault_tolerance
+0.25, mixture-NLL weights) and Multi-Krum alone (``weights.objective = "vote"``); no DP, no
+baseline. Each m runs in a fresh process so its peak RSS
 (``ru_maxrss``) is its own; the baseline of the same process is the RSS after the coordinator's
 init (the host state of the 1000 clients included), and times are also given as ratios to m = 10.
 """
@@ -75,11 +76,13 @@ SETTINGS = {
 
 CROSS_DEVICE_N = 1000
 CROSS_DEVICE_M = (10, 100, 500)
+CROSS_DEVICE_MERGES = {"multi_krum + mixture_nll": "mixture_nll", "multi_krum": "vote"}
 
 
-def cross_device_overrides(m: int) -> list[str]:
-    """N = 1000 clients, m of them per round, the default pipeline without DP and baseline."""
+def cross_device_overrides(m: int, objective: str = "mixture_nll") -> list[str]:
+    """N = 1000 clients, m of them per round, Multi-Krum (+ the objective's weights), no DP or baseline."""
     return [
+        f"weights.objective={objective}",
         "baseline_fedavg=false",
         "task.options.hidden=[32]",
         f"nodes.count={CROSS_DEVICE_N}",
@@ -149,31 +152,32 @@ def measure(overrides: list[str], rounds: int, warmup: int, out_dir: Path, task=
     }
 
 
-def _cross_device_one(m: int, rounds: int, warmup: int) -> dict:
+def _cross_device_one(m: int, objective: str, rounds: int, warmup: int) -> dict:
     """One m in this (fresh) process: the round split and the process's peak RSS."""
     from benchmarks.cross_device import ManyClientDigits
 
     with tempfile.TemporaryDirectory() as tmp:
         task = ManyClientDigits(hidden=(32,))
-        return measure(cross_device_overrides(m), rounds, warmup, Path(tmp) / f"m{m}", task=task)
+        return measure(cross_device_overrides(m, objective), rounds, warmup, Path(tmp) / f"m{m}", task=task)
 
 
 def cross_device(quick: bool) -> None:
-    rounds, warmup = (3, 2) if quick else (6, 2)
+    rounds, warmup = (3, 2) if quick else (5, 2)
     ms = CROSS_DEVICE_M
     results = {}
     spawn = multiprocessing.get_context("spawn")
-    for m in ms:
-        with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
-            results[m] = pool.submit(_cross_device_one, m, rounds, warmup).result()
-        r = results[m]
-        print(f"m = {m}: round {r['ms']['total']:.0f} ms, peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
-    base = results[ms[0]]
+    for merge, objective in CROSS_DEVICE_MERGES.items():
+        for m in ms:
+            with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+                results[(merge, m)] = pool.submit(_cross_device_one, m, objective, rounds, warmup).result()
+            r = results[(merge, m)]
+            print(f"{merge}, m = {m}: round {r['ms']['total']:.0f} ms, peak RSS {r['peak_rss_mb']:.0f} MB")
     rows = []
-    for m, r in results.items():
+    for (merge, m), r in results.items():
+        base = results[(merge, ms[0])]
         ms_ = r["ms"]
         rows.append(
-            [str(m), f"{ms_['total']:.0f}", f"{ms_['total'] / base['ms']['total']:.1f}x"]
+            [merge, str(m), f"{ms_['total']:.0f}", f"{ms_['total'] / base['ms']['total']:.1f}x"]
             + [f"{ms_[p]:.1f}" for p in PHASES]
             + [
                 f"{ms_['fit'] / base['ms']['fit']:.1f}x",
@@ -190,13 +194,15 @@ def cross_device(quick: bool) -> None:
             "",
             f"Command: `{cmd}`. Machine: {_machine_line()} (shared with other work: times are",
             f"noisy; compare the ratios). N = {CROSS_DEVICE_N} digits clients (IID shards of 1-2 examples),",
-            "m sampled uniformly per round, fitted 100 at a time; Multi-Krum (fault_tolerance 0.25) +",
-            f"mixture-NLL weights, no DP. Mean of {rounds} rounds after {warmup} warm-up rounds; ms a round.",
+            "m sampled uniformly per round, fitted 100 at a time; Multi-Krum (fault_tolerance 0.25) with",
+            f"and without mixture-NLL weights, no DP. Mean of {rounds} rounds after {warmup} warm-up rounds;",
+            "ms a round; the ratios are to m = 10 of the same merge.",
             "Each m runs in its own process: 'RSS init' is its RSS after the coordinator's init (the",
             "1000 clients' host state included), 'peak RSS' its maximum over the rounds.",
             "",
             markdown_table(
                 [
+                    "merge",
                     "m",
                     "round ms",
                     "round vs m=10",
@@ -213,7 +219,7 @@ def cross_device(quick: bool) -> None:
         ]
     )
     settings = {"quick": quick, "rounds": rounds, "warmup": warmup, "N": CROSS_DEVICE_N, "m": list(ms)}
-    payload = {"results": {str(m): r for m, r in results.items()}}
+    payload = {"results": {f"{merge}, m = {m}": r for (merge, m), r in results.items()}}
     harness.save("rounds_cross_device", quick, payload, md, settings=settings)
     print(md)
 
