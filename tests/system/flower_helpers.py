@@ -33,3 +33,39 @@ FLOWER_SMALL = [
 
 def flower_config(tmp_path, *overrides: str) -> config.Config:
     return config.load(None, [*FLOWER_SMALL, f"output_dir={tmp_path}", "name=flower", *overrides])
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free right now (the OS picks it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# A Flower app (FAB) that names the package's ServerApp and ClientApp; `flwr run` builds it.
+APP_PYPROJECT = """\
+[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "meta-consensus-flower-test"
+version = "0.1.0"
+dependencies = []
+
+[tool.flwr.app]
+publisher = "meta-consensus"
+
+[tool.flwr.app.components]
+serverapp = "meta_consensus.flower.apps:server_app"
+clientapp = "meta_consensus.flower.apps:client_app"
+
+[tool.flwr.app.config]
+config = ""
+overrides = ""
+round-timeout = 600.0
+evaluate = true
+wait-for-nodes = 120.0
+"""
