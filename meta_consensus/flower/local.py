@@ -7,10 +7,10 @@
 becomes an error reply, as on a SuperNode; :meth:`InProcessGrid.kill` makes a node stop
 answering (its messages get no reply), like a SuperNode that died.
 
-Flower's own simulation engine (``flwr.simulation.run_simulation``) needs Ray
-(``flwr[simulation]``), which this package does not install; this grid needs nothing
-beyond ``flwr`` and runs the same ServerApp strategy and ClientApp code, one node after
-the other.
+Flower's own simulation engine (``flwr run`` against a SuperLink in simulation mode; see
+docs/flower.md and tests/system/test_flower_simulation.py) needs Ray (``flwr[simulation]``,
+the ``flower-simulation`` extra); this grid needs nothing beyond ``flwr`` and runs the same
+ServerApp strategy and ClientApp code, one node after the other, in this process.
 """
 
 from __future__ import annotations
