@@ -76,6 +76,11 @@ def check_flower_config(cfg: Config) -> Config:
         )
     if cfg.mesh.enabled:
         raise ConfigError("mesh.* is not supported on Flower: each node is one process")
+    if cfg.nodes.sampled:
+        raise ConfigError(
+            "nodes.sampling is not supported on Flower yet: the in-process coordinator samples the "
+            "clients (meta_consensus.sampling); on Flower use full participation"
+        )
     from meta_consensus.server import round_needs
 
     needs = sorted(round_needs(cfg))
