@@ -6,7 +6,7 @@ four (H,) norm vectors, so many leaves of mixed sizes) plus a base checkpoint, t
 runs, each in its own child process:
 
 * the **I/O floor**: read every tensor of every input once with the safetensors numpy
-  API (``safe_open(...).get_tensor``), nothing else;
+  API (``safe_open(...).get_tensor``), nothing else (best of two such children);
 * ``meta-consensus merge --method median`` over the inputs;
 * ``meta-consensus merge --method task_arithmetic --base BASE`` (the floor of this one
   also reads the base).
@@ -211,8 +211,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         start = run_child(_me("--child-import"))
         start["seconds"] = json.loads(start["last_line"])["seconds"]
-        floor = run_child(_me("--child-floor", *inputs))
-        floor_base = run_child(_me("--child-floor", *inputs, base))
+        # The floor is the best of two passes (it varies most on a shared machine); the lower the floor,
+        # the harder the ratio target.
+        floor = min((run_child(_me("--child-floor", *inputs)) for _ in range(2)), key=lambda r: r["wall_s"])
+        floor_base = min(
+            (run_child(_me("--child-floor", *inputs, base)) for _ in range(2)), key=lambda r: r["wall_s"]
+        )
         merge = _me("--child-cli", "merge", "--quiet")  # meta-consensus merge, reporting its VmHWM
         median = run_child([*merge, "--method", "median", "--out", str(folder / "out_median"), *inputs])
         arith = run_child(
