@@ -31,13 +31,13 @@ import jax
 import numpy as np
 import psutil
 import pytest
+import ray  # noqa: F401 - Flower's simulation engine needs flwr[simulation] (in the dev extra): fail, not skip
 from flower_helpers import APP_PYPROJECT, flower_config, free_port
 
 from consensus.io import load_safetensors
 from meta_consensus import config as config_lib
 from meta_consensus.flower import ConsensusStrategy, InProcessGrid, make_client_app
 
-pytest.importorskip("ray", reason="Flower's simulation engine needs flwr[simulation] (the dev extra)")
 pytestmark = pytest.mark.multiprocess
 
 BIN = Path(sys.executable).parent
