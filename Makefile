@@ -1,6 +1,6 @@
 # Two commands that work on a fresh machine with Python 3.11+:
 #   make run   - the main job on its embedded default (meta-consensus run: digits, 8 nodes, ~1 min)
-#   make test  - ruff and the whole pytest suite
+#   make test  - ruff, the import contract and the whole pytest suite on 2 xdist workers (~16 min on 2 cores)
 #   make test-fast - the same without the slow, multiprocess and notebook tests (a few minutes)
 PYTHON ?= python3
 VENV := .venv
@@ -25,13 +25,13 @@ lint: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # The markers are declared in pyproject.toml ([tool.pytest.ini_options]).
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q -m "not slow and not multiprocess and not notebooks"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not multiprocess and not notebooks"
 
 BENCHMARKS := aggregators privacy convex trainers rounds robustness soups convex_quality privacy_quality meta_consensus
 

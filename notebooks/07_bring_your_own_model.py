@@ -43,10 +43,11 @@ from strategies.tasks.idx import read_idx, write_idx
 # META_CONSENSUS_SMALL=1 (set by the test suite) picks small settings so the notebook runs in seconds.
 SMALL = os.environ.get("META_CONSENSUS_SMALL") == "1"
 
-TRAIN_IMAGES = 2000 if SMALL else 20000  # a slice of the 60,000 official training images
-HELDOUT_IMAGES = 500 if SMALL else 2000
-TEST_IMAGES = 1000 if SMALL else 10000
-ROUNDS = 3 if SMALL else 8
+TRAIN_IMAGES = 1200 if SMALL else 20000  # a slice of the 60,000 official training images
+HELDOUT_IMAGES = 300 if SMALL else 2000
+TEST_IMAGES = 500 if SMALL else 10000
+ROUNDS = 2 if SMALL else 8
+LOCAL_STEPS = 25 if SMALL else 40
 NODES = 4 if SMALL else 6
 WORK = Path(tempfile.mkdtemp(prefix="byom_"))
 
@@ -141,7 +142,7 @@ cfg = config.load(
         f"rounds={ROUNDS}",
         f"nodes.count={NODES}",
         "nodes.strategies=local",
-        "nodes.local_steps=40",
+        f"nodes.local_steps={LOCAL_STEPS}",
         "nodes.learning_rate=0.01",
         "task.alpha=1.0",
         f"byzantine.nodes=[{NODES - 1}]",

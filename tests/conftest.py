@@ -1,12 +1,29 @@
 """Test setup: 8 simulated CPU devices and strict dtype promotion for every test."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # Must happen before jax is imported anywhere in the test session.
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One persistent XLA compilation cache for the whole session, shared by the xdist workers, the
+# CLI subprocesses and the notebook kernels (they inherit the environment). Many tests compile the
+# same programs (the same rule at the same shapes under jit and eagerly, the same digits model in
+# every `meta-consensus run` subprocess); a cache hit loads the executable instead of compiling
+# it again. A fresh directory per session, so a run never sees another run's executables.
+_use_cache = os.environ.get("META_CONSENSUS_TEST_JAX_CACHE", "1") == "1"
+if _use_cache and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache_dir = tempfile.mkdtemp(prefix="meta-consensus-tests-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    _owner = os.getpid()
+    atexit.register(lambda: os.getpid() == _owner and shutil.rmtree(_cache_dir, ignore_errors=True))
 
 import jax  # noqa: E402
 
