@@ -28,3 +28,21 @@ if _use_cache and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+
+_SLOW_IDS_FILE = os.path.join(os.path.dirname(__file__), "slow_tests.txt")
+
+
+def _measured_slow_ids() -> frozenset[str]:
+    with open(_SLOW_IDS_FILE) as fh:
+        return frozenset(line.strip() for line in fh if line.strip() and not line.startswith("#"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests listed in slow_tests.txt (measured, not guessed) as ``slow``."""
+    import pytest
+
+    slow_ids = _measured_slow_ids()
+    for item in items:
+        if item.nodeid in slow_ids:
+            item.add_marker(pytest.mark.slow)
