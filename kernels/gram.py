@@ -14,9 +14,26 @@ import jax
 import jax.numpy as jnp
 
 HIGHEST = jax.lax.Precision.HIGHEST
-# Columns per chunk: 16 rows x 32768 x 4 B = 2 MiB. Measured at n in {16, 32}, d = 1e7:
-# 32768 streams ~15% faster than 16384 and 65536 (the partial products stay in cache).
-CHUNK = 32768
+CHUNK_BYTES = 128 * 1024  # one chunk of the stack: n rows x chunk_columns(n) x 4 B
+MIN_CHUNK = 512
+LARGE_N_CHUNK = 8192
+
+
+def chunk_columns(n: int) -> int:
+    """Columns per streamed chunk of an (n, d) float32 stack.
+
+    Up to 64 rows the Gram pass is bound by memory and cache: a chunk of about
+    128 KiB (n x 32768 / n columns) stays in cache while it is centred and
+    multiplied. Measured on a quiet 2-core x86_64 machine at n * d = 1.6e8
+    (ratio to one numpy pass): n = 16 takes 1.53x at 2048 columns against 2.0x
+    at 32768; n = 32 2.06x at 1024 against 2.5x; n = 64 2.9x at 512 against
+    3.55x. Above 64 rows the product is bound by arithmetic and larger chunks
+    amortize the loop better (n = 128: 3.4x at 8192 against 4.3-5.2x at 256-1024).
+    """
+    if n > 64:
+        return LARGE_N_CHUNK
+    cols = CHUNK_BYTES // (4 * max(n, 1))
+    return max(MIN_CHUNK, 1 << (cols.bit_length() - 1))  # a power of two at or below
 
 
 def _centred(x: jax.Array, ref: jax.Array | None) -> jax.Array:
@@ -42,14 +59,15 @@ def gram(x: jax.Array, ref: jax.Array | None = None) -> jax.Array:
     if ref is not None:
         ref = ref.reshape(-1)
     d = x.shape[1]
-    k = d // CHUNK
+    chunk = chunk_columns(n)
+    k = d // chunk
     if k < 2:
         return _small_gram(x, ref)
 
     def body(i, carry):
         acc, comp = carry
-        xs = jax.lax.dynamic_slice_in_dim(x, i * CHUNK, CHUNK, axis=1)
-        rs = None if ref is None else jax.lax.dynamic_slice_in_dim(ref, i * CHUNK, CHUNK)
+        xs = jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk, axis=1)
+        rs = None if ref is None else jax.lax.dynamic_slice_in_dim(ref, i * chunk, chunk)
         part = _small_gram(xs, rs)
         # Kahan summation of the (n, n) partial Grams.
         y = part - comp
@@ -58,8 +76,8 @@ def gram(x: jax.Array, ref: jax.Array | None = None) -> jax.Array:
 
     zeros = jnp.zeros((n, n), jnp.float32)
     acc, comp = jax.lax.fori_loop(0, k, body, (zeros, zeros))
-    if d % CHUNK:
-        tail = _small_gram(x[:, k * CHUNK :], None if ref is None else ref[k * CHUNK :])
+    if d % chunk:
+        tail = _small_gram(x[:, k * chunk :], None if ref is None else ref[k * chunk :])
         acc = acc + (tail - comp)
     return acc
 
@@ -103,21 +121,22 @@ def gram_self_centred(x: jax.Array, allowed: jax.Array) -> jax.Array:
     allowed = allowed.astype(jnp.float32)
     weights = allowed / jnp.maximum(jnp.sum(allowed), 1.0)
     d = x.shape[1]
-    k = d // CHUNK
+    chunk = chunk_columns(n)
+    k = d // chunk
     if k < 2:
         return _self_centred_gram(x, weights)
 
     def body(i, carry):
         acc, comp = carry
-        part = _self_centred_gram(jax.lax.dynamic_slice_in_dim(x, i * CHUNK, CHUNK, axis=1), weights)
+        part = _self_centred_gram(jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk, axis=1), weights)
         y = part - comp
         t = acc + y
         return t, (t - acc) - y
 
     zeros = jnp.zeros((n, n), jnp.float32)
     acc, comp = jax.lax.fori_loop(0, k, body, (zeros, zeros))
-    if d % CHUNK:
-        acc = acc + (_self_centred_gram(x[:, k * CHUNK :], weights) - comp)
+    if d % chunk:
+        acc = acc + (_self_centred_gram(x[:, k * chunk :], weights) - comp)
     return acc
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels import rows as row_kernels
-from kernels.gram import CHUNK, HIGHEST
+from kernels.gram import HIGHEST, chunk_columns
 from kernels.sorting import count, exclude, pick, sort_rows, window_sum
 
 
@@ -42,23 +42,24 @@ def gram_with_rows(x: jax.Array, ref: jax.Array | None, extra: jax.Array) -> jax
     e = extra.reshape(k, -1)
     r = None if ref is None else ref.reshape(-1)
     d = x.shape[1]
-    chunks = d // CHUNK
+    chunk = chunk_columns(n + k)
+    chunks = d // chunk
     if chunks < 2:
         return _block(x, r, e)
 
     def body(i, carry):
         acc, comp = carry
-        xs = jax.lax.dynamic_slice_in_dim(x, i * CHUNK, CHUNK, axis=1)
-        es = jax.lax.dynamic_slice_in_dim(e, i * CHUNK, CHUNK, axis=1)
-        rs = None if r is None else jax.lax.dynamic_slice_in_dim(r, i * CHUNK, CHUNK)
+        xs = jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk, axis=1)
+        es = jax.lax.dynamic_slice_in_dim(e, i * chunk, chunk, axis=1)
+        rs = None if r is None else jax.lax.dynamic_slice_in_dim(r, i * chunk, chunk)
         y = _block(xs, rs, es) - comp
         t = acc + y
         return t, (t - acc) - y
 
     zeros = jnp.zeros((n + k, n + k), jnp.float32)
     acc, comp = jax.lax.fori_loop(0, chunks, body, (zeros, zeros))
-    if d % CHUNK:
-        s = chunks * CHUNK
+    if d % chunk:
+        s = chunks * chunk
         acc = acc + (_block(x[:, s:], None if r is None else r[s:], e[:, s:]) - comp)
     return acc
 

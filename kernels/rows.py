@@ -69,13 +69,49 @@ def weighted_sum(
     return out
 
 
-@jax.jit
-def row_sq_norms(x: jax.Array, ref: jax.Array | None = None) -> jax.Array:
-    """||x[i] - ref||^2 for every row, float32, shape (n,)."""
+# Columns of the (n, NORM_LANES) accumulator of :func:`row_sq_norms`: 16 x 16384 x 4 B = 1 MiB.
+NORM_LANES = 16384
+
+
+def _sq_lanes(x: jax.Array, ref: jax.Array | None) -> jax.Array:
     d = x.astype(jnp.float32)
     if ref is not None:
         d = d - ref.astype(jnp.float32)[None]
-    return jnp.sum(jnp.square(d).reshape(x.shape[0], -1), axis=1)
+    return jnp.square(d)
+
+
+@jax.jit
+def row_sq_norms(x: jax.Array, ref: jax.Array | None = None) -> jax.Array:
+    """||x[i] - ref||^2 for every row, float32, shape (n,).
+
+    A row reduction of ``(x - ref)**2`` costs about one pass over the stack on
+    XLA:CPU without ``ref`` and 1.7 with it (the centred copy is written out).
+    Instead the squares are accumulated elementwise into an (n, NORM_LANES)
+    array while the stack streams by in chunks, and only that small array is
+    reduced at the end: 0.55 of a numpy pass at n = 16, d = 1e7 (measured
+    against 1.07). Each lane adds d / NORM_LANES terms in float32 (relative
+    error at most ~d / NORM_LANES * 6e-8 of the norm, 4e-5 at d = 1e7 and
+    about the square root of that in practice), ample for clipping and norms.
+    """
+    n = x.shape[0]
+    x = x.reshape(n, -1)
+    r = None if ref is None else ref.reshape(-1)
+    d = x.shape[1]
+    k = d // NORM_LANES
+    if k < 2:
+        return jnp.sum(_sq_lanes(x, r), axis=1)
+
+    def body(i, acc):
+        xs = jax.lax.dynamic_slice_in_dim(x, i * NORM_LANES, NORM_LANES, axis=1)
+        rs = None if r is None else jax.lax.dynamic_slice_in_dim(r, i * NORM_LANES, NORM_LANES)
+        return acc + _sq_lanes(xs, rs)
+
+    acc = jax.lax.fori_loop(0, k, body, jnp.zeros((n, NORM_LANES), jnp.float32))
+    total = jnp.sum(acc, axis=1)
+    if d % NORM_LANES:
+        tail = None if r is None else r[k * NORM_LANES :]
+        total = total + jnp.sum(_sq_lanes(x[:, k * NORM_LANES :], tail), axis=1)
+    return total
 
 
 @jax.jit

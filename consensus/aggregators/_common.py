@@ -203,6 +203,33 @@ def all_finite(tree_: PyTree) -> jax.Array:
     return jnp.isfinite(sum(sums[1:], sums[0]))
 
 
+def unless_non_finite(value: tuple, fallback) -> tuple:
+    """``value`` when its first element (a tree) is finite, else ``fallback()``, in traced code.
+
+    ``value = (merged, ...)`` is the optimistic result of a rule, already computed. A
+    ``lax.cond(all_finite(merged), lambda: value, fallback)`` would be the obvious form,
+    but XLA gives a conditional its own output buffer, so the branch that returns the
+    precomputed ``merged`` copies it: a fresh output-sized buffer written on every call,
+    measured at +0.3 to +0.4 of a pass over a (16, 1e7) stack, which is what made mean
+    and median slower under a user's jit than eagerly. A while loop carries ``value`` in
+    place instead: its condition is the finiteness check, and its body (the fallback)
+    runs at most once. The body's ``lax.cond`` on the loop-carried flag makes the
+    fallback depend on the loop state; without it XLA's loop-invariant code motion
+    hoists the fallback's passes over the stack out of the loop, running them always.
+    Not reverse-differentiable (a while loop); no rule is differentiated through.
+    """
+
+    def still_to_replace(carry):
+        current, replaced = carry
+        return ~replaced & ~all_finite(current[0])
+
+    def replace(carry):
+        current, replaced = carry
+        return jax.lax.cond(replaced, lambda: current, fallback), jnp.bool_(True)
+
+    return jax.lax.while_loop(still_to_replace, replace, (tuple(value), jnp.bool_(False)))[0]
+
+
 def _view_gram_stats(v, mask) -> GramStats:
     n = tree.num_nodes(v.base)
     if v.gram is not None:

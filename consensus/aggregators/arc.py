@@ -58,7 +58,7 @@ def arc(num_byzantine: int) -> PreAggregator:
         del state, extra
         n = check_stacked(stacked, params)
         require("arc", n, f, n > 2 * f, f"n > 2f = {2 * f}")
-        v = stacked if views.is_view(stacked) else views.identity(stacked, params)
+        v = views.with_norms(stacked) if views.is_view(stacked) else views.identity(stacked, params)
         if v.gram is not None:
             sq, valid = jnp.diagonal(v.gram), v.valid
         elif v.mixing is None:

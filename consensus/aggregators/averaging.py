@@ -19,6 +19,7 @@ from consensus.aggregators._common import (
     static_count,
     under_outer_jit,
     uniform_over,
+    unless_non_finite,
     valid_nodes,
 )
 from consensus.base import AggregationInfo, Aggregator, ByzantineToleranceError
@@ -33,8 +34,9 @@ def _optimistic_sum(stacked, mask, n: int, weights_for):
     is NaN), so a finite result proves every allowed node was finite and the
     separate finiteness pass can be skipped. Only when the result is not finite
     does the rule pay for the finiteness pass and a second sum: eagerly by
-    returning None, under an outer jit by a ``lax.cond`` whose second branch
-    (the finiteness pass and the sum over the finite nodes) only runs then.
+    returning None, under an outer jit by :func:`unless_non_finite`, whose
+    fallback (the finiteness pass and the sum over the finite nodes) only runs
+    then.
     Returns (merged, valid, weights), or None when the fast path does not apply.
     """
     if views.is_view(stacked) and stacked.valid is not None:
@@ -42,16 +44,15 @@ def _optimistic_sum(stacked, mask, n: int, weights_for):
     valid = allowed(mask, n)
     w = weights_for(valid)
     merged = views.weighted_sum(stacked, w)
-    finite = all_finite(merged)
     if not under_outer_jit(stacked, mask):
-        return (merged, valid, w) if bool(finite) else None
+        return (merged, valid, w) if bool(all_finite(merged)) else None
 
     def over_finite_nodes():
         ok = valid_nodes(stacked, mask)
         w_ok = weights_for(ok)
         return views.weighted_sum(stacked, w_ok), ok, w_ok
 
-    return jax.lax.cond(finite, lambda: (merged, valid, w), over_finite_nodes)
+    return unless_non_finite((merged, valid, w), over_finite_nodes)
 
 
 def _require_some(rule: str, valid: jax.Array, n: int) -> None:

@@ -40,7 +40,10 @@ def process(
     per Gram or weighted-sum pass and never writes an intermediate stack. A
     rule that cannot read views gets the view materialized once. The centre of
     the view is ``params``; without params it is 0 when the pipeline clips
-    (clipping is then around 0) and the coordinate-wise median otherwise.
+    (clipping is then around 0), none when it only mixes (nearest-neighbour
+    mixing averages nodes, so its rows need no centre; distances come from a
+    Gram matrix centred on the nodes' mean) and the coordinate-wise median
+    otherwise.
     ``state.info.weights`` is pulled back through the pre-aggregators, so it is
     each *original* node's weight in the merged tree. With ``post`` the update
     needs ``params``.
@@ -66,7 +69,7 @@ def process(
         if post is not None and params is None:
             raise ValueError(f"{name}: a server optimizer (post) needs the current params")
         x = stacked
-        if pre:
+        if pre and not (params is None and all(p.name == "nnm" for p in pre)):
             if params is not None:
                 centre = params
             elif any(p.name == "clip" for p in pre):
@@ -74,6 +77,8 @@ def process(
             else:
                 centre = robust_centre(stacked)
             x = views.identity(stacked, centre)
+        # Without params, mixing alone needs no centre: nnm takes the stack itself and hands on a
+        # floating view (Gram matrix centred on the nodes' mean, formed in its one Gram pass).
         pre_states = []
         for p, s in zip(pre, state.pre, strict=True):
             x, s = p.update(x, s, params, mask=mask, lazy=True, **extra)

@@ -23,6 +23,7 @@ from consensus.aggregators._common import (
     static_count,
     under_outer_jit,
     uniform_over,
+    unless_non_finite,
     valid_nodes,
 )
 from consensus.base import AggregationInfo, Aggregator, require
@@ -40,9 +41,9 @@ def _optimistic(kernel, stacked, mask, n: int, **kwargs):
 
     Under an outer jit the same check runs inside the program: when every node
     is allowed, the static-count kernel (every order position a Python int, as
-    eagerly) runs first and a ``lax.cond`` on its output being finite falls
+    eagerly) runs first and :func:`unless_non_finite` on its output falls
     back to the finiteness pass and the traced-count kernel only when it is
-    not. With a traced mask, a first ``lax.cond`` on "every node allowed"
+    not finite. With a traced mask, a first ``lax.cond`` on "every node allowed"
     chooses between the two.
     """
     if views.is_view(stacked) and (stacked.valid is not None or stacked.mixing is not None):
@@ -61,7 +62,7 @@ def _optimistic(kernel, stacked, mask, n: int, **kwargs):
 
     def every_node():
         merged = coordinatewise(kernel, stacked, keep=None, m=None, poison=True, **kwargs)
-        return jax.lax.cond(all_finite(merged), lambda: (merged, valid), over_finite_nodes)
+        return unless_non_finite((merged, valid), over_finite_nodes)
 
     if mask is None:
         return every_node()

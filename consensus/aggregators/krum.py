@@ -147,17 +147,20 @@ def bulyan(num_byzantine: int) -> Aggregator:
             # surplus picks (the last ones chosen) beyond theta.
             theta = jnp.sum(stats.valid) - 2 * f
             chosen = _iterated_prefix(stats.sq_dists, f, stats.valid, n - 2 * f, theta)
-            return coordinatewise(sorting.closest_to_median_mean, stacked, f=f, keep=chosen), chosen
+            merged = coordinatewise(sorting.closest_to_median_mean, stacked, f=f, keep=chosen)
+            # Too few valid nodes: NaN. Applied here, not after the cond: a select over the
+            # cond's output would be one more output-sized pass on the fast path too.
+            return _finish_nan_if(jnp.sum(stats.valid) < 4 * f + 3, merged), chosen
 
         if m is not None:
             merged, chosen = with_count(m)
         else:
             # Every node valid (the common case) takes the static-count kernels, ~3x faster than
             # traced order positions; the traced path only runs when some node is invalid.
+            # With all n valid the precondition is n >= 4f + 3, checked above.
             merged, chosen = jax.lax.cond(jnp.all(stats.valid), lambda: with_count(n), traced_count)
-        bad = None if m is not None else jnp.sum(stats.valid) < 4 * f + 3
         info = AggregationInfo(stats.valid, chosen, uniform_over(chosen), False)
-        return _finish_nan_if(bad, merged), RuleState(info)
+        return merged, RuleState(info)
 
     return Aggregator(init_rule_state, update, "bulyan")
 

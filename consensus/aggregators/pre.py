@@ -24,7 +24,6 @@ from consensus.aggregators._common import (
     check_stacked,
     gram_stats,
     require_count,
-    robust_centre,
     static_count,
 )
 from consensus.base import PreAggregator, require
@@ -64,7 +63,7 @@ def clip(max_norm: float) -> PreAggregator:
     def update(stacked, state, params=None, *, mask=None, lazy=False, **extra):
         del state, extra
         n = check_stacked(stacked, params)
-        v = stacked if views.is_view(stacked) else views.identity(stacked, params)
+        v = views.with_norms(stacked) if views.is_view(stacked) else views.identity(stacked, params)
         if v.gram is not None:
             sq, valid = jnp.diagonal(v.gram), v.valid
         elif v.mixing is None:
@@ -87,11 +86,15 @@ def nnm(num_byzantine: int) -> PreAggregator:
 
     Every valid node is replaced by the mean of the m - f valid nodes nearest
     to it (itself included; ties to the lower index), distances from a Gram
-    matrix centred on ``params`` (or the coordinate-wise median). Invalid nodes
-    come out as NaN so that any rule downstream excludes them. Precondition:
-    m > 2f (the paper's setting f < m/2). One Gram pass; inside a pipeline the
-    mixed Gram matrix M G M^T is handed on, so a vector-wise rule after NNM
-    needs no second Gram pass.
+    matrix centred on ``params``, or without params on the nodes' mean formed
+    inside the same pass (``_common.gram_stats``): the mixed rows
+    ``y_i = sum_j M_ij x_j`` need no centre (every valid row of M sums to 1)
+    and distances do not depend on where the Gram matrix is centred, so no
+    pass over the parameters goes to a centre. Invalid nodes come out as NaN
+    so that any rule downstream excludes them. Precondition: m > 2f (the
+    paper's setting f < m/2). One Gram pass; inside a pipeline the mixed Gram
+    matrix M G M^T is handed on, so a vector-wise rule after NNM needs no
+    second Gram pass.
     """
     f = check_f("nnm", num_byzantine)
 
@@ -104,10 +107,15 @@ def nnm(num_byzantine: int) -> PreAggregator:
         n = check_stacked(stacked, params)
         require("nnm", n, f, n > 2 * f, f"n > 2f = {2 * f}")
         if views.is_view(stacked):
-            v = stacked
+            v, stats = stacked, gram_stats(stacked, params, mask)
+        elif params is not None:
+            v = views.identity(stacked, params)
+            stats = gram_stats(v, params, mask)
         else:
-            v = views.identity(stacked, params if params is not None else robust_centre(stacked))
-        stats = gram_stats(v, params, mask)
+            # Gram matrix centred on the nodes' mean (one pass, robust fallback on non-finite
+            # nodes); the mixed rows are M x with no centre, so the view floats.
+            stats = gram_stats(stacked, None, mask)
+            v = views.identity(stacked, None)._replace(floating=True)
         m = static_count(stats.valid)
         require_count("nnm", m, f, m is not None and m > 2 * f, f"n > 2f = {2 * f}")
         mixing = weiszfeld.nnm_matrix(stats.sq_dists, f, stats.valid)

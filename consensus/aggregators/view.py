@@ -38,6 +38,11 @@ class NodeView(NamedTuple):
       gram: cached (n, n) Gram matrix of y centred on c (invalid rows zeroed), or None.
       diagonal: static; True when A is diagonal (clipping only), which makes
         building a row of y one multiply-add instead of n.
+      floating: True when the rows need no centre (c is None and every valid row of
+        A sums to 1, as after nearest-neighbour mixing without params) and ``gram``
+        is centred on a point that is not kept (the nodes' mean, formed inside the
+        Gram pass). Such a Gram matrix gives distances and combinations whose
+        coefficients sum to 1, not the norms around 0 that clipping needs.
     """
 
     base: PyTree
@@ -46,6 +51,7 @@ class NodeView(NamedTuple):
     valid: jax.Array | None = None
     gram: jax.Array | None = None
     diagonal: bool = True
+    floating: bool = False
 
 
 def is_view(x: Any) -> bool:
@@ -65,7 +71,16 @@ def compose(
 ) -> NodeView:
     """The view of ``z_i = c + sum_k M[i, k] (y_k - c)`` where y is ``view``."""
     total = mixing if view.mixing is None else mixing @ view.mixing
-    return NodeView(view.base, total, view.centre, valid, gram, view.diagonal and diagonal)
+    return NodeView(view.base, total, view.centre, valid, gram, view.diagonal and diagonal, view.floating)
+
+
+def with_norms(view: NodeView) -> NodeView:
+    """The view with a Gram matrix whose diagonal holds the norms around its centre.
+
+    A floating view's Gram matrix is centred elsewhere (see :class:`NodeView`): it is
+    dropped, so the next Gram pass forms the one around the view's centre.
+    """
+    return view._replace(gram=None, floating=False) if view.floating else view
 
 
 def weighted_sum(x: PyTree | NodeView, weights: jax.Array) -> PyTree:

@@ -273,3 +273,87 @@ def test_bulyan_with_repeated_attacker_vectors_matches_float64_reference(attack,
         assert set(np.flatnonzero(np.asarray(consensus.get_info(state).selected)).tolist()) == chosen
         got = np.asarray(merged["w"], np.float64)
         assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        consensus.mean,
+        lambda: consensus.weighted_mean(np.arange(1.0, 10.0)),
+        consensus.median,
+        lambda: consensus.trimmed_mean(2),
+    ],
+    ids=["mean", "weighted_mean", "median", "trimmed_mean"],
+)
+def test_under_jit_a_non_finite_node_takes_the_fallback(make):
+    """Issue 13: under an outer jit the one-pass result is kept in place unless it is not finite;
+    then the finiteness pass runs and the rule equals eager and the float64 reference."""
+    params, stacked = _nodes(9, seed=22)
+    w = jnp.asarray(stacked["w"]).at[2, 4].set(jnp.nan).at[6, 0].set(-jnp.inf)
+    agg = make()
+    valid = ~np.isin(np.arange(9), [2, 6])
+    x = np.asarray(stacked["w"], np.float64)
+    alpha = np.arange(1.0, 10.0)
+    want = {
+        "mean": x[valid].mean(0),
+        "weighted_mean": alpha[valid] @ x[valid] / alpha[valid].sum(),
+        "median": ref.median(x, valid),
+        "trimmed_mean": ref.trimmed_mean(x, 2, valid),
+    }[agg.name]
+    jitted = jax.jit(lambda s, st, m: agg.update(s, st, mask=m))
+    for data, mask in (({"w": w}, None), ({"w": w}, jnp.ones(9, bool)), (stacked, None)):
+        got, state = jitted(data, agg.init(params), mask)
+        eager, eager_state = agg.update(data, agg.init(params), mask=mask)
+        np.testing.assert_allclose(np.asarray(got["w"]), np.asarray(eager["w"]), rtol=1e-6, atol=1e-6)
+        got_valid = np.asarray(consensus.get_info(state).valid)
+        np.testing.assert_array_equal(got_valid, np.asarray(consensus.get_info(eager_state).valid))
+        if data is stacked:
+            assert got_valid.all()
+        else:
+            np.testing.assert_array_equal(got_valid, valid)
+            np.testing.assert_allclose(np.asarray(got["w"]), want, rtol=1e-6, atol=1e-6)
+
+
+def test_nnm_without_params_is_exact_far_from_the_origin():
+    """Issue 13: NNM without params centres its Gram matrix on the nodes' mean (no centre pass).
+
+    Nodes 300 away from the origin, 0.01 apart: a Gram matrix centred on 0 loses the distances
+    to float32 cancellation (eps * 300^2 >> 0.01^2), so this checks the centring, against the
+    float64 reference and against the same pipeline given params (distances are translation
+    invariant, so the mixing, the selection and the output must agree)."""
+    rng = np.random.default_rng(23)
+    n, f, d = 11, 2, 64
+    params = {"w": np.full(d, 300.0, np.float32)}
+    w = (300.0 + 0.01 * rng.standard_normal((n, d))).astype(np.float32)
+    w[4] += 0.5  # an outlier, so the selection has something to reject
+    stacked = {"w": jnp.asarray(w)}
+    X = np.asarray(w, np.float64)
+    valid = np.ones(n, bool)
+    want, i = ref.krum(ref.nnm(X, f, valid), f, valid)
+    pipe = consensus.chain(consensus.nnm(f), consensus.krum(f))
+    outs = [
+        pipe.update(stacked, pipe.init(params)),
+        jax.jit(lambda s, st: pipe.update(s, st))(stacked, pipe.init(params)),
+        pipe.update(stacked, pipe.init(params), params),
+    ]
+    # Output values are float32 near 300 (spacing 3e-5); the mixed rows differ by ~3e-3.
+    for got, state in outs:
+        np.testing.assert_allclose(np.asarray(got["w"], np.float64) - 300.0, want - 300.0, atol=1e-4)
+        assert np.flatnonzero(np.asarray(consensus.get_info(state).selected)).tolist() == [i]
+    nnm = consensus.nnm(f)
+    mixed, _ = nnm.update(stacked, nnm.init(params))
+    want_mixed = ref.nnm(X, f, valid) - 300.0
+    np.testing.assert_allclose(np.asarray(mixed["w"], np.float64) - 300.0, want_mixed, atol=1e-4)
+
+
+def test_clip_after_lazy_nnm_without_params_clips_around_zero():
+    """A floating view (NNM without params) carries a Gram matrix centred on the mean; clipping
+    after it must still measure the norms around 0, as clip without params documents."""
+    params, stacked = _nodes(9, d=20, seed=24)
+    valid = np.ones(9, bool)
+    nnm, clip = consensus.nnm(2), consensus.clip(3.0)
+    view, _ = nnm.update(stacked, nnm.init(params), lazy=True)
+    clipped, _ = clip.update(view, clip.init(params))
+    mixed = ref.nnm(np.asarray(stacked["w"], np.float64), 2, valid)
+    want = ref.clip(mixed, np.zeros(20), 3.0)
+    np.testing.assert_allclose(np.asarray(clipped["w"]), want, rtol=1e-5, atol=1e-5)

@@ -8,7 +8,7 @@ import pytest
 from kernels import gram, krum, rows, weiszfeld
 
 
-@pytest.mark.parametrize("d", [1, 100, gram.CHUNK * 2, gram.CHUNK * 3 + 17])
+@pytest.mark.parametrize("d", [1, 100, gram.chunk_columns(6) * 2, gram.chunk_columns(6) * 3 + 17])
 def test_gram_matches_float64_across_chunk_boundaries(d):
     rng = np.random.default_rng(d)
     x = rng.standard_normal((6, d)).astype(np.float32)
@@ -145,3 +145,18 @@ def test_clip_factors_and_row_norms():
         out, ref.clip(x.astype(np.float64), c.astype(np.float64), 8.0), rtol=1e-5, atol=1e-5
     )
     assert (np.linalg.norm(out - c, axis=1) <= 8.0 * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("d", [rows.NORM_LANES * 2, rows.NORM_LANES * 3 + 5])
+def test_row_norms_across_lane_chunks_match_float64(d):
+    """The lane-accumulated norms (several chunks and a tail), with and without a centre; a NaN row stays NaN."""
+    rng = np.random.default_rng(d)
+    x = (rng.standard_normal((5, d)) * np.arange(1, 6)[:, None]).astype(np.float32)
+    c = rng.standard_normal(d).astype(np.float32)
+    x[3, -1] = np.nan  # in the tail
+    x[4, 7] = np.inf  # in the first chunk
+    x64 = x.astype(np.float64)
+    for centre, want in ((None, (x64**2).sum(1)), (c, ((x64 - c) ** 2).sum(1))):
+        got = np.asarray(rows.row_sq_norms(jnp.asarray(x), None if centre is None else jnp.asarray(centre)))
+        np.testing.assert_allclose(got[:3], want[:3], rtol=1e-5)
+        assert np.isnan(got[3]) and not np.isfinite(got[4])
