@@ -1,19 +1,36 @@
 """Exact k-th largest magnitude of every row of an (n, s) array, without sorting.
 
-``jnp.sort`` over 1e7 entries costs tens of passes over memory on XLA:CPU. The
-magnitudes are non-negative floats, whose IEEE bit patterns read as int32 are
-ordered like the values, so the k-th largest magnitude is the largest integer
-T with ``count(bits >= T) >= k``. It is found by a bracketing search on that
-integer: a strided sample of the row (sorted; a few thousand entries) gives a
-first bracket around the sample's quantile, then every counting pass (one read
-of the row, three thresholds) narrows the bracket ``[lo, hi)`` (count at lo >=
-k, count at hi < k) by interpolation with a bisection safeguard, until
-``hi == lo + 1``: then ``lo`` is exactly the k-th largest value. Each count
-streams the row in cache-sized chunks and counts the compare masks with a
-matrix-vector product; the bit patterns are formed inside the chunk from the
-node and the base, so no (n, s) intermediate is ever written. Every pass is
-exact integer counting, so the result is exact whatever the sample says; the
-sample only decides how many passes it takes (typically 2-4).
+``jnp.sort`` over 1e7 entries costs hundreds of passes over memory on XLA:CPU.
+The magnitudes are non-negative floats, whose IEEE bit patterns read as int32
+are ordered like the values, so the k-th largest magnitude is the largest
+integer T with ``count(bits >= T) >= k``, and it is always one of the row's own
+bit patterns. It is found by a bracketing search on that integer, ``[lo, hi)``
+with ``count(bits >= lo) >= k > count(bits >= hi)``:
+
+* a strided sample of the row (2048 entries, sorted) puts the first
+  ``PROBES`` probes at the sample's quantiles around rank k (+-4 sampling
+  standard deviations);
+* every later pass puts its probes around the linear interpolation of the
+  count between lo and hi (at up to 3 expected interpolation errors, the error
+  of a count being about the square root of the entries in the bracket), plus
+  quarter points of the bracket as a bisection safeguard;
+* each pass also takes the largest pattern below hi and the smallest at or
+  above lo: the answer is a pattern of the row, so hi drops to just above the
+  former and lo rises to the latter (a row of zeros, or a block of tied
+  magnitudes, closes in one pass).
+
+Every pass is one streaming read of the row: the counts at all probes and the
+two extremes are the outputs of ONE variadic ``lax.reduce`` whose operands are
+the compare masks, computed from the node and the base inside the loop, so
+no (n, s) intermediate is written and the row is read once per pass (XLA:CPU
+runs separate reductions, or a reduction over a probe axis, as one read of the
+row per probe). The search stops for a row when ``count(bits >= lo) == k``
+(then ``{|d| >= lo}`` is exactly the set of the k largest, which is all TIES
+needs: ``mask_only``) or when ``hi == lo + 1`` (ties at the k-th value); the
+exact k-th value is then the smallest pattern at or above lo (one more pass,
+skipped with ``mask_only``). All counting is exact integer counting, so the
+result is exact whatever the sample says; the sample only decides how many
+passes it takes (typically 3-4).
 """
 
 from __future__ import annotations
@@ -23,14 +40,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-SAMPLE = 4096  # sampled entries per row for the first bracket
-MAX_PASSES = 64  # bisection alone needs at most 32 (31-bit range); a hard stop for safety
+SAMPLE = 2048  # sampled entries per row for the first probes (XLA:CPU's sort of them is not free)
+PROBES = 16  # counts per pass: one variadic reduce of 16 compare masks still streams at memory speed
+MAX_PASSES = 40  # the quarter-point safeguard alone shrinks a 31-bit bracket to width 1 in 16
 TOP = 0x7F800001  # above +inf: count(bits >= TOP) = 0 for finite rows
 INF_BITS = 0x7F800000
-# Columns per counting chunk: the chunk's compare masks stay in cache and are counted by a
-# matrix-vector product (XLA:CPU's row reductions cost ~6-10 passes over memory; the chunked
-# product costs about one). Counts per chunk <= CHUNK are exact in float32.
-CHUNK = 8192
 
 
 def _bits(x: jax.Array, base: jax.Array, valid: jax.Array) -> jax.Array:
@@ -41,104 +55,110 @@ def _bits(x: jax.Array, base: jax.Array, valid: jax.Array) -> jax.Array:
     return jnp.minimum(bits, jnp.int32(INF_BITS))  # NaN's pattern is above +inf's
 
 
-def _count_block(x, base, valid, probes):
-    bits = _bits(x, base, valid)  # (n, m)
-    masks = (bits[:, None, :] >= probes[:, :, None]).astype(jnp.float32)  # (n, P, m)
-    ones = jnp.ones((bits.shape[1],), jnp.float32)
-    return jnp.dot(masks, ones).astype(jnp.int32)
+def _pass(x, base, valid, probes, lo, hi):
+    """One read of x: (n, P) counts of bits >= probes, the largest bits < hi, the smallest bits >= lo."""
+    bits = _bits(x, base, valid)
+    num = probes.shape[1]
+    ops = [(bits >= probes[:, j : j + 1]).astype(jnp.int32) for j in range(num)]
+    ops.append(jnp.where(bits < hi[:, None], bits, -1))
+    ops.append(jnp.where(bits >= lo[:, None], bits, TOP))
 
+    def combine(a, b):
+        return (*(a[j] + b[j] for j in range(num)), jnp.maximum(a[num], b[num]), jnp.minimum(a[-1], b[-1]))
 
-def _counts(x: jax.Array, base: jax.Array, valid: jax.Array, probes: jax.Array) -> jax.Array:
-    """(n, P) int32: count(|x_i - base| bits >= probes[i, j]) for every row and probe, one read of x."""
-    s = x.shape[1]
-    k = s // CHUNK
-    acc = jnp.zeros(probes.shape, jnp.int32)
-    if k:
-
-        def body(i, acc):
-            xs = jax.lax.dynamic_slice_in_dim(x, i * CHUNK, CHUNK, axis=1)
-            bs = jax.lax.dynamic_slice_in_dim(base, i * CHUNK, CHUNK)
-            return acc + _count_block(xs, bs, valid, probes)
-
-        acc = jax.lax.fori_loop(0, k, body, acc)
-    if s % CHUNK:
-        acc = acc + _count_block(x[:, k * CHUNK :], base[k * CHUNK :], valid, probes)
-    return acc
+    init = (*(jnp.int32(0) for _ in range(num)), jnp.int32(-1), jnp.int32(TOP))
+    out = jax.lax.reduce(tuple(ops), init, combine, (1,))
+    return jnp.stack(out[:num], axis=1), out[num], out[-1]
 
 
 def _first_probes(x: jax.Array, base: jax.Array, valid: jax.Array, k: int) -> jax.Array:
-    """Sample quantiles around rank k (and a margin either side) as int32 probes, (n, 3)."""
+    """(n, PROBES) int32 probes: sample quantiles from rank k - 4 sd to k + 4 sd (from the top)."""
     s = x.shape[1]
     stride = max(1, s // SAMPLE)
     sample = jnp.sort(_bits(x[:, ::stride], base[::stride], valid), axis=1)  # ascending
     m = sample.shape[1]
-    # rank k from the top among s entries ~ rank k * m / s from the top among m.
-    r = k * m / s
-    spread = 4.0 * (r * (1.0 - r / m)) ** 0.5 + 2.0
-    ranks = [r - spread, r, r + spread]
+    r = k * m / s  # rank k from the top among s ~ rank r from the top among the m sampled
+    spread = 4.0 * (r * max(1.0 - r / m, 0.0)) ** 0.5 + 2.0
+    ranks = [r - spread + 2.0 * spread * j / (PROBES - 1) for j in range(PROBES)]
     idx = [min(max(int(m - q), 0), m - 1) for q in ranks]  # index from the bottom (ascending)
     return jnp.stack([sample[:, i] for i in idx], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("k",))
+def _next_probes(lo, hi, c_lo, c_hi, k):
+    """(n, PROBES) probes inside (lo, hi): around the count's linear interpolation, plus quarter points."""
+    width = (hi - lo).astype(jnp.float32)
+    entries = jnp.maximum((c_lo - c_hi).astype(jnp.float32), 1.0)
+    frac = (c_lo - k).astype(jnp.float32) / entries  # share of the bracket's entries below the answer
+    # A count in the bracket errs by about sqrt(entries * frac * (1 - frac)) entries.
+    err = (jnp.sqrt(entries * frac * (1.0 - frac)) + 1.0) / entries * width
+    quarters = [0.25, 0.5, 0.75]
+    num = PROBES - len(quarters)
+    offsets = [frac * width + (-3.0 + 6.0 * j / (num - 1)) * err for j in range(num)]
+    offsets += [q * width for q in quarters]
+    # Offsets from lo in float32, added in int32: lo itself may be ~2^30, beyond float32's integers.
+    steps = jnp.clip(jnp.round(jnp.stack(offsets, axis=1)), 0.0, width[:, None]).astype(jnp.int32)
+    return lo[:, None] + steps
+
+
+@functools.partial(jax.jit, static_argnames=("k", "mask_only"))
 def kth_largest_delta_bits(
-    x: jax.Array, base: jax.Array, valid: jax.Array, k: int
+    x: jax.Array, base: jax.Array, valid: jax.Array, k: int, mask_only: bool = False
 ) -> tuple[jax.Array, jax.Array]:
     """The k-th largest |x_i - base| of every row, as int32 bits, exactly; and the number of passes.
 
     Args:
       x: (n, s) rows; base: (s,); valid: (n,) bool (invalid rows read as zeros).
       k: 1 <= k <= s, static.
+      mask_only: return, per row, a pattern T with ``{bits >= T}`` = the set of entries at or above
+        the k-th largest (all a top-k mask needs), without the last pass that finds the value.
     Returns:
-      ((n,) int32 bit patterns, int32 number of counting passes after the first).
+      ((n,) int32 bit patterns, int32 number of reads of x after the sample).
     """
     n, s = x.shape
     if not 1 <= k <= s:
         raise ValueError(f"k must be in [1, {s}], got {k}")
     kk = jnp.int32(k)
+
+    def narrow(lo, hi, c_lo, c_hi, probes):
+        probes = jnp.clip(probes.astype(jnp.int32), lo[:, None], hi[:, None])
+        c, below, above = _pass(x, base, valid, probes, lo, hi)
+        ok = c >= kk  # the probe is at or below the answer
+        new_lo = jnp.max(jnp.where(ok, probes, lo[:, None]), axis=1)
+        new_hi = jnp.min(jnp.where(ok, hi[:, None], probes), axis=1)
+        n_lo = jnp.max(jnp.where(ok & (probes == new_lo[:, None]), c, -1), axis=1)
+        n_hi = jnp.min(jnp.where(~ok & (probes == new_hi[:, None]), c, s + 1), axis=1)
+        n_lo = jnp.where(new_lo == lo, c_lo, n_lo)
+        n_hi = jnp.where(new_hi == hi, c_hi, n_hi)
+        # The answer is a pattern of the row: none lies in (below, hi) or in [lo, above), so the
+        # bracket shrinks to [max(new_lo, above), min(new_hi, below + 1)) with the same counts.
+        return jnp.maximum(new_lo, above), jnp.minimum(new_hi, below + 1), n_lo, n_hi
+
+    def done(lo, hi, c_lo):
+        return (hi - lo <= 1) | (c_lo == kk)
+
     lo = jnp.zeros((n,), jnp.int32)  # count(bits >= 0) = s >= k
     hi = jnp.full((n,), TOP, jnp.int32)  # count = 0 < k
-
-    def narrow(lo, hi, probes):
-        probes = jnp.clip(probes, lo[:, None], hi[:, None])
-        c = _counts(x, base, valid, probes)
-        ok = c >= kk  # probe is <= the answer
-        new_lo = jnp.maximum(lo, jnp.max(jnp.where(ok, probes, lo[:, None]), axis=1))
-        new_hi = jnp.minimum(hi, jnp.min(jnp.where(ok, hi[:, None], probes), axis=1))
-        lo_count = jnp.max(jnp.where(ok & (probes == new_lo[:, None]), c, -1), axis=1)
-        hi_count = jnp.min(jnp.where(~ok & (probes == new_hi[:, None]), c, s + 1), axis=1)
-        return new_lo, new_hi, lo_count, hi_count
-
-    lo, hi, c_lo, c_hi = narrow(lo, hi, _first_probes(x, base, valid, k))
-    c_lo = jnp.where(c_lo < 0, s, c_lo)  # lo == 0 still: every entry counts
-    c_hi = jnp.where(c_hi > s, 0, c_hi)  # hi == TOP still
+    lo, hi, c_lo, c_hi = narrow(
+        lo, hi, jnp.full((n,), s), jnp.zeros((n,), jnp.int32), _first_probes(x, base, valid, k)
+    )
 
     def cond(carry):
-        lo, hi, _, _, it = carry
-        return jnp.any(hi - lo > 1) & (it < MAX_PASSES)
+        lo, hi, c_lo, _, it = carry
+        return jnp.any(~done(lo, hi, c_lo)) & (it < MAX_PASSES)
 
     def body(carry):
         lo, hi, c_lo, c_hi, it = carry
-        width = (hi - lo).astype(jnp.float32)
-        # Interpolate the count linearly between (lo, c_lo) and (hi, c_hi) to hit k.
-        frac = (c_lo - kk).astype(jnp.float32) / jnp.maximum((c_lo - c_hi).astype(jnp.float32), 1.0)
-        guess = lo + jnp.floor(frac * width).astype(jnp.int32)
-        # The interpolation errs by about sqrt(gap) entries (sampling noise of the counts): probe at
-        # 1 and 3 such errors either side of the guess, plus the midpoint as the bisection safeguard.
-        gap = jnp.maximum((c_lo - c_hi).astype(jnp.float32), 1.0)
-        err = width * jnp.minimum(jnp.sqrt(gap) / gap, 0.25)
-        offsets = [-3.0, -1.0, 0.0, 1.0, 3.0]
-        mid = lo + ((hi - lo) // 2)
-        probes = jnp.stack(
-            [guess + jnp.ceil(o * err).astype(jnp.int32) + int(o > 0) for o in offsets] + [mid], axis=1
-        )
-        nlo, nhi, nc_lo, nc_hi = narrow(lo, hi, probes)
-        nc_lo = jnp.where(nlo == lo, c_lo, nc_lo)
-        nc_hi = jnp.where(nhi == hi, c_hi, nc_hi)
-        return nlo, nhi, nc_lo, nc_hi, it + 1
+        fin = done(lo, hi, c_lo)
+        probes = jnp.where(fin[:, None], lo[:, None], _next_probes(lo, hi, c_lo, c_hi, kk))
+        nlo, nhi, nc_lo, nc_hi = narrow(lo, hi, c_lo, c_hi, probes)
+        keep = lambda a, b: jnp.where(fin, a, b)  # noqa: E731
+        return keep(lo, nlo), keep(hi, nhi), keep(c_lo, nc_lo), keep(c_hi, nc_hi), it + 1
 
-    lo, hi, *_, passes = jax.lax.while_loop(cond, body, (lo, hi, c_lo, c_hi, jnp.int32(0)))
-    return lo, passes
+    lo, hi, c_lo, c_hi, passes = jax.lax.while_loop(cond, body, (lo, hi, c_lo, c_hi, jnp.int32(1)))
+    if mask_only:
+        return lo, passes
+    _, _, smallest = _pass(x, base, valid, lo[:, None], lo, hi)  # smallest pattern >= lo: the k-th value
+    return smallest, passes + 1
 
 
 def kth_largest_magnitude(delta: jax.Array, k: int) -> jax.Array:

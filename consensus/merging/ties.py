@@ -33,9 +33,10 @@ ELECTIONS = ("sum", "count")
 def trim_thresholds(x: jax.Array, base: jax.Array, density: float, valid: jax.Array) -> jax.Array:
     """(n,) float32: node i keeps the entries of this leaf with ``|x_i - base| >= threshold_i``.
 
-    threshold_i is the k-th largest |x_i - base| over the leaf, k = max(1, int(density * size)),
-    found exactly without sorting (:mod:`consensus.merging._select`). Invalid rows
-    read as zeros (their threshold is 0; they are excluded later anyway).
+    k = max(1, int(density * size)); threshold_i keeps exactly the entries whose |x_i - base| is at
+    or above the k-th largest over the leaf (it is that value, or a float between it and the next
+    smaller magnitude, which keeps the same entries), found exactly without sorting
+    (:mod:`consensus.merging._select`). Invalid rows read as zeros (they are excluded later anyway).
     """
     n = x.shape[0]
     size = x[0].size
@@ -48,7 +49,8 @@ def trim_thresholds(x: jax.Array, base: jax.Array, density: float, valid: jax.Ar
 @functools.partial(jax.jit, static_argnames=("k",))
 def _thresholds(x, base, valid, *, k: int):
     n = x.shape[0]
-    bits, _ = kth_largest_delta_bits(x.reshape(n, -1), base.reshape(-1), valid, k)
+    # mask_only: a threshold keeping exactly the entries >= the k-th largest (one pass fewer).
+    bits, _ = kth_largest_delta_bits(x.reshape(n, -1), base.reshape(-1), valid, k, mask_only=True)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
