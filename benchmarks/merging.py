@@ -32,6 +32,7 @@ against the honest fine-tunes of all 8 tasks; the average over the 6 honest task
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -44,12 +45,14 @@ import consensus
 from benchmarks.harness import header, markdown_table, parse, parser, plot_path, pyplot, save
 from consensus.convex.curvature import softmax_gauss_newton
 from strategies.registry import resolve_task
-from strategies.statistics import node_statistics
+from strategies.statistics import mlp_layer_inputs, node_statistics
+from strategies.tasks.fashion_mnist import PIXEL_MEAN, PIXEL_STD
 
 NAME = "merging"
 TASK_NAMES = ["classes 0-4", "classes 5-9", "even", "odd", "mirror", "invert", "label+1", "shift"]
 SCALES = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.2, 1.5]
 POISONED = (6, 7)
+CURVATURE_ROWS = 500  # held-out rows per task for the convex weights' Gauss-Newton model
 # Published 8-task CLIP ViT-B/32 average accuracies (%), as quoted in issue 15 (task arithmetic,
 # TIES and AdaMerging papers' tables): the ordering this benchmark is compared with.
 PUBLISHED = {
@@ -98,11 +101,26 @@ def transform(name: str, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.n
     return np.ascontiguousarray(x, np.float32), y.astype(np.int32)
 
 
-def load(task_name: str, seed: int):
-    task = resolve_task(task_name, {"hidden": [64]} if task_name == "digits" else None)
+def task_options(task_name: str, limit: int | None) -> dict[str, Any] | None:
+    """The task's options here: a 64-unit MLP for both; Fashion-MNIST cut to ``limit`` images."""
+    if task_name == "digits":
+        return {"hidden": [64]}
+    if task_name == "fashion_mnist":
+        return {"hidden": [64], "limit": limit}
+    return None
+
+
+def as_float(x: Any) -> np.ndarray:
+    """float32 rows in [0, 1] for integer (uint8) images, as the tasks' ``apply`` scales them."""
+    x = np.asarray(x)
+    return x.astype(np.float32) / 255.0 if np.issubdtype(x.dtype, np.integer) else x.astype(np.float32)
+
+
+def load(task_name: str, seed: int, limit: int | None = None):
+    task = resolve_task(task_name, task_options(task_name, limit))
     data = task.splits(1, seed=seed)
     m = int(np.asarray(data.train_count)[0])
-    x = np.asarray(data.train["x"][0][:m], np.float32).reshape(m, -1)
+    x = as_float(data.train["x"][0][:m]).reshape(m, -1)
     y = np.asarray(data.train["y"][0][:m], np.int32)
     rng = np.random.default_rng(seed)
     order = rng.permutation(m)
@@ -111,15 +129,25 @@ def load(task_name: str, seed: int):
         "base": (x[order[:half]], y[order[:half]]),
         "tasks": (x[order[half:]], y[order[half:]]),
         "heldout": (
-            np.asarray(data.heldout["x"], np.float32).reshape(len(data.heldout["y"]), -1),
+            as_float(data.heldout["x"]).reshape(len(data.heldout["y"]), -1),
             np.asarray(data.heldout["y"], np.int32),
         ),
         "test": (
-            np.asarray(data.test["x"], np.float32).reshape(len(data.test["y"]), -1),
+            as_float(data.test["x"]).reshape(len(data.test["y"]), -1),
             np.asarray(data.test["y"], np.int32),
         ),
     }
     return task, sets
+
+
+def one_example_logits(task, params, x):
+    """(C,) logits of ONE flat input row (the convex weights' curvature model takes single examples)."""
+    return task.apply(params, x[None])[0]
+
+
+def fashion_layer_inputs(params, x):
+    """The Fashion-MNIST MLP's Dense inputs: it standardizes the [0, 1] pixels before its first layer."""
+    return mlp_layer_inputs(params, (x - PIXEL_MEAN) / PIXEL_STD)
 
 
 def padded(x: np.ndarray, y: np.ndarray, size: int) -> dict[str, jax.Array]:
@@ -189,9 +217,10 @@ def run_methods(task, base, stacked, stats, heldout, score_heldout, robust: bool
     out["regmean"] = upd(consensus.regmean(off_diagonal_scale=0.9), grams=stats["grams"])
 
     hx, hy = heldout
+    logits = functools.partial(one_example_logits, task)  # one object: the estimator's static argument
 
     def model_fn(p, **extra):
-        return softmax_gauss_newton(task.apply, p, hx, hy)
+        return softmax_gauss_newton(logits, p, hx, hy)
 
     cap = 1.0 / (n - len(POISONED)) if robust else None
     ref = consensus.weighted_sum(stacked, jnp.full((n,), 1.0 / n, jnp.float32))
@@ -228,8 +257,8 @@ def run_methods(task, base, stacked, stats, heldout, score_heldout, robust: bool
 # ----------------------------------------------------------------------------- one seed
 
 
-def one_seed(task_name: str, seed: int, quick: bool) -> dict[str, Any]:
-    task, sets = load(task_name, seed)
+def one_seed(task_name: str, seed: int, quick: bool, limit: int | None = None) -> dict[str, Any]:
+    task, sets = load(task_name, seed, limit)
     base_steps, ft_steps = (300, 150) if quick else (800, 400)
     acc = accuracy_fn(task)
     bx, by = sets["base"]
@@ -240,14 +269,15 @@ def one_seed(task_name: str, seed: int, quick: bool) -> dict[str, Any]:
     size = max(len(y) for _, y in tasks)
     train = make_trainer(task, ft_steps, 3e-3)
     fine = [train(base, padded(x, y, size)) for x, y in tasks]
+    layer_inputs = fashion_layer_inputs if task_name == "fashion_mnist" else mlp_layer_inputs
     stats = [
-        node_statistics(task.loss, p, {"x": jnp.asarray(x), "y": jnp.asarray(y)})
+        node_statistics(task.loss, p, {"x": jnp.asarray(x), "y": jnp.asarray(y)}, layer_inputs=layer_inputs)
         for p, (x, y) in zip(fine, tasks, strict=True)
     ]
     own_test = np.array([float(acc(p, *t)) for p, t in zip(fine, tests, strict=True)])
     own_held = np.array([float(acc(p, *h)) for p, h in zip(fine, helds, strict=True)])
-    hx = jnp.asarray(np.concatenate([h[0] for h in helds]))
-    hy = jnp.asarray(np.concatenate([h[1] for h in helds]))
+    hx = jnp.asarray(np.concatenate([h[0][:CURVATURE_ROWS] for h in helds]))
+    hy = jnp.asarray(np.concatenate([h[1][:CURVATURE_ROWS] for h in helds]))
 
     def score_heldout(params):
         return float(np.mean([float(acc(params, *h)) for h in helds] / own_held))
@@ -297,10 +327,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = parser(__doc__, "1 seed, shorter training (under 2 minutes)")
     p.add_argument("--task", default="digits", help="a registered classification task (default digits)")
     p.add_argument("--seeds", type=int, default=None, help="number of seeds (default 1 quick, 3 full)")
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=30000,
+        help="Fashion-MNIST: the first LIMIT training and test images (default 30000; 2-core sizing)",
+    )
     args = parse(p, argv)
     seeds = args.seeds or (1 if args.quick else 3)
     t0 = time.perf_counter()
-    runs = [one_seed(args.task, s, args.quick) for s in range(seeds)]
+    runs = [one_seed(args.task, s, args.quick, args.limit) for s in range(seeds)]
     clean, robust = summarize(runs, "clean"), summarize(runs, "robust")
     settings = {
         "task": args.task,
@@ -308,6 +344,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tasks": 8,
         "poisoned": list(POISONED),
         "quick": args.quick,
+        "limit": args.limit if args.task == "fashion_mnist" else None,
     }
     res = {"clean": clean, "robust": robust, "runs": runs, "total_s": time.perf_counter() - t0}
 

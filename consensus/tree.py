@@ -129,13 +129,21 @@ def check_stacked_against(stacked: PyTree, params: PyTree) -> None:
             )
 
 
+@jax.jit
 def finite_mask(stacked: PyTree) -> jax.Array:
-    """(n,) bool: True for nodes whose every leaf is finite."""
+    """(n,) bool: True for nodes whose every leaf is finite (one compiled call for the whole tree)."""
     masks = [row_kernels.finite_rows(x) for x in jax.tree_util.tree_leaves(stacked)]
     out = masks[0]
     for m in masks[1:]:
         out = out & m
     return out
+
+
+@jax.jit
+def is_finite(tree_: PyTree) -> jax.Array:
+    """Scalar bool: every entry of every leaf of one (unstacked) tree is finite; one compiled call."""
+    sums = [jnp.sum(x.astype(jnp.float32) * 0.0) for x in jax.tree_util.tree_leaves(tree_)]
+    return jnp.isfinite(sum(sums[1:], sums[0]))
 
 
 def nonfinite_report(stacked: PyTree) -> list[tuple[int, str]]:

@@ -374,7 +374,7 @@ class Coordinator:
         why = too_few_accepted(self.cfg, accepted, asked)
         if why:
             return state._replace(ledger=ledger), self._fail(info, why)
-        if not bool(np.all(to_host(tree.finite_mask(tree.stack([merged]))))):
+        if not bool(to_host(tree.is_finite(merged))):
             return state._replace(ledger=ledger), self._fail(info, "the new consensus is not finite")
 
         # 7. the plain FedAvg baseline (same nodes, same keys, uniform mean of the valid answers)
@@ -552,7 +552,13 @@ def _pld(z: float, q: float, rounds: int, delta: float, eps_rdp: float) -> float
 
 def round_key(key_data: jax.Array, round_index: int, attempt: int) -> jax.Array:
     """The key of round ``round_index``, attempt ``attempt``: ``fold_in(fold_in(root, r), a)``."""
-    root = jax.random.wrap_key_data(jnp.asarray(key_data))
+    # One compiled call (the eager fold_ins cost ~0.7 ms a round); the same bits as eagerly.
+    return _round_key(jnp.asarray(key_data), jnp.uint32(round_index), jnp.uint32(attempt))
+
+
+@jax.jit
+def _round_key(key_data: jax.Array, round_index: jax.Array, attempt: jax.Array) -> jax.Array:
+    root = jax.random.wrap_key_data(key_data)
     return jax.random.fold_in(jax.random.fold_in(root, round_index), attempt)
 
 

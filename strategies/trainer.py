@@ -154,8 +154,17 @@ def _take_tree(axes: Any, arg: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=32)
-def _evaluator(task: Task) -> Callable:
-    # One compiled evaluator per task (tasks are frozen, hashable dataclasses), shared by trainers.
+def _evaluator(task: Task, sequential: bool = False) -> Callable:
+    """Per-node metrics of a stack on one batch, compiled once per task and shared by trainers.
+
+    ``sequential``: one node after the other (``lax.map``), for a single device. A vmapped
+    evaluation batches every node's activations into one large working set: for the text
+    transformer on its 256 test windows, 4 nodes took 391 ms vmapped and 218 ms mapped on
+    XLA:CPU (digits: the same within 0.1 ms). On a node mesh the vmap spreads nodes over
+    devices, so it stays.
+    """
+    if sequential:
+        return jax.jit(lambda stacked, batch: jax.lax.map(lambda p: task.metrics(p, batch), stacked))
     return jax.jit(jax.vmap(task.metrics, in_axes=(0, None)))
 
 
@@ -243,7 +252,8 @@ class NodeTrainer:
             raise ValueError(f"mesh axes must be {mesh_lib.AXES}, got {tuple(self.mesh.axis_names)}")
         # Compiled functions, built once per trainer (jit caches per static args and shapes).
         object.__setattr__(self, "_fit_jit", jax.jit(self._fit_impl, static_argnames=("static",)))
-        object.__setattr__(self, "_eval_jit", _evaluator(self.task))
+        one_device = self.mesh is None or self.mesh.devices.size == 1
+        object.__setattr__(self, "_eval_jit", _evaluator(self.task, sequential=one_device))
         object.__setattr__(self, "_init_cache", {})
 
     # ------------------------------------------------------------------ optimizer

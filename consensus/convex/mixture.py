@@ -157,6 +157,67 @@ def mixture_nll_weights(
     return _mixture_newton(pt, acc, lb, ub, lam, u, solver, cache, solver_options, tol, max_iter, objective)
 
 
+def _kkt_step(
+    h: np.ndarray, lin: np.ndarray, w: np.ndarray, lb: np.ndarray, ub: np.ndarray
+) -> np.ndarray | None:
+    """The QP ``min 1/2 v^T h v + lin^T v`` over the capped simplex by a primal active-set method.
+
+    Starts at the feasible iterate ``w`` (Nocedal and Wright, Numerical Optimization, 16.3):
+    solve the equality-constrained QP with the active bounds fixed, move towards its
+    solution until a bound blocks (then that bound joins the active set), and at a
+    stationary point release the bound whose multiplier has the wrong sign. The result is
+    returned only when ``polish_qp`` verifies the KKT conditions at it (feasible,
+    stationary on the free set, bound multipliers of the right sign), which certifies the
+    convex QP's optimum; None (singular or unbounded subproblems, no convergence in a few
+    dozen iterations) leaves the step to the cvxpy solver. After the first Newton step the
+    active set rarely changes, so this usually ends in one or two linear solves.
+    """
+    fixed = ub - lb <= 0.0
+    v = np.clip(w, lb, ub)
+    at_lb = (v - lb <= 1e-9) & ~fixed
+    at_ub = (ub - v <= 1e-9) & ~fixed & ~at_lb
+    v = np.where(at_lb, lb, np.where(at_ub, ub, v))
+    scale = max(float(np.max(np.abs(h))), float(np.max(np.abs(lin))), 1e-300)
+    for _ in range(4 * len(w) + 4):
+        free = ~(fixed | at_lb | at_ub)
+        k = int(free.sum())
+        if k == 0:
+            return None
+        kkt = np.zeros((k + 1, k + 1))
+        kkt[:k, :k] = h[np.ix_(free, free)]
+        kkt[:k, k] = kkt[k, :k] = 1.0
+        # Step p on the free coordinates: min 1/2 p^T H p + grad^T p with sum p = 0.
+        grad = h @ v + lin
+        sol = np.linalg.lstsq(kkt, np.concatenate([-grad[free], [0.0]]), rcond=None)[0]
+        p = np.zeros_like(v)
+        p[free] = sol[:k]
+        nu = sol[k]
+        if np.max(np.abs(h[np.ix_(free, free)] @ p[free] + grad[free] + nu), initial=0.0) > 1e-9 * scale:
+            return None  # no stationary point on this face (singular and inconsistent): cvxpy
+        if np.max(np.abs(p)) <= 1e-12:
+            mult = grad + nu  # stationarity: mult = mu_lb - mu_ub on the active bounds
+            wrong = np.where(at_lb, -mult, 0.0) + np.where(at_ub, mult, 0.0)
+            i = int(np.argmax(wrong))
+            if wrong[i] <= 1e-12 * scale:
+                return polish_qp(h, lin, v, lb, ub)
+            at_lb[i] = at_ub[i] = False
+            continue
+        # The longest step in [0, 1] along p inside the bounds; a blocking bound joins the set.
+        with np.errstate(divide="ignore", invalid="ignore"):
+            to_bound = np.where(p < 0, (lb - v) / p, np.where(p > 0, (ub - v) / p, np.inf))
+        to_bound = np.where(free, to_bound, np.inf)
+        j = int(np.argmin(to_bound))
+        alpha = min(1.0, float(to_bound[j]))
+        v = v + alpha * p
+        if alpha < 1.0:
+            if p[j] < 0:
+                v[j], at_lb[j] = lb[j], True
+            else:
+                v[j], at_ub[j] = ub[j], True
+        v = np.clip(v, lb, ub)
+    return None
+
+
 def _mixture_newton(pt, acc, lb, ub, lam, u, solver, cache, solver_options, tol, max_iter, objective):
     n = pt.shape[1]
     m = pt.shape[0]
@@ -177,27 +238,37 @@ def _mixture_newton(pt, acc, lb, ub, lam, u, solver, cache, solver_options, tol,
         # The QP in the new point v: 1/2 v^T H v + (g - H w)^T v, scaled for the solver.
         lin = g - h @ w
         scale = max(float(np.max(np.abs(h))), float(np.max(np.abs(lin))), 1e-300)
-        values: dict[str, Any] = {"Lt": factor_psd(h / scale), "q": lin / scale, "c": 0.0, "ub": ub}
-        if floored:
-            values["lb"] = lb
-        out = problems.solve(compiled, values, solver_options=solver_options)
-        total += out.solve_time
-        if out.w is None:
-            return uniform_fallback(
-                acc,
-                lb,
-                ub,
-                "mixture_nll",
-                compiled,
-                built,
-                out.status,
-                total,
-                f"Newton step {it}: {out.error}",
-                objective,
-            )
-        v = project_capped_simplex(out.w, lb, ub)
-        polished = polish_qp(h, lin, v, lb, ub)
-        d = (v if polished is None else polished) - w
+        # Once the active set settles (usually after the first step), the step's QP is solved
+        # exactly by the KKT system on the current iterate's free coordinates: polish_qp returns
+        # a point only with the KKT conditions checked (feasible, stationary on the free set,
+        # bound multipliers of the right sign), which certifies the convex QP's optimum. Only
+        # when the active set changes does the step go to the cvxpy solver: one cvxpy solve
+        # costs ~2.5 ms, a third of a digits round's coordinator work.
+        direct = _kkt_step(h, lin, w, lb, ub)
+        if direct is not None:
+            d = direct - w
+        else:
+            values: dict[str, Any] = {"Lt": factor_psd(h / scale), "q": lin / scale, "c": 0.0, "ub": ub}
+            if floored:
+                values["lb"] = lb
+            out = problems.solve(compiled, values, solver_options=solver_options)
+            total += out.solve_time
+            if out.w is None:
+                return uniform_fallback(
+                    acc,
+                    lb,
+                    ub,
+                    "mixture_nll",
+                    compiled,
+                    built,
+                    out.status,
+                    total,
+                    f"Newton step {it}: {out.error}",
+                    objective,
+                )
+            v = project_capped_simplex(out.w, lb, ub)
+            polished = polish_qp(h, lin, v, lb, ub)
+            d = (v if polished is None else polished) - w
         dec = float(-g @ d)
         if dec <= tol:
             status, note = "optimal", ""

@@ -54,6 +54,7 @@ from strategies.tasks.base import (
 )
 
 VOCAB_SIZE = 256
+METRICS_ROWS = 32  # rows per chunk of an evaluation batch in ``metrics`` (see _chunked_metrics)
 
 # Module families -> stdlib packages. The order of families fixes node i's family (i % F).
 # fmt: off
@@ -544,16 +545,49 @@ class TextTask:
           loss = mean over tokens of -log p(y_t | x_<=t); perplexity = exp(loss);
           bits per byte = loss / ln 2.
         """
-        nll, logits = self._token_losses(params, batch, None)
-        mask = self._token_mask(batch, nll.shape)
-        loss = masked_mean(nll, mask)
-        correct = (jnp.argmax(logits, axis=-1) == batch["y"]).astype(jnp.float32)
+        rows = batch["x"].shape[0]
+        if rows > METRICS_ROWS:
+            loss, accuracy = self._chunked_metrics(params, batch)
+        else:
+            nll, logits = self._token_losses(params, batch, None)
+            mask = self._token_mask(batch, nll.shape)
+            loss = masked_mean(nll, mask)
+            accuracy = masked_mean((jnp.argmax(logits, axis=-1) == batch["y"]).astype(jnp.float32), mask)
         return {
             "loss": loss,
-            "accuracy": masked_mean(correct, mask),
+            "accuracy": accuracy,
             "perplexity": jnp.exp(loss),
             "bits_per_byte": loss / jnp.float32(math.log(2.0)),
         }
+
+    def _chunked_metrics(self, params: PyTree, batch: Batch) -> tuple[Array, Array]:
+        """(loss, accuracy) over the valid rows, METRICS_ROWS rows at a time in a ``lax.map``.
+
+        One forward pass over a whole evaluation set (256 windows) keeps activations and
+        attention scores far out of cache: on XLA:CPU it took 114 ms against 53 ms in chunks
+        of 32 rows. The sums of the token losses, of the correct tokens and of the token
+        count are accumulated over the chunks (rows padded to a whole chunk count as masked),
+        so the result is the masked mean of the whole batch, as in one pass.
+        """
+        rows = batch["x"].shape[0]
+        pad = -rows % METRICS_ROWS
+        mask = batch.get("mask")
+        mask = jnp.ones((rows,), jnp.float32) if mask is None else mask.astype(jnp.float32)
+
+        def chunks(v: Array) -> Array:
+            v = jnp.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1))
+            return v.reshape((-1, METRICS_ROWS) + v.shape[1:])
+
+        def one(chunk: tuple[Array, Array, Array]) -> Array:
+            x, y, m = chunk
+            nll, logits = self._token_losses(params, {"x": x, "y": y}, None)
+            tokens = jnp.broadcast_to(m[:, None], nll.shape)
+            correct = (jnp.argmax(logits, axis=-1) == y).astype(jnp.float32)
+            return jnp.stack([jnp.sum(nll * tokens), jnp.sum(correct * tokens), jnp.sum(tokens)])
+
+        total = jnp.sum(jax.lax.map(one, (chunks(batch["x"]), chunks(batch["y"]), chunks(mask))), axis=0)
+        count = jnp.maximum(total[2], jnp.float32(1.0))
+        return total[0] / count, total[1] / count
 
     def flip_labels(self, batch: Batch) -> Batch:
         """Label flipping attack on bytes: y -> 255 - y."""

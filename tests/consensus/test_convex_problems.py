@@ -6,7 +6,7 @@ import cvxpy as cp
 import numpy as np
 import pytest
 
-from consensus.convex import problems
+from consensus.convex import mixture, problems
 from consensus.convex.mixture import mixture_nll_weights
 from consensus.convex.problems import ProblemCache, ProblemKey
 from consensus.convex.qp import solve_qp_weights
@@ -149,6 +149,9 @@ def test_newton_fallback_when_a_step_fails(monkeypatch):
         raise cp.error.SolverError("step failed")
 
     monkeypatch.setattr(compiled.problem, "solve", boom)
+    # The KKT-certified active-set step would solve this small QP without the solver: decline it,
+    # so the step goes to cvxpy, which fails.
+    monkeypatch.setattr(mixture, "_kkt_step", lambda *a: None)
     res = mixture_nll_weights(p, cache=cache, method="newton")
     assert res.fallback and "Newton step 1" in res.message
     np.testing.assert_array_equal(res.weights, np.full(4, 0.25))
@@ -162,3 +165,26 @@ def test_cache_evicts_least_recently_used():
     assert [k.n for k in cache.keys()]  # noqa: SIM118 - keys() is the API under test == [4, 5]
     with pytest.raises(ValueError, match="unknown problem form"):
         problems.get_problem("lp", 3, cache=cache)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_active_set_newton_step_equals_the_cvxpy_qp(seed):
+    """The Newton step's QP over the capped simplex, solved by the active-set method, equals
+    cvxpy's solution (written here from scratch) when it answers, and it answers for well-posed
+    QPs with bounds active at the optimum; rejected nodes (ub = 0) stay at 0."""
+    rng = np.random.default_rng(seed)
+    n = 7
+    a = rng.normal(size=(n, n + 3))
+    h = a @ a.T / n + 1e-3 * np.eye(n)
+    lin = 2.0 * rng.normal(size=n)  # large enough that some weights hit 0 or the cap
+    lb = np.zeros(n)
+    ub = np.full(n, 0.35)
+    ub[seed % n] = 0.0  # a rejected node
+    w0 = np.where(ub > 0, 1.0 / (ub > 0).sum(), 0.0)
+    got = mixture._kkt_step(h, lin, w0, lb, ub)
+    assert got is not None
+    v = cp.Variable(n)
+    cp.Problem(cp.Minimize(0.5 * cp.quad_form(v, h) + lin @ v), [cp.sum(v) == 1, v >= lb, v <= ub]).solve()
+    np.testing.assert_allclose(got, v.value, atol=2e-5)
+    assert got[seed % n] == 0.0 and abs(got.sum() - 1.0) < 1e-12
+    assert np.any(got <= 1e-12) or np.any(got >= 0.35 - 1e-12)  # some bound is active

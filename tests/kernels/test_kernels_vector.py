@@ -149,7 +149,7 @@ def test_clip_factors_and_row_norms():
 
 @pytest.mark.parametrize("d", [rows.NORM_LANES * 2, rows.NORM_LANES * 3 + 5])
 def test_row_norms_across_lane_chunks_match_float64(d):
-    """The lane-accumulated norms (several chunks and a tail), with and without a centre; a NaN row stays NaN."""
+    """Lane-accumulated norms (several chunks and a tail), with and without a centre; NaN stays NaN."""
     rng = np.random.default_rng(d)
     x = (rng.standard_normal((5, d)) * np.arange(1, 6)[:, None]).astype(np.float32)
     c = rng.standard_normal(d).astype(np.float32)

@@ -140,6 +140,34 @@ def test_forward_and_metrics_match_float64_reference(forward):
     assert abs(reference_metrics(want, y, np.ones(6, bool))["loss"] - ref["loss"]) > 1e-3
 
 
+def test_metrics_over_more_rows_than_a_chunk_match_float64_reference():
+    """Evaluation batches above METRICS_ROWS rows go through the chunked path (lax.map, the last
+    chunk padded); with a row mask, with none, and under jit it equals the float64 reference."""
+    from strategies.tasks import text as text_module
+
+    task = TextTask(**SMALL)
+    params = task.init(jax.random.key(1))
+    rng = np.random.default_rng(1)
+    params = jax.tree.map(lambda p: p + rng.normal(0.0, 0.3, p.shape).astype(np.float32), params)
+    rows = text_module.METRICS_ROWS * 2 + 5  # two whole chunks and a padded one
+    x = rng.integers(0, 256, (rows, 16)).astype(np.int32)
+    y = rng.integers(0, 256, (rows, 16)).astype(np.int32)
+    y[:, ::2] = x[:, ::2]
+    mask = rng.random(rows) < 0.7
+    want = reference_logits(params, x, 1)
+    for m in (mask, None):
+        batch = {"x": jnp.asarray(x), "y": jnp.asarray(y)}
+        if m is not None:
+            batch["mask"] = jnp.asarray(m)
+        ref = reference_metrics(want, y, np.ones(rows, bool) if m is None else m)
+        for got in (task.metrics(params, batch), jax.jit(task.metrics)(params, batch)):
+            for k in ("loss", "perplexity", "bits_per_byte"):
+                np.testing.assert_allclose(float(got[k]), ref[k], rtol=1e-4, err_msg=k)
+            tokens = (rows if m is None else int(m.sum())) * 16
+            assert abs(float(got["accuracy"]) - ref["accuracy"]) <= 1.0 / tokens
+    assert ref["accuracy"] > 0
+
+
 def test_attention_is_causal_and_bf16_compute_stays_close(forward):
     _, _, _, _, out = forward
     a, b = np.asarray(out["logits"]), np.asarray(out["logits_x2"])
