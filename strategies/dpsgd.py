@@ -16,12 +16,26 @@ One DP-SGD step of one node, as the trainer's vmapped step runs it:
    DP over T steps (the two outputs differ from the untruncated ones in total variation by at
    most T p each). :func:`padded_size` picks the smallest pad that keeps this term under a
    given share of delta.
-3. **Per-example gradients** (:func:`private_gradient`): ``vmap(grad)`` of the task's loss on
-   one-row batches (in micro-batches of ``microbatch`` rows scanned in sequence, so the
-   per-example gradients of only one micro-batch are alive at a time), each clipped to L2
-   norm ``C`` (the whole tree's norm), masked, summed, plus Gaussian noise of std ``z C`` on
-   every coordinate, divided by the expected batch size ``q N``. The optimizer (Adam, ...)
-   takes this as its gradient: everything after the noise is post-processing.
+3. **Per-example clipping** (:func:`private_gradient`): every selected row's gradient clipped
+   to L2 norm ``C`` (the whole tree's norm), masked, summed, plus Gaussian noise of std ``z C``
+   on every coordinate, divided by the expected batch size ``q N``. The optimizer (Adam, ...)
+   takes this as its gradient: everything after the noise is post-processing. Two ways to the
+   clipped sum, with the same value (up to float32 rounding):
+
+   * **fast path, ghost clipping** (:func:`ghost_clipped_sum`), when the task supplies
+     :class:`DenseTaps` (``task.dp_dense_taps()`` not None: the digits and Fashion-MNIST MLPs
+     without dropout). Every parameter belongs to a dense layer ``y = a W + b`` applied once
+     per example, so example i's gradient of that layer is ``(a_i^T g_i, g_i)`` with ``g_i =
+     dL_i/dy_i`` and its squared norm is ``(||a_i||^2 + 1) ||g_i||^2`` (the "ghost norm",
+     Goodfellow 2015; Li et al. 2022). One forward pass and one backward pass to the layer
+     outputs give every example's norm without any per-example gradient; a second backward
+     pass of ``sum_i w_i L_i`` with ``w_i = mask_i min(1, C / norm_i)`` gives the clipped sum
+     (the book-keeping of Bu et al. 2023 in its two-pass form). ``microbatch`` is ignored
+     there (nothing per-example is materialized; the memory is a plain batch's).
+   * **generic path** (:func:`clipped_sum`), for any other model (CNN, transformer, dropout):
+     ``vmap(grad)`` of the task's loss on one-row batches (in micro-batches of ``microbatch``
+     rows scanned in sequence, so the per-example gradients of only one micro-batch are
+     alive at a time), each clipped, masked and summed.
 
 Sensitivity: under add/remove-one-example adjacency the clipped sum changes by at most C in
 L2, so the noise multiplier z is the noise std over the sensitivity, and each step is the
@@ -63,12 +77,35 @@ class ExampleDP(NamedTuple):
       pad: padded batch size (static; see :func:`padded_size`).
       microbatch: per-example gradients are computed this many rows at a time (static; 0: all
         ``pad`` rows at once); it must divide ``pad`` (``padded_size(..., multiple=microbatch)``).
+        Generic path only.
+      ghost: use the fast path (ghost clipping) when the task supplies :class:`DenseTaps`
+        (static; False: always the generic per-example path, e.g. as a reference).
     """
 
     clip_norm: Any
     noise_multiplier: Any
     pad: int
     microbatch: int = 0
+    ghost: bool = True
+
+
+class DenseTaps(NamedTuple):
+    """A task's model seen as dense layers, for ghost clipping (:func:`ghost_clipped_sum`).
+
+    The contract (the task vouches for it; the parameter count is checked): every parameter
+    leaf is the kernel ``(in_l, out_l)`` or the bias ``(out_l,)`` of one of the layers, each
+    layer computes ``y = a W + b`` once per example (no weight sharing across positions), and
+    the per-example loss of a row depends only on that row.
+
+    Attributes:
+      widths: ``out_l`` of every layer, in order.
+      loss: ``loss(params, batch, offsets) -> (losses (B,), inputs)``: the per-example losses
+        (float32) and, per layer, its input ``a`` (B, in_l); ``offsets[l]`` (B, out_l, zeros,
+        float32) is added to layer l's output ``y`` (so its cotangent is ``dL/dy``).
+    """
+
+    widths: tuple[int, ...]
+    loss: Callable
 
 
 def sampling_rates(counts: Any, expected_batch: int) -> np.ndarray:
@@ -196,6 +233,43 @@ def clipped_sum(
     return total, loss_sum / count
 
 
+def ghost_clipped_sum(
+    taps: DenseTaps, params: PyTree, batch: dict, mask: jax.Array, clip_norm: jax.Array
+) -> tuple[PyTree, jax.Array]:
+    """:func:`clipped_sum` of a dense-layer model without per-example gradients (ghost clipping).
+
+    Example i's gradient norm is ``sqrt(sum_l (||a_il||^2 + 1) ||g_il||^2)`` from the layers'
+    inputs ``a`` and output cotangents ``g`` (one forward and one backward pass), then the
+    clipped sum is the gradient of ``sum_i w_i L_i`` with ``w_i = mask_i min(1, C / norm_i)``
+    (a second backward pass of the same forward). Returns ``(sum, mean masked loss)`` as
+    :func:`clipped_sum` does.
+    """
+    pad = mask.shape[0]
+    offsets = tuple(jnp.zeros((pad, int(w)), jnp.float32) for w in taps.widths)
+    losses, vjp, inputs = jax.vjp(lambda p, o: taps.loss(p, batch, o), params, offsets, has_aux=True)
+    losses = losses.astype(jnp.float32)
+    if len(inputs) != len(offsets):
+        raise ValueError(f"DenseTaps: {len(inputs)} layer inputs for {len(offsets)} widths")
+    covered = sum(a.shape[-1] * o.shape[-1] + o.shape[-1] for a, o in zip(inputs, offsets, strict=True))
+    total_params = sum(x.size for x in jax.tree.leaves(params))
+    if covered != total_params:
+        raise ValueError(
+            f"DenseTaps: the layers hold {covered} parameters, the model {total_params}; ghost clipping "
+            "needs every parameter in a tapped dense layer (use ExampleDP(ghost=False))"
+        )
+    _, g = vjp(jnp.ones_like(losses))  # dL_i / dy_i per layer; the params' part is unused
+    sq = sum(
+        (jnp.sum(jnp.square(a.astype(jnp.float32)), -1) + 1.0) * jnp.sum(jnp.square(gl), -1)
+        for a, gl in zip(inputs, g, strict=True)
+    )
+    scale = jnp.minimum(1.0, clip_norm / jnp.maximum(jnp.sqrt(sq), 1e-30))
+    w = jnp.where(mask, scale, 0.0).astype(jnp.float32)
+    total, _ = vjp(w)
+    total = jax.tree.map(lambda x: x.astype(jnp.float32), total)
+    count = jnp.maximum(jnp.sum(mask, dtype=jnp.float32), 1.0)
+    return total, jnp.sum(jnp.where(mask, losses, 0.0)) / count
+
+
 def _microbatches(chunks: int) -> Callable[[jax.Array], jax.Array]:
     """Reshape a leading axis of ``chunks * m`` rows into ``(chunks, m, ...)`` (micro-batches)."""
     return lambda x: x.reshape(chunks, x.shape[0] // chunks, *x.shape[1:])
@@ -212,13 +286,19 @@ def private_gradient(
     noise_multiplier: jax.Array,
     expected_batch: jax.Array,
     microbatch: int = 0,
+    taps: DenseTaps | None = None,
 ) -> tuple[jax.Array, PyTree]:
     """The DP-SGD gradient: ``(sum_i clip_C(g_i) + N(0, (z C)^2 I)) / expected_batch``.
 
-    Returns ``(mean masked loss, gradient)``; the loss is for logs on the node only (it is
-    computed from private rows without noise and must not leave the node).
+    With ``taps`` the clipped sum takes the fast path (:func:`ghost_clipped_sum`; ``loss_fn``,
+    ``key`` and ``microbatch`` are then unused), otherwise the generic per-example path
+    (:func:`clipped_sum`). Returns ``(mean masked loss, gradient)``; the loss is for logs on
+    the node only (it is computed from private rows without noise and must not leave the node).
     """
-    total, loss = clipped_sum(loss_fn, params, batch, mask, key, clip_norm, microbatch)
+    if taps is not None:
+        total, loss = ghost_clipped_sum(taps, params, batch, mask, clip_norm)
+    else:
+        total, loss = clipped_sum(loss_fn, params, batch, mask, key, clip_norm, microbatch)
     noise = gaussian_noise(noise_key, total, noise_multiplier * clip_norm)
     grads = jax.tree.map(lambda s, z, p: ((s + z) / expected_batch).astype(p.dtype), total, noise, params)
     return loss, grads

@@ -409,7 +409,9 @@ class NodeTrainer:
           record: also return the pool rows every node drew at every step.
           dp: example-level DP-SGD settings (:class:`strategies.dpsgd.ExampleDP`): every
             step samples each level's rows by Poisson sampling at ``q = min(1, batch_size /
-            count)`` into ``dp.pad`` slots (``rows`` then logs the slots, -1 where empty).
+            count)`` into ``dp.pad`` slots (``rows`` then logs the slots, -1 where empty)
+            The clipped sum takes the fast path (ghost clipping) when the task supplies
+            ``dp_dense_taps()`` and ``dp.ghost`` is True, else the generic per-example path.
         Returns:
           ``(state, log)`` with a :class:`FitLog`.
         """
@@ -501,7 +503,27 @@ class NodeTrainer:
         counts = np.stack([np.asarray(count_host(d.count), np.int64) for d in levels], 1)  # (n, L)
         rate = dpsgd.sampling_rates(counts, self.batch_size)
         expected = (rate.astype(np.float64) * counts).astype(np.float32)
-        return (clip, z, rate, expected), (int(dp.pad), micro)
+        ghost = bool(dp.ghost) and self._dense_taps() is not None
+        return (clip, z, rate, expected), (int(dp.pad), micro, ghost)
+
+    def _dense_taps(self) -> dpsgd.DenseTaps | None:
+        """The task's dense-layer taps for DP-SGD's fast path (ghost clipping), None for the generic path.
+
+        Present when the task defines ``dp_dense_taps()`` and it returns taps (the MLP tasks
+        without dropout); the params are cast to the compute dtype as :meth:`_loss_fn` does.
+        """
+        make = getattr(self.task, "dp_dense_taps", None)
+        taps = make() if make is not None else None
+        if taps is None:
+            return None
+
+        def loss(params, batch, offsets):
+            if jnp.dtype(self.compute_dtype) != jnp.dtype(jnp.float32):
+                params = cast_floating(params, self.compute_dtype)
+            losses, inputs = taps.loss(params, batch, offsets)
+            return losses.astype(jnp.float32), inputs
+
+        return dpsgd.DenseTaps(taps.widths, loss)
 
     def _loss_fn(self) -> Callable:
         def loss(params, batch, key):
@@ -516,6 +538,7 @@ class NodeTrainer:
     def _fit_impl(self, state, pools, level_t, active_t, hp, flip, prox, dp_args, *, static):
         steps, record, shared, use_flip, use_prox, gate, dp_static = static
         loss_fn = self._loss_fn()
+        dense_taps = self._dense_taps() if dp_static is not None and dp_static[2] else None
         accum = self.grad_accum > 1
         batch_sh = None
         if (
@@ -560,7 +583,17 @@ class NodeTrainer:
                 clip_i, z_i, _, expected_i = dp_i
                 mask = batch.pop("mask")
                 loss, grads = dpsgd.private_gradient(
-                    loss_fn, params, batch, mask, k_loss, k_noise, clip_i, z_i, expected_i[lvl], dp_static[1]
+                    loss_fn,
+                    params,
+                    batch,
+                    mask,
+                    k_loss,
+                    k_noise,
+                    clip_i,
+                    z_i,
+                    expected_i[lvl],
+                    dp_static[1],
+                    taps=dense_taps,
                 )
             else:
                 loss, grads = jax.value_and_grad(loss_fn)(params, batch, k_loss)

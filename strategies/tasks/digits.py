@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from strategies.tasks.base import Array, PyTree, TaskData, param_dtype, split_module
+from strategies.tasks.base import Array, PyTree, TaskData, cross_entropy, param_dtype, split_module
 from strategies.tasks.classification import ClassifierMethods, classification_splits
 
 NUM_CLASSES = 10
@@ -59,6 +59,37 @@ class MLP(nnx.Module):
                     keep = jax.random.bernoulli(sub, 1.0 - dropout, x.shape)
                     x = jnp.where(keep, x / jnp.asarray(1.0 - dropout, x.dtype), jnp.zeros_like(x))
         return x
+
+    def tapped(self, x: Array, offsets: tuple[Array, ...]) -> tuple[Array, tuple[Array, ...]]:
+        """Logits without dropout, with ``offsets[i]`` added to layer i's output, and every layer's input.
+
+        The taps of ghost clipping (:class:`strategies.dpsgd.DenseTaps`): the cotangent of
+        ``offsets[i]`` is the gradient with respect to layer i's output.
+        """
+        inputs = []
+        for i in range(self.num_layers):
+            inputs.append(x)
+            x = getattr(self, f"dense_{i}")(x)
+            x = x + offsets[i].astype(x.dtype)
+            if i < self.num_layers - 1:
+                x = jax.nn.relu(x)
+        return x, tuple(inputs)
+
+
+def mlp_dense_taps(sizes: tuple[int, ...], graphdef: Any, features: Any) -> Any:
+    """:class:`strategies.dpsgd.DenseTaps` of an :class:`MLP` (no dropout) on ``features(params, x)``.
+
+    The per-example loss is the task's cross entropy, so the fast DP-SGD path (ghost clipping)
+    clips the gradients the task's ``loss`` has on one-row batches.
+    """
+    from strategies.dpsgd import DenseTaps
+
+    def loss(params, batch, offsets):
+        model = nnx.merge(graphdef, params)
+        logits, inputs = model.tapped(features(params, batch["x"]), offsets)
+        return cross_entropy(logits, batch["y"]), inputs
+
+    return DenseTaps(tuple(int(s) for s in sizes[1:]), loss)
 
 
 @functools.cache
@@ -131,6 +162,12 @@ class DigitsTask(ClassifierMethods):
         x = inputs.astype(param_dtype(params))
         rate = self.dropout if train else 0.0
         return model(x, dropout=rate, key=key)
+
+    def dp_dense_taps(self) -> Any:
+        """Dense-layer taps for the fast DP-SGD path (ghost clipping); None with dropout."""
+        if self.dropout > 0.0:
+            return None
+        return mlp_dense_taps(self._sizes, self._graphdef, lambda params, x: x.astype(param_dtype(params)))
 
     def splits(
         self,

@@ -36,7 +36,7 @@ from flax import nnx
 
 from strategies.tasks.base import Array, PyTree, TaskData, param_dtype, split_module
 from strategies.tasks.classification import ClassifierMethods, classification_splits
-from strategies.tasks.digits import MLP
+from strategies.tasks.digits import MLP, mlp_dense_taps
 from strategies.tasks.idx import read_idx
 
 NUM_CLASSES = 10
@@ -204,14 +204,23 @@ class FashionMNISTTask(ClassifierMethods):
 
     def apply(self, params: PyTree, inputs: Array, *, train: bool = False, key: Array | None = None) -> Array:
         """Logits (B, 10) in the params' dtype from uint8 (or already scaled float) images (B, 28, 28)."""
+        x = self._features(params, inputs)
+        model = nnx.merge(self._graphdef, params)
+        return model(x, dropout=self.dropout if train else 0.0, key=key)
+
+    def _features(self, params: PyTree, inputs: Array) -> Array:
         dtype = param_dtype(params)
         x = inputs.astype(jnp.float32)
         if jnp.issubdtype(inputs.dtype, jnp.integer):
             x = x / 255.0
         x = ((x - PIXEL_MEAN) / PIXEL_STD).astype(dtype)
-        x = x.reshape(x.shape[0], SIDE, SIDE, 1) if self.model == "cnn" else x.reshape(x.shape[0], -1)
-        model = nnx.merge(self._graphdef, params)
-        return model(x, dropout=self.dropout if train else 0.0, key=key)
+        return x.reshape(x.shape[0], SIDE, SIDE, 1) if self.model == "cnn" else x.reshape(x.shape[0], -1)
+
+    def dp_dense_taps(self) -> Any:
+        """Dense-layer taps for the fast DP-SGD path (ghost clipping): the MLP without dropout, else None."""
+        if self.model != "mlp" or self.dropout > 0.0:
+            return None
+        return mlp_dense_taps((SIDE * SIDE, *self.hidden, NUM_CLASSES), self._graphdef, self._features)
 
     def splits(
         self,

@@ -217,3 +217,130 @@ def test_trainer_dp_step_without_noise_or_clipping_is_a_full_batch_step():
         trainer.fit(state, data, 1, dp=dpsgd.ExampleDP(0.0, 1.0, pad=m))
     with pytest.raises(ValueError, match="multiple of dp.microbatch"):
         trainer.fit(state, data, 1, dp=dpsgd.ExampleDP(1.0, 1.0, pad=9, microbatch=4))
+
+
+# --------------------------------------------------------------------------- fast path (ghost clipping)
+
+
+def _mlp_reference_grads(params, x, y):
+    """Per-example gradients of the digits MLP (one ReLU hidden layer), by hand in float64."""
+    w0 = np.asarray(params["dense_0"]["kernel"], np.float64)
+    b0 = np.asarray(params["dense_0"]["bias"], np.float64)
+    w1 = np.asarray(params["dense_1"]["kernel"], np.float64)
+    b1 = np.asarray(params["dense_1"]["bias"], np.float64)
+    out = []
+    for xi, yi in zip(np.asarray(x, np.float64), np.asarray(y), strict=True):
+        pre = xi @ w0 + b0
+        h = np.maximum(pre, 0.0)
+        z = h @ w1 + b1
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        p[yi] -= 1.0  # dL/dz
+        dh = (w1 @ p) * (pre > 0)
+        out.append(
+            {
+                "dense_0": {"kernel": np.outer(xi, dh), "bias": dh},
+                "dense_1": {"kernel": np.outer(h, p), "bias": p},
+            }
+        )
+    return out
+
+
+def _flat(tree):
+    return np.concatenate([np.ravel(np.asarray(v, np.float64)) for v in jax.tree.leaves(tree)])
+
+
+def test_ghost_clipping_equals_a_float64_per_example_loop_on_an_mlp_with_the_noise_of_its_key():
+    from strategies.tasks.digits import DigitsTask
+
+    task = DigitsTask(hidden=(7,))
+    taps = task.dp_dense_taps()
+    assert taps is not None and taps.widths == (7, 10)
+    params = jax.tree.map(lambda p: p * 3.0, task.init(jax.random.key(3)))  # larger, more varied norms
+    rng = np.random.default_rng(5)
+    rows = 16
+    x = rng.random((rows, 64)).astype(np.float32) * rng.choice([0.05, 2.0], (rows, 1)).astype(np.float32)
+    y = rng.integers(0, 10, rows).astype(np.int32)
+    mask = np.ones(rows, bool)
+    mask[[1, 4, 9, 14]] = False  # unsampled (padding) rows weigh nothing
+    batch = {"x": jnp.asarray(x), "y": jnp.asarray(y)}
+    ref_grads = _mlp_reference_grads(params, x, y)
+    norms = np.array([np.linalg.norm(_flat(g)) for g in ref_grads])
+    clip = float(np.median(norms[mask]))
+    assert np.sum(mask & (norms > clip * 1.05)) >= 3 and np.sum(mask & (norms < clip * 0.95)) >= 3
+    assert np.max(norms[~mask]) > clip  # a masked row would have been clipped, not dropped
+
+    z, expected = 0.7, 9.0
+    key, noise_key = jax.random.key(11), jax.random.key(12)
+    loss, grads = dpsgd.private_gradient(
+        task.loss, params, batch, jnp.asarray(mask), key, noise_key, clip, z, expected, taps=taps
+    )
+    ref = jax.tree.map(lambda p: np.zeros(p.shape), params)
+    for g, m, norm in zip(ref_grads, mask, norms, strict=True):
+        if m:
+            scale = min(1.0, clip / norm)
+            ref = jax.tree.map(lambda r, gi, s=scale: r + s * gi, ref, g)
+    # The documented key scheme: leaf j (tree-leaves order) draws normal(split(noise_key, 4)[j]).
+    leaves, treedef = jax.tree.flatten(params)
+    noise_keys = jax.random.split(noise_key, len(leaves))
+    noise = jax.tree.unflatten(
+        treedef,
+        [
+            np.asarray(jax.random.normal(k, p.shape), np.float64) * z * clip
+            for k, p in zip(noise_keys, leaves, strict=True)
+        ],
+    )
+    for got, r, nz in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), jax.tree.leaves(noise), strict=True):
+        np.testing.assert_allclose(np.asarray(got, np.float64), (r + nz) / expected, rtol=2e-5, atol=2e-6)
+    # The loss is the mean per-example cross entropy over the sampled rows.
+    ref_loss = []
+    for xi, yi in zip(x[mask].astype(np.float64), y[mask], strict=True):
+        h = np.maximum(
+            xi @ np.asarray(params["dense_0"]["kernel"]) + np.asarray(params["dense_0"]["bias"]), 0
+        )
+        zz = h @ np.asarray(params["dense_1"]["kernel"], np.float64) + np.asarray(params["dense_1"]["bias"])
+        ref_loss.append(np.log(np.sum(np.exp(zz - zz.max()))) + zz.max() - zz[yi])
+    assert float(loss) == pytest.approx(np.mean(ref_loss), rel=1e-5)
+
+    # The generic path (vmap of per-example gradients) gives the same gradient with the same keys.
+    loss_g, grads_g = dpsgd.private_gradient(
+        task.loss, params, batch, jnp.asarray(mask), key, noise_key, clip, z, expected
+    )
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_g), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+    assert float(loss) == pytest.approx(float(loss_g), rel=1e-6)
+
+
+def test_ghost_clipping_refuses_taps_that_miss_parameters():
+    from strategies.tasks.digits import DigitsTask
+
+    task = DigitsTask(hidden=(5,))
+    params = {**task.init(jax.random.key(0)), "extra": jnp.zeros((3,), jnp.float32)}
+    batch = {"x": jnp.zeros((4, 64), jnp.float32), "y": jnp.zeros((4,), jnp.int32)}
+    taps = task.dp_dense_taps()
+    no_extra = dpsgd.DenseTaps(
+        taps.widths, lambda p, b, o: taps.loss({k: p[k] for k in p if k != "extra"}, b, o)
+    )
+    with pytest.raises(ValueError, match="every parameter"):
+        dpsgd.ghost_clipped_sum(no_extra, params, batch, jnp.ones((4,), bool), 1.0)
+    assert DigitsTask(dropout=0.1).dp_dense_taps() is None  # dropout: the generic path
+
+
+def test_trainer_fast_and_generic_dp_paths_train_the_same_nodes():
+    """Several DP-SGD steps of 3 digits nodes: ghost clipping (default) vs ExampleDP(ghost=False)."""
+    from strategies.tasks.digits import DigitsTask
+
+    task = DigitsTask(hidden=(16,))
+    own = task.splits(3, seed=0).own()
+    trainer = NodeTrainer(task, optax.sgd, {"learning_rate": 0.1}, batch_size=16)
+    state = trainer.init(jax.random.key(0), None, 3)
+    clip = np.array([0.05, 0.5, 50.0], np.float32)  # mostly clipped .. never clipped
+    fast, log_f = trainer.fit(state, own, 4, dp=dpsgd.ExampleDP(clip, 0.8, 48), record=True)
+    slow, log_s = trainer.fit(state, own, 4, dp=dpsgd.ExampleDP(clip, 0.8, 48, ghost=False), record=True)
+    np.testing.assert_array_equal(np.asarray(log_f.rows), np.asarray(log_s.rows))  # same Poisson draws
+    for a, b in zip(jax.tree.leaves(fast.params), jax.tree.leaves(slow.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(log_f.loss), np.asarray(log_s.loss), rtol=1e-5)
+    assert not np.allclose(
+        np.asarray(fast.params["dense_0"]["kernel"]), np.asarray(state.params["dense_0"]["kernel"])
+    )
