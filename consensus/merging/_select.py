@@ -5,32 +5,32 @@ The magnitudes are non-negative floats, whose IEEE bit patterns read as int32
 are ordered like the values, so the k-th largest magnitude is the largest
 integer T with ``count(bits >= T) >= k``, and it is always one of the row's own
 bit patterns. It is found by a bracketing search on that integer, ``[lo, hi)``
-with ``count(bits >= lo) >= k > count(bits >= hi)``:
+with ``count(bits >= lo) >= k > count(bits >= hi)``, in two streaming reads of the row:
 
-* a strided sample of the row (2048 entries, sorted) puts the first
-  ``PROBES`` probes at the sample's quantiles around rank k (+-4 sampling
-  standard deviations);
-* every later pass puts its probes around the linear interpolation of the
-  count between lo and hi (at up to 3 expected interpolation errors, the error
-  of a count being about the square root of the entries in the bracket), plus
-  quarter points of the bracket as a bisection safeguard;
-* each pass also takes the largest pattern below hi and the smallest at or
-  above lo: the answer is a pattern of the row, so hi drops to just above the
-  former and lo rises to the latter (a row of zeros, or a block of tied
-  magnitudes, closes in one pass).
+* a strided sample of the row (16384 entries, sorted, ~0.15 of a pass) puts
+  ``FIRST_PROBES`` probes at the sample's quantiles around rank k (+-3.5
+  sampling standard deviations);
+* pass 1 counts the entries at or above each probe (the counts accumulate
+  elementwise in (n, 2048) lanes over column chunks, reduced once at the end,
+  which XLA:CPU vectorizes: ~1.1-1.4 of a numpy pass for 8 probes), leaving a
+  bracket of ~3e4 entries per row at d = 1e7;
+* pass 2 reads back the entries of a window around the linear interpolation
+  of the count inside the bracket (+-3.5 expected interpolation errors, a few
+  hundred entries): each of 8192 lanes keeps the max, min, number and wrapping
+  int32 sum of its in-window patterns, which give back every entry of a lane
+  holding at most 3; with the counts at the window's ends the k-th value is
+  then a rank inside the window, found by a binary search over the small
+  (n, 3 x 8192) array of read-back entries.
 
-Every pass is one streaming read of the row: the counts at all probes and the
-two extremes are the outputs of ONE variadic ``lax.reduce`` whose operands are
-the compare masks, computed from the node and the base inside the loop, so
-no (n, s) intermediate is written and the row is read once per pass (XLA:CPU
-runs separate reductions, or a reduction over a probe axis, as one read of the
-row per probe). The search stops for a row when ``count(bits >= lo) == k``
-(then ``{|d| >= lo}`` is exactly the set of the k largest, which is all TIES
-needs: ``mask_only``) or when ``hi == lo + 1`` (ties at the k-th value); the
-exact k-th value is then the smallest pattern at or above lo (one more pass,
-skipped with ``mask_only``). All counting is exact integer counting, so the
-result is exact whatever the sample says; the sample only decides how many
-passes it takes (typically 3-4).
+Where the window misses the answer or a lane holds more than 3 window entries
+(ties, clustered magnitudes; a few per cent of calls on continuous data), the
+search goes on with the previous scheme: passes of ``PROBES`` counts in ONE
+variadic ``lax.reduce`` (probes around the interpolation plus quarter points,
+and the largest pattern below hi and the smallest at or above lo, so a block of
+tied magnitudes closes in one pass) until ``count(bits >= lo) == k`` or
+``hi == lo + 1``. All counting is exact integer counting, so the result is
+exact whatever the sample says; the sample only decides how many passes it
+takes (2 on continuous data).
 """
 
 from __future__ import annotations
@@ -40,7 +40,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-SAMPLE = 2048  # sampled entries per row for the first probes (XLA:CPU's sort of them is not free)
+SAMPLE = 16384  # sampled entries per row for the first probes (their sort costs ~0.15 of a pass)
+FIRST_PROBES = 8  # counts in the first pass (each probe costs ~0.08 of a pass)
+FIRST_SPREAD = 3.5  # the first probes span rank k +- this many sampling standard deviations
+WINDOW_SPREAD = 3.5  # the extraction window spans the interpolated rank +- this many count errors
+PASS_LANES = 2048  # columns per chunk of a counting pass (the counts accumulate in (n, 2048) lanes)
+EXTRACT_LANES = 8192  # lanes of the extraction pass: more lanes, fewer of them over 3 entries
 PROBES = 16  # counts per pass: one variadic reduce of 16 compare masks still streams at memory speed
 MAX_PASSES = 40  # the quarter-point safeguard alone shrinks a 31-bit bracket to width 1 in 16
 TOP = 0x7F800001  # above +inf: count(bits >= TOP) = 0 for finite rows
@@ -100,6 +105,132 @@ def _next_probes(lo, hi, c_lo, c_hi, k):
     return lo[:, None] + steps
 
 
+def _stream(x, base, valid, chunk, init, step):
+    """Fold ``step(acc, bits)`` over the column chunks of the (n, s) bit patterns, one read of x.
+
+    The accumulators are (n, c) arrays (c = min(chunk, s)) updated elementwise, so XLA fuses each
+    chunk's patterns, compares and updates into one vectorized loop; they are reduced by the
+    caller once at the end. A last partial chunk is padded with -1, below every probe and window.
+    """
+    s = x.shape[1]
+    c = min(chunk, s)
+    steps = s // c
+
+    def body(i, acc):
+        xs = jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=1)
+        bs = jax.lax.dynamic_slice_in_dim(base, i * c, c)
+        return step(acc, _bits(xs, bs, valid))
+
+    acc = jax.lax.fori_loop(0, steps, body, init)
+    if s % c:
+        tail = _bits(x[:, steps * c :], base[steps * c :], valid)
+        acc = step(acc, jnp.pad(tail, ((0, 0), (0, c - tail.shape[1])), constant_values=-1))
+    return acc
+
+
+def _count_pass(x, base, valid, probes):
+    """(n, P) counts of bits >= probes[:, j], one streaming read of x (counts kept in lanes)."""
+    n, s = x.shape
+    c = min(PASS_LANES, s)
+    num = probes.shape[1]
+
+    def step(acc, bits):
+        return tuple(acc[j] + (bits >= probes[:, j : j + 1]).astype(jnp.int32) for j in range(num))
+
+    acc = _stream(x, base, valid, PASS_LANES, tuple(jnp.zeros((n, c), jnp.int32) for _ in range(num)), step)
+    return jnp.stack([jnp.sum(a, axis=1) for a in acc], axis=1)
+
+
+def _extract_pass(x, base, valid, wlo, whi):
+    """One read of x: counts of bits >= wlo and >= whi, and the entries of [wlo, whi) in lanes.
+
+    Lane j of a row sees the columns j, j + c, j + 2c, ...; it keeps the largest and the smallest
+    in-window pattern, their number and their sum (int32, wrapping). A lane holding at most 3
+    in-window entries gives them all back exactly: max, min, and sum - max - min (exact modulo
+    2^32, and the patterns are below 2^31).
+    """
+    n, s = x.shape
+    c = min(EXTRACT_LANES, s)
+    lo, hi = wlo[:, None], whi[:, None]
+
+    def step(acc, bits):
+        c_lo, c_hi, mx, mn, cnt, sm = acc
+        above_lo = bits >= lo
+        above_hi = bits >= hi
+        inw = above_lo & ~above_hi
+        return (
+            c_lo + above_lo.astype(jnp.int32),
+            c_hi + above_hi.astype(jnp.int32),
+            jnp.maximum(mx, jnp.where(inw, bits, -1)),
+            jnp.minimum(mn, jnp.where(inw, bits, TOP)),
+            cnt + inw.astype(jnp.int32),
+            sm + jnp.where(inw, bits, 0),
+        )
+
+    zeros = jnp.zeros((n, c), jnp.int32)
+    init = (zeros, zeros, jnp.full((n, c), -1, jnp.int32), jnp.full((n, c), TOP, jnp.int32), zeros, zeros)
+    c_lo, c_hi, mx, mn, cnt, sm = _stream(x, base, valid, EXTRACT_LANES, init, step)
+    entries = jnp.concatenate(
+        [jnp.where(cnt >= 1, mx, -1), jnp.where(cnt >= 2, mn, -1), jnp.where(cnt == 3, sm - mx - mn, -1)],
+        axis=1,
+    )
+    return jnp.sum(c_lo, axis=1), jnp.sum(c_hi, axis=1), entries, jnp.max(cnt, axis=1) <= 3
+
+
+def _rth_largest(entries, r, lo, hi):
+    """(n,) the r-th largest of every row of int32 ``entries`` (r >= 1, the answer in [lo, hi)).
+
+    Binary search on the offset from lo: the largest T with count(entries >= T) >= r.
+    """
+    width = jnp.maximum(hi - lo, 1)
+    bits = 32 - jax.lax.clz(width)  # offsets below 2^bits
+
+    def body(b, off):
+        bit = 30 - b
+        cand = off | jnp.left_shift(jnp.int32(1), bit)
+        use = (bit < bits) & (cand < width)  # lo + cand < hi, without overflow
+        ok = jnp.sum((entries >= (lo + cand)[:, None]).astype(jnp.int32), axis=1) >= r
+        return jnp.where(use & ok, cand, off)
+
+    return lo + jax.lax.fori_loop(0, 31, body, jnp.zeros_like(lo))
+
+
+def _sample_probes(x, base, valid, k, num, spread):
+    """(n, num) probes at the sampled patterns of ranks k +- spread sampling sd (from the top)."""
+    s = x.shape[1]
+    stride = max(1, s // SAMPLE)
+    sample = jnp.sort(_bits(x[:, ::stride], base[::stride], valid), axis=1)  # ascending
+    m = sample.shape[1]
+    r = k * m / s  # rank k from the top among s ~ rank r from the top among the m sampled
+    sd = spread * (r * max(1.0 - r / m, 0.0)) ** 0.5 + 1.0
+    ranks = [r - sd + 2.0 * sd * j / (num - 1) for j in range(num)]
+    idx = [min(max(int(m - q), 0), m - 1) for q in ranks]  # index from the bottom (ascending)
+    return jnp.stack([sample[:, i] for i in idx], axis=1)
+
+
+def _bracket(probes, c, lo, hi, c_lo, c_hi, k):
+    """Narrow [lo, hi) with the counts c at probes (count(bits >= lo) >= k > count(bits >= hi))."""
+    ok = c >= k  # the probe is at or below the answer
+    new_lo = jnp.max(jnp.where(ok, probes, lo[:, None]), axis=1)
+    new_hi = jnp.min(jnp.where(ok, hi[:, None], probes), axis=1)
+    n_lo = jnp.max(jnp.where(ok & (probes == new_lo[:, None]), c, -1), axis=1)
+    n_hi = jnp.min(jnp.where(~ok & (probes == new_hi[:, None]), c, jnp.iinfo(jnp.int32).max), axis=1)
+    n_lo = jnp.where(new_lo == lo, c_lo, n_lo)
+    n_hi = jnp.where(new_hi == hi, c_hi, n_hi)
+    return new_lo, new_hi, n_lo, n_hi
+
+
+def _window(lo, hi, c_lo, c_hi, k, spread):
+    """[wlo, whi) around the linear interpolation of the count in [lo, hi), +- spread errors."""
+    width = (hi - lo).astype(jnp.float32)
+    entries = jnp.maximum((c_lo - c_hi).astype(jnp.float32), 1.0)
+    frac = (c_lo - k).astype(jnp.float32) / entries
+    err = (jnp.sqrt(entries * frac * (1.0 - frac)) + 1.0) / entries * width
+    a = jnp.clip(jnp.floor(frac * width - spread * err), 0.0, width).astype(jnp.int32)
+    b = jnp.clip(jnp.ceil(frac * width + spread * err) + 1.0, 0.0, width).astype(jnp.int32)
+    return lo + a, lo + jnp.maximum(b, a + 1)
+
+
 @functools.partial(jax.jit, static_argnames=("k", "mask_only"))
 def kth_largest_delta_bits(
     x: jax.Array, base: jax.Array, valid: jax.Array, k: int, mask_only: bool = False
@@ -110,7 +241,7 @@ def kth_largest_delta_bits(
       x: (n, s) rows; base: (s,); valid: (n,) bool (invalid rows read as zeros).
       k: 1 <= k <= s, static.
       mask_only: return, per row, a pattern T with ``{bits >= T}`` = the set of entries at or above
-        the k-th largest (all a top-k mask needs), without the last pass that finds the value.
+        the k-th largest (all a top-k mask needs); the k-th value itself may cost one more pass.
     Returns:
       ((n,) int32 bit patterns, int32 number of reads of x after the sample).
     """
@@ -119,28 +250,38 @@ def kth_largest_delta_bits(
         raise ValueError(f"k must be in [1, {s}], got {k}")
     kk = jnp.int32(k)
 
+    # Pass 1: counts at sampled quantiles around rank k.
+    lo = jnp.zeros((n,), jnp.int32)  # count(bits >= 0) = s >= k
+    hi = jnp.full((n,), TOP, jnp.int32)  # count = 0 < k
+    probes = jnp.clip(_sample_probes(x, base, valid, k, FIRST_PROBES, FIRST_SPREAD), 0, TOP)
+    c = _count_pass(x, base, valid, probes)
+    lo, hi, c_lo, c_hi = _bracket(
+        probes, c, lo, hi, jnp.full((n,), s, jnp.int32), jnp.zeros((n,), jnp.int32), kk
+    )
+
+    # Pass 2: the entries of a window around the interpolated answer, read back exactly.
+    wlo, whi = _window(lo, hi, c_lo, c_hi, kk, WINDOW_SPREAD)
+    c_wlo, c_whi, entries, fits = _extract_pass(x, base, valid, wlo, whi)
+    inside = (c_wlo >= kk) & (c_whi < kk)
+    found = inside & fits
+    value = _rth_largest(entries, kk - c_whi, wlo, whi)
+    lo, hi, c_lo, c_hi = _bracket(
+        jnp.stack([wlo, whi], 1), jnp.stack([c_wlo, c_whi], 1), lo, hi, c_lo, c_hi, kk
+    )
+    lo = jnp.where(found, value, lo)
+    hi = jnp.where(found, value + 1, hi)  # hi == lo + 1: lo is the exact k-th value
+
+    # Rare: the answer outside the window or a lane over 3 entries. Narrowing passes as before.
     def narrow(lo, hi, c_lo, c_hi, probes):
         probes = jnp.clip(probes.astype(jnp.int32), lo[:, None], hi[:, None])
         c, below, above = _pass(x, base, valid, probes, lo, hi)
-        ok = c >= kk  # the probe is at or below the answer
-        new_lo = jnp.max(jnp.where(ok, probes, lo[:, None]), axis=1)
-        new_hi = jnp.min(jnp.where(ok, hi[:, None], probes), axis=1)
-        n_lo = jnp.max(jnp.where(ok & (probes == new_lo[:, None]), c, -1), axis=1)
-        n_hi = jnp.min(jnp.where(~ok & (probes == new_hi[:, None]), c, s + 1), axis=1)
-        n_lo = jnp.where(new_lo == lo, c_lo, n_lo)
-        n_hi = jnp.where(new_hi == hi, c_hi, n_hi)
+        new_lo, new_hi, n_lo, n_hi = _bracket(probes, c, lo, hi, c_lo, c_hi, kk)
         # The answer is a pattern of the row: none lies in (below, hi) or in [lo, above), so the
         # bracket shrinks to [max(new_lo, above), min(new_hi, below + 1)) with the same counts.
         return jnp.maximum(new_lo, above), jnp.minimum(new_hi, below + 1), n_lo, n_hi
 
     def done(lo, hi, c_lo):
         return (hi - lo <= 1) | (c_lo == kk)
-
-    lo = jnp.zeros((n,), jnp.int32)  # count(bits >= 0) = s >= k
-    hi = jnp.full((n,), TOP, jnp.int32)  # count = 0 < k
-    lo, hi, c_lo, c_hi = narrow(
-        lo, hi, jnp.full((n,), s), jnp.zeros((n,), jnp.int32), _first_probes(x, base, valid, k)
-    )
 
     def cond(carry):
         lo, hi, c_lo, _, it = carry
@@ -154,11 +295,19 @@ def kth_largest_delta_bits(
         keep = lambda a, b: jnp.where(fin, a, b)  # noqa: E731
         return keep(lo, nlo), keep(hi, nhi), keep(c_lo, nc_lo), keep(c_hi, nc_hi), it + 1
 
-    lo, hi, c_lo, c_hi, passes = jax.lax.while_loop(cond, body, (lo, hi, c_lo, c_hi, jnp.int32(1)))
+    # The loop sits in a cond: outside one, XLA hoists the loop-invariant patterns of x out of the
+    # loop and writes them (n, s) on every call, whether or not the loop runs.
+    carry = (lo, hi, c_lo, c_hi, jnp.int32(2))
+    lo, hi, c_lo, c_hi, passes = jax.lax.cond(
+        jnp.any(~done(lo, hi, c_lo)), lambda c: jax.lax.while_loop(cond, body, c), lambda c: c, carry
+    )
     if mask_only:
         return lo, passes
-    _, _, smallest = _pass(x, base, valid, lo[:, None], lo, hi)  # smallest pattern >= lo: the k-th value
-    return smallest, passes + 1
+    # Where the loop stopped at count(bits >= lo) == k with a wider bracket, the k-th value is the
+    # smallest pattern at or above lo: one more pass, only when some row needs it.
+    inexact = jnp.any(hi - lo > 1)
+    smallest = jax.lax.cond(inexact, lambda: _pass(x, base, valid, lo[:, None], lo, hi)[2], lambda: lo)
+    return jnp.where(hi - lo > 1, smallest, lo), passes + inexact.astype(jnp.int32)
 
 
 def kth_largest_magnitude(delta: jax.Array, k: int) -> jax.Array:

@@ -49,7 +49,7 @@ def trim_thresholds(x: jax.Array, base: jax.Array, density: float, valid: jax.Ar
 @functools.partial(jax.jit, static_argnames=("k",))
 def _thresholds(x, base, valid, *, k: int):
     n = x.shape[0]
-    # mask_only: a threshold keeping exactly the entries >= the k-th largest (one pass fewer).
+    # mask_only: a threshold keeping exactly the entries >= the k-th largest (never an extra pass).
     bits, _ = kth_largest_delta_bits(x.reshape(n, -1), base.reshape(-1), valid, k, mask_only=True)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
@@ -105,8 +105,10 @@ def ties(density: float, election: str = "sum", scale: float = 1.0, weights: Any
     per coordinate, though its kept entries still enter the mean where its
     sign wins. Invalid nodes (masked or non-finite) take no part.
 
-    Cost: the exact per-node thresholds take a few counting passes over the
-    stack (no sort, see :mod:`consensus.merging._select`), then one fused pass.
+    Cost: the exact per-node thresholds take two streaming passes over the
+    stack on continuous data (a counting pass and an extraction pass, more on
+    heavily tied magnitudes; no sort, see :mod:`consensus.merging._select`),
+    then one fused pass.
     Not permutation-sensitive: the output is invariant to node order.
     DP sensitivity: not bounded by this package (the elected sign of every
     coordinate can flip with one node); DP refuses it.

@@ -201,7 +201,9 @@ def test_ties_count_election_resists_one_large_delta():
     np.testing.assert_allclose(np.asarray(by_count["w"]), 1.15, rtol=1e-6)  # the honest majority wins
 
 
-@pytest.mark.parametrize("s", [1, 3, 100, 4099])
+# 50_000 columns: several chunks of the counting and extraction passes plus a partial one, the
+# continuous rows found by the extraction pass, the tied rows (lanes over 3 entries) by the fallback.
+@pytest.mark.parametrize("s", [1, 3, 100, 4099, 50_000])
 def test_kth_largest_magnitude_is_exact(s):
     rng = np.random.default_rng(s)
     x = rng.standard_normal((5, s)).astype(np.float32)
@@ -213,6 +215,29 @@ def test_kth_largest_magnitude_is_exact(s):
         got = np.asarray(kth_largest_magnitude(jnp.asarray(x), k))
         want = -np.sort(-np.abs(x), axis=1)[:, k - 1]
         np.testing.assert_array_equal(got, want)
+
+
+def test_kth_largest_takes_two_passes_on_continuous_rows_and_stays_exact_on_ties():
+    from consensus.merging._select import kth_largest_delta_bits
+
+    rng = np.random.default_rng(0)
+    s, k = 100_000, 20_000
+    base = rng.standard_normal(s).astype(np.float32)
+    x = base + 0.01 * rng.standard_normal((4, s)).astype(np.float32)
+    x[3] = base + np.round(rng.standard_normal(s)).astype(np.float32)  # ties at the k-th value
+    valid = jnp.ones((4,), bool)
+    want = -np.sort(-np.abs(x.astype(np.float64) - base).astype(np.float32), axis=1)[:, k - 1]
+    bits, passes = kth_largest_delta_bits(jnp.asarray(x[:3]), jnp.asarray(base), valid[:3], k)
+    np.testing.assert_array_equal(np.asarray(bits).view(np.float32), want[:3])
+    assert int(passes) == 2  # a counting pass and an extraction pass, no fallback
+    bits, _ = kth_largest_delta_bits(jnp.asarray(x), jnp.asarray(base), valid, k)
+    np.testing.assert_array_equal(np.asarray(bits).view(np.float32), want)
+    t, _ = kth_largest_delta_bits(jnp.asarray(x), jnp.asarray(base), valid, k, mask_only=True)
+    mags = np.abs(x - base)
+    for i in range(4):  # {|d| >= T} is exactly {|d| >= the k-th largest}
+        np.testing.assert_array_equal(
+            mags[i] >= np.asarray(t)[i : i + 1].view(np.float32)[0], mags[i] >= want[i]
+        )
 
 
 @pytest.mark.parametrize("n", [2, 5])
