@@ -38,11 +38,33 @@ def _measured_slow_ids() -> frozenset[str]:
         return frozenset(line.strip() for line in fh if line.strip() and not line.startswith("#"))
 
 
+# The files with the longest wall time (measured with --durations on 2 cores: subprocess runs,
+# the loopback Flower deployment, notebook kernels), longest first. ``make test`` distributes
+# whole files over 2 workers in collection order, so these start first and the short files fill
+# the tail; collected last (tests/system sorts late), one of them ran alone for the last minutes.
+_LONGEST_FIRST = (
+    "tests/system/test_system_resume.py",
+    "tests/system/test_flower_deployment.py",
+    "tests/notebooks/test_notebooks.py",
+    "tests/consensus/test_aggregator_properties.py",
+    "tests/system/test_system_distributed.py",
+    "tests/system/test_example_dp.py",
+    "tests/strategies/test_dpsgd.py",
+    "tests/bench/test_quality_benchmarks.py",
+    "tests/strategies/test_tasks_text.py",
+    "tests/system/test_client_sampling.py",
+    "tests/system/test_flower_simulation.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Mark the tests listed in slow_tests.txt (measured, not guessed) as ``slow``."""
+    """Mark the tests listed in slow_tests.txt (measured, not guessed) as ``slow``; longest files first."""
     import pytest
 
     slow_ids = _measured_slow_ids()
     for item in items:
         if item.nodeid in slow_ids:
             item.add_marker(pytest.mark.slow)
+    rank = {path: i for i, path in enumerate(_LONGEST_FIRST)}
+    # A stable sort on the file alone keeps every file's tests in their own order.
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))

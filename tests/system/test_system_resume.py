@@ -73,11 +73,17 @@ def _wait_lines(proc, path, count):
         time.sleep(0.02)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """One uninterrupted run (``<dir>/full``), the reference of both signal tests: one run fewer."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    done = subprocess.run(_cmd(out, "full"), env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
 @pytest.mark.multiprocess
-def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
-    full = subprocess.Popen(
-        _cmd(tmp_path, "full"), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
+def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, uninterrupted):
     killed = subprocess.Popen(
         _cmd(tmp_path, "cut"), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
@@ -97,15 +103,12 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
             _cmd(tmp_path, "cut", "--resume"), env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
         )
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-        out, _ = full.communicate(timeout=TIMEOUT_S)
-        assert full.returncode == 0, out.decode()[-3000:]
     finally:
-        for p in (full, killed):
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+        if killed.poll() is None:
+            killed.kill()
+            killed.communicate()
 
-    a, hist_a = _final(tmp_path, "full")
+    a, hist_a = _final(uninterrupted, "full")
     b, hist_b = _final(tmp_path, "cut")
     for x, y in zip(jax.tree.leaves(a.consensus), jax.tree.leaves(b.consensus), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -115,7 +118,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
     # the log holds every round exactly once, with the same numbers (timings aside)
     rounds = [json.loads(line) for line in _lines(metrics)]
     assert [r["round"] for r in rounds] == list(range(ROUNDS))
-    full_rounds = [json.loads(line) for line in _lines(tmp_path / "full" / "metrics.jsonl")]
+    full_rounds = [json.loads(line) for line in _lines(uninterrupted / "full" / "metrics.jsonl")]
     for r, f in zip(rounds, full_rounds, strict=True):
         for timing in ("seconds", "solve_ms"):
             r.pop(timing), f.pop(timing)
@@ -143,13 +146,10 @@ def test_resume_refuses_a_different_config(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_sigterm_saves_the_last_round_and_resume_is_bit_exact(tmp_path):
+def test_sigterm_saves_the_last_round_and_resume_is_bit_exact(tmp_path, uninterrupted):
     """SIGTERM mid-run: the round in flight finishes, its checkpoint is saved, exit 143; resume ends equal."""
     # checkpoint_every = 5: the checkpoint found after the stop is the one SIGTERM saved
     term_sets = ["checkpoint_every=5"]
-    full = subprocess.Popen(
-        _cmd(tmp_path, "full"), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
     term = subprocess.Popen(
         _cmd(tmp_path, "term", sets=term_sets), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
@@ -173,14 +173,11 @@ def test_sigterm_saves_the_last_round_and_resume_is_bit_exact(tmp_path):
             timeout=TIMEOUT_S,
         )
         assert resumed.returncode == 0, resumed.stderr[-3000:]
-        out, _ = full.communicate(timeout=TIMEOUT_S)
-        assert full.returncode == 0, out.decode()[-3000:]
     finally:
-        for p in (full, term):
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    a, hist_a = _final(tmp_path, "full")
+        if term.poll() is None:
+            term.kill()
+            term.communicate()
+    a, hist_a = _final(uninterrupted, "full")
     b, hist_b = _final(tmp_path, "term")
     _assert_same_state(a, b)
     assert [h.weights for h in hist_a] == [h.weights for h in hist_b]
