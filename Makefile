@@ -25,13 +25,13 @@ lint: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # The markers are declared in pyproject.toml ([tool.pytest.ini_options]).
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not multiprocess and not notebooks"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow and not multiprocess and not notebooks"
 
 BENCHMARKS := aggregators privacy convex trainers rounds robustness soups convex_quality privacy_quality meta_consensus
 

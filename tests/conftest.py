@@ -40,8 +40,9 @@ def _measured_slow_ids() -> frozenset[str]:
 
 # The files with the longest wall time (measured with --durations on 2 cores: subprocess runs,
 # the loopback Flower deployment, notebook kernels), longest first. ``make test`` distributes
-# whole files over 2 workers in collection order, so these start first and the short files fill
-# the tail; collected last (tests/system sorts late), one of them ran alone for the last minutes.
+# whole files over 2 workers in collection order (``--no-loadscope-reorder``: xdist would order
+# files by their number of tests instead), so these start first and the short files fill the
+# tail; collected last (tests/system sorts late), one of them ran alone for the last minutes.
 _LONGEST_FIRST = (
     "tests/system/test_system_resume.py",
     "tests/system/test_flower_deployment.py",
