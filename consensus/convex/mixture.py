@@ -207,7 +207,7 @@ def _kkt_step(
             to_bound = np.where(p < 0, (lb - v) / p, np.where(p > 0, (ub - v) / p, np.inf))
         to_bound = np.where(free, to_bound, np.inf)
         j = int(np.argmin(to_bound))
-        alpha = min(1.0, float(to_bound[j]))
+        alpha = min(1.0, max(0.0, float(to_bound[j])))  # a rounding overshoot never steps back
         v = v + alpha * p
         if alpha < 1.0:
             if p[j] < 0:
