@@ -409,7 +409,7 @@ class NodeTrainer:
           record: also return the pool rows every node drew at every step.
           dp: example-level DP-SGD settings (:class:`strategies.dpsgd.ExampleDP`): every
             step samples each level's rows by Poisson sampling at ``q = min(1, batch_size /
-            count)`` into ``dp.pad`` slots (``rows`` then logs the slots, -1 where empty)
+            count)`` into ``dp.pad`` slots (``rows`` then logs the slots, -1 where empty).
             The clipped sum takes the fast path (ghost clipping) when the task supplies
             ``dp_dense_taps()`` and ``dp.ghost`` is True, else the generic per-example path.
         Returns:

@@ -197,10 +197,10 @@ def all_finite(tree_: PyTree) -> jax.Array:
 
     As ``isfinite(sum(y * 0))``: y * 0 is NaN exactly where y is NaN or +-Inf, and a
     float sum vectorizes where a boolean ``all`` does not (measured ~10x cheaper on
-    XLA:CPU under jit, where the check otherwise cost as much as the rule).
+    XLA:CPU under jit, where the check otherwise cost as much as the rule). The one
+    formula lives in :func:`consensus.tree.is_finite`.
     """
-    sums = [jnp.sum(y.astype(jnp.float32) * 0.0) for y in jax.tree_util.tree_leaves(tree_)]
-    return jnp.isfinite(sum(sums[1:], sums[0]))
+    return tree.is_finite(tree_)
 
 
 def unless_non_finite(value: tuple, fallback) -> tuple:

@@ -237,17 +237,15 @@ def _mixture_newton(pt, acc, lb, ub, lam, u, solver, cache, solver_options, tol,
         g = np.where(acc, g, 0.0)
         # The QP in the new point v: 1/2 v^T H v + (g - H w)^T v, scaled for the solver.
         lin = g - h @ w
-        scale = max(float(np.max(np.abs(h))), float(np.max(np.abs(lin))), 1e-300)
-        # Once the active set settles (usually after the first step), the step's QP is solved
-        # exactly by the KKT system on the current iterate's free coordinates: polish_qp returns
-        # a point only with the KKT conditions checked (feasible, stationary on the free set,
-        # bound multipliers of the right sign), which certifies the convex QP's optimum. Only
-        # when the active set changes does the step go to the cvxpy solver: one cvxpy solve
-        # costs ~2.5 ms, a third of a digits round's coordinator work.
+        # The step's QP is solved by a primal active-set method from the current iterate,
+        # accepted only with its KKT conditions verified (_kkt_step); only when that cannot
+        # certify an optimum does the step go to the cvxpy solver: one cvxpy solve costs
+        # ~2.5 ms, a third of a digits round's coordinator work.
         direct = _kkt_step(h, lin, w, lb, ub)
         if direct is not None:
             d = direct - w
         else:
+            scale = max(float(np.max(np.abs(h))), float(np.max(np.abs(lin))), 1e-300)
             values: dict[str, Any] = {"Lt": factor_psd(h / scale), "q": lin / scale, "c": 0.0, "ub": ub}
             if floored:
                 values["lb"] = lb
