@@ -134,16 +134,6 @@ def _standard_promotion(tx: optax.GradientTransformation) -> optax.GradientTrans
     return optax.GradientTransformation(init, update)
 
 
-def _squeezed(fn: Callable, in_axes: tuple) -> Callable:
-    """``vmap(fn, in_axes)`` for a node axis of size 1, without batching: index 0 in, add the axis out."""
-
-    def run(*args):
-        inner = [_take_tree(axes, arg) for axes, arg in zip(in_axes, args, strict=True)]
-        return jax.tree.map(lambda x: jnp.expand_dims(x, 0), fn(*inner))
-
-    return run
-
-
 def _take_tree(axes: Any, arg: Any) -> Any:
     # in_axes entries are 0, None, or tuples mirroring tuple arguments (the per-level pools).
     if axes is None:
@@ -626,12 +616,11 @@ class NodeTrainer:
         spmd = "node" if self.mesh is not None else None
         dp_axes = None if dp_args is None else (0, 0, 0, 0)
         in_axes = (0, 0, 0, 0, 0, 0, 0, 0, 0, *prox_axes, dp_axes, pool_axes)
-        if self.mesh is None and flip.shape[0] == 1:
-            # One node: run the unbatched step. vmap of size 1 turns every matmul into a batched
-            # dot_general, which XLA:CPU runs measurably slower than a plain GEMM.
-            vstep = _squeezed(node_step, in_axes)
-        else:
-            vstep = jax.vmap(node_step, in_axes=in_axes, spmd_axis_name=spmd)
+        # One node: run the unbatched step. vmap of size 1 turns every matmul into a batched
+        # dot_general, which XLA:CPU runs measurably slower than a plain GEMM; the node axis is
+        # taken off the carry and the loop-invariant arguments once, outside the scan, not per step.
+        single = self.mesh is None and flip.shape[0] == 1
+        vstep = None if single else jax.vmap(node_step, in_axes=in_axes, spmd_axis_name=spmd)
 
         # Node i's s-th training step uses fold_in(key_i, s) (s = its step count), split into a
         # sampling and a loss key. Derived for all steps at once, outside the loop (one vectorized
@@ -642,15 +631,23 @@ class NodeTrainer:
         step_keys = jax.vmap(jax.vmap(jax.random.fold_in), in_axes=(None, 0))(state.key, counts)
         pairs = jax.vmap(jax.vmap(jax.random.split))(step_keys)
 
-        def body(carry, xs):
-            lvl, act, k_sample, k_loss = xs
-            params, opt, step = carry
-            args = (params, opt, step, lvl, act, k_sample, k_loss, hp, flip, mu, radius, anchor, dp_args)
-            return vstep(*args, pools)
-
         carry0 = (state.params, state.opt_state, state.step)
         xs = (level_t, active_t, pairs[:, :, 0], pairs[:, :, 1])
+        invariant = (hp, flip, mu, radius, anchor, dp_args, pools)
+        if single:
+            invariant = _take_tree(in_axes[7:], invariant)
+            carry0 = jax.tree.map(lambda x: x[0], carry0)
+            xs = jax.tree.map(lambda x: x[:, 0], xs)
+
+        def body(carry, xs):
+            if single:
+                return node_step(*carry, *xs, *invariant)
+            return vstep(*carry, *xs, *invariant)
+
         carry, outs = jax.lax.scan(body, carry0, xs, length=steps, unroll=self.unroll)
+        if single:
+            carry = jax.tree.map(lambda x: jnp.expand_dims(x, 0), carry)
+            outs = jax.tree.map(lambda x: jnp.expand_dims(x, 1), outs)
         loss, rows = outs if record else (outs, None)
         new_state = TrainState(carry[0], carry[1], state.key, carry[2])
         sh = self.shardings(new_state.params)
