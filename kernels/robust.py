@@ -84,32 +84,36 @@ def meamed(
     centre: jax.Array | None = None,
     diagonal: bool = True,
 ) -> jax.Array:
-    """Mean around the median: per coordinate, the mean of the m - f kept values nearest their median.
+    """Mean around the median (Xie et al. 2018): per coordinate, the mean of the m - f values nearest it.
 
-    The m - f values nearest the median form a contiguous window of the sorted
-    values; of the f + 1 candidate windows the one whose farther end is nearest
-    the median wins (the first on ties). With an even m the median is the
-    mean of the two middle values.
+    With an even m the median is the mean of the two middle values. The m - f
+    values nearest the median form a contiguous window ``s[j : j + m - f]`` of
+    the sorted values, j in [0, f]; moving the window from j to j + 1 swaps
+    s_j out for s_{j+m-f}, which brings the window nearer exactly when
+    ``|s_{j+m-f} - med| < |s_j - med|``, a test true for a prefix of the j, so
+    the window starts at j* = the number of j in [0, f) where it holds (the
+    argument of Bulyan's second stage, ``kernels.sorting.closest_to_median_mean``).
+
+    Tie rule: when the value entering is exactly as far from the median as the
+    one leaving, the window stays, so the smaller value is kept: the window
+    holds the first m - f values in the order (distance to the median, value).
+    Comparing the windows' farther ends only (an earlier version) left several
+    windows tied when attackers send one vector f times, and kept the first,
+    which could hold the attackers' copies instead of nearer honest values.
     """
     m = count(keep, x.shape[0], m)
     s = sort_rows(exclude(x, keep, mixing, centre, diagonal))
     med = 0.5 * (pick(s, (m - 1) // 2) + pick(s, m // 2))
     width = m - f
-    best_cost = best_sum = None
-    for start in range(f + 1):
-        lo = pick(s, start)
-        hi = pick(s, start + width - 1)
-        cost = jnp.maximum(med - lo, hi - med)
-        total = window_sum(s, start, width)
-        if best_cost is None:
-            best_cost, best_sum = cost, total
-        else:
-            better = cost < best_cost
-            best_cost = jnp.where(better, cost, best_cost)
-            best_sum = jnp.where(better, total, best_sum)
+    start = jnp.zeros(s[0].shape, jnp.int32)
+    for j in range(f):
+        entering = pick(s, j + width)
+        start = start + (jnp.abs(entering - med) < jnp.abs(s[j] - med)).astype(jnp.int32)
+    # Rows past m are +inf (excluded); the window never reaches them (j + width <= m - 1).
+    total = window_sum(s, start, width)
     if isinstance(width, int):
-        return best_sum / float(width) if width > 0 else jnp.full_like(best_sum, jnp.nan)
-    return jnp.where(width > 0, best_sum / jnp.maximum(width, 1).astype(jnp.float32), jnp.nan)
+        return total / float(width) if width > 0 else jnp.full_like(total, jnp.nan)
+    return jnp.where(width > 0, total / jnp.maximum(width, 1).astype(jnp.float32), jnp.nan)
 
 
 # y_b = sum_j M[b, j] x_j for a (B, n) M: B new rows from n (bucket means), streamed in chunks.

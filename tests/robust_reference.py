@@ -136,15 +136,11 @@ def meamed(X, f, valid):
     m = V.shape[0]
     out = np.empty(X.shape[1])
     for k in range(X.shape[1]):
-        col = np.sort(V[:, k])
+        col = V[:, k]
         med = np.median(col)
-        best = None
-        for start in range(f + 1):
-            window = col[start : start + m - f]
-            cost = max(med - window[0], window[-1] - med)
-            if best is None or cost < best[0]:
-                best = (cost, window.mean())
-        out[k] = best[1]
+        # The m - f values nearest the median, ties in distance broken towards the smaller value.
+        order = np.lexsort((col, np.abs(col - med)))
+        out[k] = col[order[: m - f]].mean()
     return out
 
 

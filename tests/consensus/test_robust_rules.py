@@ -259,6 +259,41 @@ def test_meamed_drops_f_values_from_the_farther_side():
     np.testing.assert_allclose(np.asarray(merged["w"]), [1.5])
 
 
+def test_meamed_exact_distance_tie_keeps_the_smaller_value():
+    # Median 0; -2 and 2 are equally far and compete for the last of m - f = 3 places.
+    x = np.array([[2.0], [-9.0], [1.0], [0.0], [-2.0]], np.float32)
+    merged, _ = agg.meamed(2).update({"w": x}, agg.meamed(2).init(None))
+    np.testing.assert_allclose(np.asarray(merged["w"]), [(-2.0 + 0.0 + 1.0) / 3], rtol=1e-6)
+    assert rref.meamed(x.astype(np.float64), 2, np.ones(5, bool))[0] == pytest.approx((-2.0 + 0.0 + 1.0) / 3)
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+@pytest.mark.parametrize("n,f,copies_at", [(10, 4, "low"), (10, 4, "high"), (13, 3, "mid"), (16, 5, "low")])
+def test_meamed_with_repeated_attacker_values(jitted, n, f, copies_at):
+    """f rows carry one attacker vector (as ALIE and IPM send): the kernel keeps the m - f values
+    nearest the median, as the float64 reference that sorts by distance does (issue 17's tie pattern:
+    comparing the windows' farther ends left the attackers' window tied with the right one)."""
+    d = 2000
+    rng = np.random.default_rng(n + f)
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    honest = np.sort(x[f:], axis=0)
+    attacker = {
+        "low": honest[0] - 0.3 * rng.random(d, dtype=np.float32),
+        "high": honest[-1] + 0.3 * rng.random(d, dtype=np.float32),
+        "mid": honest[len(honest) // 2 - 1],
+    }[copies_at]
+    x[:f] = attacker
+    valid = np.ones(n, bool)
+    if n == 16:
+        x[7] = np.nan  # a dropped (non-finite) node: its garbage must not leak
+        valid[7] = False
+    want = rref.meamed(x.astype(np.float64), f, valid)
+    rule = agg.meamed(f)
+    update = jax.jit(rule.update) if jitted else rule.update
+    merged, _ = update({"w": jnp.asarray(x)}, rule.init(None))
+    np.testing.assert_allclose(np.asarray(merged["w"]), want, rtol=1e-5, atol=1e-6)
+
+
 def test_smea_picks_the_subset_without_the_spread_out_pair():
     rng = np.random.default_rng(0)
     honest = 0.1 * rng.standard_normal((7, 5))
