@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from kernels import rows as row_kernels
+from kernels import selection
 from kernels.gram import HIGHEST, chunk_columns
-from kernels.sorting import count, exclude, pick, sort_rows, window_sum
+from kernels.sorting import WINDOW_NETWORK_MAX, count, exclude, pick, sort_rows, window_sum
 
 
 def _block(xs: jax.Array, rs: jax.Array | None, es: jax.Array) -> jax.Array:
@@ -100,7 +101,11 @@ def meamed(
     Comparing the windows' farther ends only (an earlier version) left several
     windows tied when attackers send one vector f times, and kept the first,
     which could hold the attackers' copies instead of nearer honest values.
+    Above ``WINDOW_NETWORK_MAX`` rows: exact selection
+    (:func:`kernels.selection.nearest_to_median_mean`, the same rule).
     """
+    if x.shape[0] > WINDOW_NETWORK_MAX:
+        return selection.nearest_to_median_mean(x, f, keep, m, mixing, centre, diagonal)
     m = count(keep, x.shape[0], m)
     s = sort_rows(exclude(x, keep, mixing, centre, diagonal))
     med = 0.5 * (pick(s, (m - 1) // 2) + pick(s, m // 2))

@@ -299,6 +299,25 @@ def closest_to_median_mean(
 ) -> jax.Array:
     """Bulyan's second stage: per coordinate, the mean of the beta = m - 2f kept values nearest their median.
 
+    :func:`nearest_to_median_mean` with ``trim = 2f``.
+    """
+    return nearest_to_median_mean(x, 2 * f, keep, m, mixing, centre, diagonal)
+
+
+@functools.partial(jax.jit, static_argnames=("trim", "m", "diagonal"))
+def nearest_to_median_mean(
+    x: jax.Array,
+    trim: int,
+    keep: jax.Array | None = None,
+    m: int | None = None,
+    mixing: jax.Array | None = None,
+    centre: jax.Array | None = None,
+    diagonal: bool = True,
+) -> jax.Array:
+    """Per coordinate, the mean of the beta = m - trim kept values nearest their median.
+
+    ``trim = 2f``: Bulyan's second stage; ``trim = f``: MeaMed (Xie et al. 2018).
+
     The same rule as :func:`kernels.sorting.closest_to_median_mean` (El Mhamdi
     et al. 2018; its docstring derives the window and the tie rule), found by
     selection: with med the median (float32, as there) and dist = |v - med|,
@@ -311,7 +330,7 @@ def closest_to_median_mean(
     their mean.
     """
     m = _kept_count(keep, x.shape[0], m)
-    beta = m - 2 * f
+    beta = m - trim
 
     def fn(y):
         blk = Block(y, keep, False)

@@ -6,7 +6,8 @@ of consensus it is a chain of elementwise ops that XLA fuses into one loop over
 the coordinates, so it streams memory once and is exact; ``jnp.sort(x, 0)``
 and ``jnp.median(x, 0)`` are ~100x slower on XLA:CPU. Outputs that are not used
 (a median needs one or two positions) let XLA drop the comparators that only
-feed them. Above ``UNROLL_MAX`` rows the public kernels hand over to
+feed them. Above ``UNROLL_MAX`` rows (``WINDOW_NETWORK_MAX`` for the window
+rules, whose network cannot be pruned) the public kernels hand over to
 :mod:`kernels.selection` (exact bitwise selection, same semantics; issue 19).
 
 Every rule here is an *L-estimator*: a weighted sum of the order statistics
@@ -26,6 +27,13 @@ import numpy as np
 
 from kernels import selection
 from kernels.rows import UNROLL_MAX, rows, tree_sum, view_rows
+
+# The window rules (Bulyan's second stage, MeaMed) need the whole sorted column, not one or two
+# positions, so their network cannot be pruned and grows as n log^2 n comparators: above this
+# many rows exact selection is faster. Measured in one run (n * d = 6.4e7, Bulyan's theta-set
+# kept, time / one numpy pass; a loaded machine): network / selection 5.8 / 21 at n = 32,
+# 24 / 24 at n = 48, 27 / 27 at n = 56, 46 to 74 / 19 to 32 at n = 64.
+WINDOW_NETWORK_MAX = 48
 
 
 @functools.cache
@@ -217,7 +225,7 @@ def closest_to_median_mean(
     tied when attackers send one vector f times, and kept the first, which
     could be the attackers' copies (issue 17).
     """
-    if x.shape[0] > UNROLL_MAX:
+    if x.shape[0] > WINDOW_NETWORK_MAX:
         return selection.closest_to_median_mean(x, f, keep, m, mixing, centre, diagonal)
     m = count(keep, x.shape[0], m)
     s = _sorted(exclude(x, keep, mixing, centre, diagonal))

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import numpy_reference as ref
 import pytest
+import robust_reference as rref
 
-from kernels import selection, sorting
+from kernels import robust, selection, sorting
 
 # Compiling a kernel takes seconds on the shared 2-core machine: one size stays in the fast suite.
 SIZES = [65] + [pytest.param(n, marks=pytest.mark.slow) for n in (128, 257, 1024)]
@@ -46,8 +47,18 @@ def test_median_and_trimmed_mean_match_numpy(n):
     np.testing.assert_allclose(tm, ref.trimmed_mean(X, f, np.ones(m, bool)), rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("n", [pytest.param(49, marks=pytest.mark.slow), 65])
+def test_meamed_above_the_network_limit_matches_numpy(n):
+    """MeaMed hands over to selection above WINDOW_NETWORK_MAX rows: the m - f values nearest the median."""
+    assert n > sorting.WINDOW_NETWORK_MAX
+    x, keep, m, f = _case(n, seed=2)
+    f = (m - 1) // 2  # MeaMed needs m > 2f; the widest trim exercises the distance ties most
+    out = np.asarray(robust.meamed(jnp.asarray(x), f, jnp.asarray(keep), m=m))
+    np.testing.assert_allclose(out, rref.meamed(x.astype(np.float64), f, keep), rtol=0, atol=2e-6)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [65, 128, 257, 1024])
+@pytest.mark.parametrize("n", [49, 65, 128, 257, 1024])
 def test_bulyan_second_stage_matches_numpy(n):
     x, keep, m, f = _case(n, seed=1)
     out = np.asarray(sorting.closest_to_median_mean(jnp.asarray(x), f, jnp.asarray(keep), m=m))
