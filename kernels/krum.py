@@ -50,6 +50,18 @@ def _first_argmin(x: jax.Array) -> jax.Array:
     return jnp.argmin(x)  # jnp.argmin returns the first index on ties
 
 
+def pick_lowest_remaining(scores: jax.Array, remaining: jax.Array) -> jax.Array:
+    """(n,) bool one-hot of the remaining node with the lowest score (first on ties), none if none remain.
+
+    A remaining node's score is +inf when it has no remaining neighbour (the last node of an
+    iterated selection with f = 0): it must still rank before every node already removed,
+    whose score is +inf too, or the last pick would select nothing.
+    """
+    finite_max = jnp.finfo(scores.dtype).max
+    key = jnp.where(remaining, jnp.minimum(scores, finite_max), jnp.inf)
+    return jax.nn.one_hot(_first_argmin(key), scores.shape[0], dtype=bool) & remaining
+
+
 @functools.partial(jax.jit, static_argnames=("f",))
 def krum_select(d2: jax.Array, f: int, valid: jax.Array) -> jax.Array:
     """(n,) bool one-hot mask of Krum's winner: the valid node with the lowest score (first on ties)."""
@@ -78,13 +90,11 @@ def iterated_krum_select(d2: jax.Array, f: int, valid: jax.Array, num_selected: 
     scores on the nodes still remaining, with k = m_remaining - f - 2 neighbours
     (floored at 1 once fewer than f + 4 remain).
     """
-    n = d2.shape[0]
 
     def body(_, carry):
         remaining, chosen = carry
-        scores = krum_scores(d2, f, remaining)
-        pick = jax.nn.one_hot(_first_argmin(scores), n, dtype=bool) & remaining
+        pick = pick_lowest_remaining(krum_scores(d2, f, remaining), remaining)
         return remaining & ~pick, chosen | pick
 
-    _, chosen = jax.lax.fori_loop(0, num_selected, body, (valid, jnp.zeros(n, bool)))
+    _, chosen = jax.lax.fori_loop(0, num_selected, body, (valid, jnp.zeros(d2.shape[0], bool)))
     return chosen

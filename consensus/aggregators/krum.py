@@ -171,7 +171,7 @@ def _iterated_prefix(d2, f, valid, max_selected, theta):
     def body(t, carry):
         remaining, chosen = carry
         scores = krum_kernels.krum_scores(d2, f, remaining)
-        pick = jax.nn.one_hot(jnp.argmin(scores), n, dtype=bool) & remaining & (t < theta)
+        pick = krum_kernels.pick_lowest_remaining(scores, remaining) & (t < theta)
         return remaining & ~pick, chosen | pick
 
     _, chosen = jax.lax.fori_loop(0, max_selected, body, (valid, jnp.zeros(n, bool)))

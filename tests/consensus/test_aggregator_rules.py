@@ -190,6 +190,24 @@ def test_bulyan_under_jit_with_traced_mask_equals_eager():
     np.testing.assert_array_equal(np.asarray(sa.info.selected), np.asarray(sb.info.selected))
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_bulyan_with_f_zero_is_the_mean_of_every_valid_node(masked):
+    """f = 0: theta = m nodes chosen (the last one has no remaining neighbour, score +inf, and must
+    still be picked) and beta = m values kept at every coordinate, so the result is the plain mean
+    of the valid nodes. Eager (static count) and under jit (traced count)."""
+    params, stacked = _nodes(9, seed=11)
+    mask = np.arange(9) != 4 if masked else np.ones(9, bool)
+    x = np.asarray(stacked["w"], np.float64)
+    agg = consensus.bulyan(0)
+    eager, st = agg.update(stacked, agg.init(params), params, mask=mask)
+    jitted, sj = jax.jit(lambda s, st, p, m: agg.update(s, st, p, mask=m))(
+        stacked, agg.init(params), params, jnp.asarray(mask)
+    )
+    for out, state in ((eager, st), (jitted, sj)):
+        np.testing.assert_array_equal(np.asarray(state.info.selected), mask)
+        np.testing.assert_allclose(np.asarray(out["w"]), x[mask].mean(0), rtol=1e-5, atol=1e-6)
+
+
 def test_lazy_pipeline_equals_materialized_composition():
     """process() keeps clip/nnm lazy; the result equals running each stage on materialized stacks."""
     params, stacked = _nodes(11, d=40, seed=7)
