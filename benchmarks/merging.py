@@ -1,7 +1,8 @@
 """Multi-task model merging: every merge method on 8 fine-tunes of one base, clean and with 2 poisoned.
 
-Run ``python -m benchmarks.merging [--quick] [--task digits]``. Writes
-benchmarks/results/merging.{json,md,png} (``merging_quick.*`` with --quick).
+Run ``python -m benchmarks.merging [--quick] [--task digits|fashion_mnist] [--limit N]``. Writes
+benchmarks/results/merging.{json,md,png} for digits, ``merging_<task>.*`` for another task
+(``..._quick.*`` with --quick).
 
 Protocol, in the spirit of the 8-task CLIP ViT-B/32 benchmark of task arithmetic / TIES /
 AdaMerging, small enough for 2 CPU cores:
@@ -365,7 +366,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{k} {clean[k]['average']:.3f}" for k in sorted(order, key=lambda k: clean[k]["average"])
     )
     theirs = " < ".join(f"{k} {PUBLISHED[k]}" for k in sorted(order, key=lambda k: PUBLISHED[k]))
+    name = NAME if args.task == "digits" else f"{NAME}_{args.task}"
+    cmd = "python -m benchmarks.merging" + (" --quick" if args.quick else "")
+    if args.task != "digits":
+        cmd += f" --task {args.task}" + (f" --limit {args.limit}" if args.task == "fashion_mnist" else "")
+    if args.seeds is not None:
+        cmd += f" --seeds {args.seeds}"
+    res["command"] = cmd  # over save()'s, which knows only the file name
     lines = header("Multi-task merging: 8 fine-tunes of one base", NAME, args.quick, settings)
+    lines[2] = f"Command: `{cmd}`"
+
     lines += [
         "Normalized accuracy = a merge's test accuracy on a task / that task's own fine-tune's "
         "(mean over seeds). Fine-tunes' own test accuracies: "
@@ -394,13 +404,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         + ".",
     ]
     md = "\n".join(lines) + "\n"
-    save(NAME, args.quick, res, md, settings=settings)
-    plot(clean, robust, args.quick)
+    save(name, args.quick, res, md, settings=settings)
+    plot(clean, robust, name, args.quick)
     print(md)
     return res
 
 
-def plot(clean, robust, quick: bool) -> None:
+def plot(clean, robust, name: str, quick: bool) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     for ax, summary, title in ((axes[0], clean, "clean"), (axes[1], robust, "2 of 8 poisoned")):
@@ -412,7 +422,7 @@ def plot(clean, robust, quick: bool) -> None:
         ax.set_title(f"8-task merging, {title}")
         ax.set_xlim(min(0.0, min(vals)), max(1.05, max(vals) + 0.05))
     fig.tight_layout()
-    fig.savefig(plot_path(NAME, quick), dpi=110)
+    fig.savefig(plot_path(name, quick), dpi=110)
     plt.close(fig)
 
 
