@@ -240,6 +240,43 @@ def test_kth_largest_takes_two_passes_on_continuous_rows_and_stays_exact_on_ties
         )
 
 
+def test_kth_largest_reads_a_crowded_lane_back_once_more_and_stays_exact():
+    # Four entries of one extraction lane (columns 8192 apart, off the sample's grid, so the
+    # first pass and the window do not move) planted inside the window: the lane holds over 3
+    # window entries, the window is read back into 8191 lanes (one more pass), exactly.
+    from consensus.merging import _select as sel
+
+    rng = np.random.default_rng(0)
+    s, k, n = 80_000, 16_000, 2
+    x = rng.standard_normal((n, s)).astype(np.float32)
+    zero, valid, kk = jnp.zeros(s, jnp.float32), jnp.ones(n, bool), jnp.int32(k)
+    cols = 101 + sel.EXTRACT_LANES * np.arange(4)
+    assert s // sel.SAMPLE == 4 and np.all(cols % 4 == 1)
+    for _ in range(5):
+        xj = jnp.asarray(x)
+        probes = jnp.clip(
+            sel._sample_probes(xj, zero, valid, k, sel.FIRST_PROBES, sel.FIRST_SPREAD), 0, sel.TOP
+        )
+        lo, hi, c_lo, c_hi = sel._bracket(
+            probes,
+            sel._count_pass(xj, zero, valid, probes),
+            jnp.zeros(n, jnp.int32),
+            jnp.full(n, sel.TOP, jnp.int32),
+            jnp.full(n, s, jnp.int32),
+            jnp.zeros(n, jnp.int32),
+            kk,
+        )
+        wlo, whi = (int(v[0]) for v in sel._window(lo, hi, c_lo, c_hi, kk, sel.WINDOW_SPREAD))
+        planted = np.abs(x[0, cols]).view(np.int32)
+        if np.all((planted >= wlo) & (planted < whi)):
+            break
+        x[0, cols] = np.linspace(wlo, whi - 1, 6)[1:5].astype(np.int32).view(np.float32)
+    want = -np.sort(-np.abs(x), axis=1)[:, k - 1]
+    bits, passes = sel.kth_largest_delta_bits(jnp.asarray(x), zero, valid, k)
+    np.testing.assert_array_equal(np.asarray(bits).view(np.float32), want)
+    assert int(passes) == 3  # count, extract, extract again: no narrowing passes
+
+
 @pytest.mark.parametrize("n", [2, 5])
 def test_model_stock_matches_reference(n):
     base = make_base()
