@@ -1,7 +1,9 @@
 """Multi-task model merging: every merge method on 8 fine-tunes of one base, clean and with 2 poisoned.
 
-Run ``python -m benchmarks.merging [--quick] [--task digits]``. Writes
-benchmarks/results/merging.{json,md,png} (``merging_quick.*`` with --quick).
+Run ``python -m benchmarks.merging [--quick] [--task digits|fashion_mnist] [--limit N]``. Writes
+benchmarks/results/merging.{json,md,png} for digits, ``merging_<task>.*`` for another task
+(``..._quick.*`` with --quick). ``--report-from benchmarks/results/merging.json`` rewrites the
+markdown and PNG beside a results JSON from its stored runs, without training.
 
 Protocol, in the spirit of the 8-task CLIP ViT-B/32 benchmark of task arithmetic / TIES /
 AdaMerging, small enough for 2 CPU cores:
@@ -33,7 +35,9 @@ against the honest fine-tunes of all 8 tasks; the average over the 6 honest task
 from __future__ import annotations
 
 import functools
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -52,6 +56,7 @@ NAME = "merging"
 TASK_NAMES = ["classes 0-4", "classes 5-9", "even", "odd", "mirror", "invert", "label+1", "shift"]
 SCALES = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.2, 1.5]
 POISONED = (6, 7)
+BASE_ROW = "base (no merge)"  # the common base itself: the bar a merge must clear
 CURVATURE_ROWS = 500  # held-out rows per task for the convex weights' Gauss-Newton model
 # Published 8-task CLIP ViT-B/32 average accuracies (%), as quoted in issue 15 (task arithmetic,
 # TIES and AdaMerging papers' tables): the ordering this benchmark is compared with.
@@ -309,11 +314,13 @@ def one_seed(task_name: str, seed: int, quick: bool, limit: int | None = None) -
 
 
 def summarize(runs: list[dict[str, Any]], setting: str) -> dict[str, dict[str, Any]]:
-    names = list(runs[0][setting]["normalized"])
+    names = [*runs[0][setting]["normalized"], BASE_ROW]
     honest = [i for i in range(8) if i not in POISONED]
     out = {}
     for name in names:
-        per_task = np.array([r[setting]["normalized"][name] for r in runs])  # (seeds, 8)
+        per_task = np.array(  # (seeds, 8)
+            [r["base_normalized"] if name == BASE_ROW else r[setting]["normalized"][name] for r in runs]
+        )
         out[name] = {
             "per_task": per_task.mean(0).tolist(),
             "average": float(per_task.mean()),
@@ -333,11 +340,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=30000,
         help="Fashion-MNIST: the first LIMIT training and test images (default 30000; 2-core sizing)",
     )
+    p.add_argument(
+        "--report-from",
+        default=None,
+        metavar="JSON",
+        help="rewrite the markdown and PNG beside a results JSON of this script from its runs (no training)",
+    )
     args = parse(p, argv)
+    if args.report_from is not None:
+        path = Path(args.report_from)
+        res = json.loads(path.read_text())
+        settings = res["settings"]
+        md = report(res["runs"], settings, res["command"], res["total_s"])
+        path.with_suffix(".md").write_text(md)
+        plot(summarize(res["runs"], "clean"), summarize(res["runs"], "robust"), path.with_suffix(".png"))
+        print(md)
+        return res
     seeds = args.seeds or (1 if args.quick else 3)
     t0 = time.perf_counter()
     runs = [one_seed(args.task, s, args.quick, args.limit) for s in range(seeds)]
-    clean, robust = summarize(runs, "clean"), summarize(runs, "robust")
     settings = {
         "task": args.task,
         "seeds": seeds,
@@ -346,14 +367,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "quick": args.quick,
         "limit": args.limit if args.task == "fashion_mnist" else None,
     }
-    res = {"clean": clean, "robust": robust, "runs": runs, "total_s": time.perf_counter() - t0}
+    total = time.perf_counter() - t0
+    clean, robust = summarize(runs, "clean"), summarize(runs, "robust")
+    name = NAME if args.task == "digits" else f"{NAME}_{args.task}"
+    cmd = "python -m benchmarks.merging" + (" --quick" if args.quick else "")
+    if args.task != "digits":
+        cmd += f" --task {args.task}" + (f" --limit {args.limit}" if args.task == "fashion_mnist" else "")
+    if args.seeds is not None:
+        cmd += f" --seeds {args.seeds}"
+    # "command" over save()'s, which knows only the file name.
+    res = {"clean": clean, "robust": robust, "runs": runs, "total_s": total, "command": cmd}
+    md = report(runs, settings, cmd, total)
+    save(name, args.quick, res, md, settings=settings)
+    plot(clean, robust, plot_path(name, args.quick))
+    print(md)
+    return res
+
+
+def report(runs: list[dict[str, Any]], settings: dict[str, Any], cmd: str, total_s: float) -> str:
+    """The markdown report of the runs (tables sorted by average normalized accuracy)."""
+    clean, robust = summarize(runs, "clean"), summarize(runs, "robust")
+    seeds = len(runs)
 
     def table(summary, robust_cols=False):
         head = ["method", *TASK_NAMES, "average"] + (["avg over 6 honest"] if robust_cols else [])
         rows = []
         for name, s in sorted(summary.items(), key=lambda kv: -kv[1]["average"]):
             avg = f"{s['average']:.3f}" + (f" ± {s['average_std']:.3f}" if seeds > 1 else "")
-            row = [name, *[f"{v:.2f}" for v in s["per_task"]], avg]
+            row = [f"*{name}*" if name == BASE_ROW else name, *[f"{v:.2f}" for v in s["per_task"]], avg]
             if robust_cols:
                 row.append(f"{s['honest_average']:.3f}")
             rows.append(row)
@@ -365,18 +406,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{k} {clean[k]['average']:.3f}" for k in sorted(order, key=lambda k: clean[k]["average"])
     )
     theirs = " < ".join(f"{k} {PUBLISHED[k]}" for k in sorted(order, key=lambda k: PUBLISHED[k]))
-    lines = header("Multi-task merging: 8 fine-tunes of one base", NAME, args.quick, settings)
+    lines = header("Multi-task merging: 8 fine-tunes of one base", NAME, bool(settings["quick"]), settings)
+    lines[2] = f"Command: `{cmd}` ({total_s / 60:.1f} min)"
     lines += [
         "Normalized accuracy = a merge's test accuracy on a task / that task's own fine-tune's "
-        "(mean over seeds). Fine-tunes' own test accuracies: "
+        "(mean over seeds; ± the standard deviation of the average over seeds). Fine-tunes' own "
+        "test accuracies: "
         + ", ".join(f"{t} {a:.2f}" for t, a in zip(TASK_NAMES, own, strict=True))
-        + ".",
+        + f". *{BASE_ROW}* is the common base itself, the bar a merge has to clear.",
         "",
         "## Clean: the 8 fine-tunes",
         "",
         table(clean),
         "",
-        f"Ordering here (average normalized accuracy): {ours}.",
+        f"Ordering here (average normalized accuracy): {ours}; {BASE_ROW} {clean[BASE_ROW]['average']:.3f}.",
         "",
         "Published ordering on 8-task CLIP ViT-B/32 (absolute accuracy, %; layer-wise = AdaMerging): "
         f"{theirs}.",
@@ -393,14 +436,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         + ", ".join(f"{k} {v}" for k, v in runs[0]["robust"]["scales"].items())
         + ".",
     ]
-    md = "\n".join(lines) + "\n"
-    save(NAME, args.quick, res, md, settings=settings)
-    plot(clean, robust, args.quick)
-    print(md)
-    return res
+    return "\n".join(lines) + "\n"
 
 
-def plot(clean, robust, quick: bool) -> None:
+def plot(clean, robust, path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     for ax, summary, title in ((axes[0], clean, "clean"), (axes[1], robust, "2 of 8 poisoned")):
@@ -412,7 +451,7 @@ def plot(clean, robust, quick: bool) -> None:
         ax.set_title(f"8-task merging, {title}")
         ax.set_xlim(min(0.0, min(vals)), max(1.05, max(vals) + 0.05))
     fig.tight_layout()
-    fig.savefig(plot_path(NAME, quick), dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

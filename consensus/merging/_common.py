@@ -17,7 +17,14 @@ import numpy as np
 
 from consensus import tree
 from consensus.aggregators import view as views
-from consensus.aggregators._common import RuleState, allowed, init_rule_state, is_concrete, static_count
+from consensus.aggregators._common import (
+    RuleState,
+    allowed,
+    init_rule_state,
+    is_concrete,
+    static_count,
+    unless_non_finite,
+)
 from consensus.base import AggregationInfo, ByzantineToleranceError
 
 PyTree = Any
@@ -113,25 +120,34 @@ def unflatten_like(like: PyTree, leaves: list[jax.Array]) -> PyTree:
 
 
 def optimistic(
-    stacked: PyTree, mask: jax.Array | None, n: int, assume_finite: bool, compute
-) -> tuple[PyTree, jax.Array]:
+    stacked: PyTree, mask: jax.Array | None, n: int, assume_finite: bool, compute, aux: bool = False
+) -> tuple:
     """``compute(valid) -> merged`` with the finiteness pass only when it is needed.
 
-    Eagerly, the merge is first computed over the allowed nodes: NaN and Inf
-    survive every method here (they reach the output through a sum with a
-    non-zero coefficient), so a finite output proves every allowed node was
-    finite and the separate finiteness pass is skipped. Under an outer jit that
-    check cannot run, and the finite mask is computed first (one more pass).
+    The merge is first computed over the allowed nodes: NaN and Inf survive every
+    method here (they reach the output through a sum with a non-zero coefficient,
+    or a product with a zero one), so a finite output proves every allowed node was
+    finite and the separate finiteness pass over the stack is skipped. Eagerly the
+    check is a Python ``if``; under an outer jit it is :func:`unless_non_finite`, a
+    while loop that keeps the first result in place and runs the finite-mask pass
+    and the merge again only when that result is not finite.
+
+    With ``aux=True``, ``compute(valid)`` returns ``(merged, aux)`` (per-leaf
+    diagnostics; it must be pure: under jit it is traced twice, once inside the
+    loop) and the result is ``(merged, aux, valid)``; else ``(merged, valid)``.
     """
     leaves = jax.tree_util.tree_leaves(stacked)
     concrete = all(is_concrete(x) for x in leaves) and (mask is None or is_concrete(mask))
+
+    def run(valid):
+        out = compute(valid)
+        return (*out, valid) if aux else (out, valid)
+
     if assume_finite:
-        valid = allowed(mask, n)
-        return compute(valid), valid
-    if concrete:
-        valid = allowed(mask, n)
-        merged = compute(valid)
-        if all(bool(jnp.isfinite(y).all()) for y in jax.tree_util.tree_leaves(merged)):
-            return merged, valid
-    valid = valid_nodes(stacked, mask, n)
-    return compute(valid), valid
+        return run(allowed(mask, n))
+    first = run(allowed(mask, n))
+    if not concrete:
+        return unless_non_finite(first, lambda: run(valid_nodes(stacked, mask, n)))
+    if all(bool(jnp.isfinite(y).all()) for y in jax.tree_util.tree_leaves(first[0])):
+        return first
+    return run(valid_nodes(stacked, mask, n))

@@ -8,7 +8,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from consensus import tree
 from consensus.aggregators import view as views
 from consensus.aggregators._common import allowed, check_stacked
 from consensus.base import PreAggregator
@@ -67,7 +66,10 @@ def _dare_leaf(x, base, key, density, valid, *, rescale):
     bits = keyed_bits(key, x.shape)
     cut = jnp.minimum(density * 4294967296.0, 4294967295.0).astype(jnp.uint32)
     keep = (bits < cut) | (density >= 1.0)
-    kept = jnp.where(keep, d, 0.0)
+    # A dropped entry is d * 0: 0 for a finite d, NaN for a non-finite one, so a node holding
+    # NaN/Inf still holds it after the drop (and every rule downstream excludes it) without a
+    # separate finiteness pass over the stack.
+    kept = jnp.where(keep, d, d * 0.0)
     if rescale == "l1":
         axes = tuple(range(1, x.ndim))
         before = jnp.sum(jnp.abs(d), axis=axes, keepdims=True)
@@ -103,10 +105,13 @@ def dare(density: float, rescale: bool | str = True, *, key: jax.Array | None = 
     round counter kept in the state; without either the update raises. Leaf l
     uses ``fold_in(key, l)``; node i gets row i of that leaf's random bits, so
     the output is not invariant to permuting the nodes (each node's mask is a
-    function of its position), only equal in distribution. Masked-out or
-    non-finite nodes come out as NaN ("no value"), like the other
-    pre-aggregators, so the rule downstream excludes them. One pass (random
-    bits, drop and rescale fused) writing a new stack; the bits are a keyed
+    function of its position), only equal in distribution. Masked-out nodes
+    come out as NaN ("no value"), like the other pre-aggregators; a node
+    holding NaN/Inf comes out holding NaN/Inf (a dropped entry is ``d * 0``,
+    NaN where d is not finite), so the rule downstream, which excludes every
+    node with a non-finite entry, excludes it. One pass (random bits, drop
+    and rescale fused, no separate finiteness pass) writing a new stack: the
+    read and the write of the stack, ~2x one read; the bits are a keyed
     counter-based hash (:func:`keyed_bits`), not threefry, for speed.
 
     Precondition: density in (0, 1]. DP: DARE does not bound anything by
@@ -135,7 +140,7 @@ def dare(density: float, rescale: bool | str = True, *, key: jax.Array | None = 
             round_key = jax.random.fold_in(state.key, state.rounds)
         else:
             raise ValueError("dare: needs a random key: dare(p, key=k) or update(..., key=round_key)")
-        valid = allowed(mask, n) & tree.finite_mask(x)
+        valid = allowed(mask, n)  # non-finite nodes stay non-finite (see _dare_leaf): one pass
         leaves, tdef = jax.tree_util.tree_flatten(x)
         bases = jax.tree_util.tree_leaves(params)
         out = [

@@ -117,21 +117,19 @@ def slerp(t: float, *, on: str = "params") -> Aggregator:
         stacked, n = _prepare("slerp", stacked, params, on)
         if n < 2:
             raise ValueError(f"slerp: needs exactly 2 valid nodes, got a stack of n={n}")
-        angles = []
 
         def compute(valid):
-            angles.clear()
             refs = (
                 leaves_of(params)[0] if on == "deltas" else [None] * len(jax.tree_util.tree_leaves(stacked))
             )
-            outs = []
+            outs, angles = [], []
             for x, r in zip(leaves_of(stacked)[0], refs, strict=True):
                 y, om = _slerp_leaf(x, r, tt, valid)
                 outs.append(y)
                 angles.append(om)
-            return unflatten_like(stacked, outs)
+            return unflatten_like(stacked, outs), angles
 
-        merged, valid = optimistic(stacked, mask, n, assume_finite, compute)
+        merged, angles, valid = optimistic(stacked, mask, n, assume_finite, compute, aux=True)
         require_valid_count("slerp", valid, n, 2, exact=True)
         w = jnp.where(jnp.cumsum(valid) == 1, 1.0 - tt, tt)
         return merged, SphereState(info(valid, w, False), unflatten_like(stacked, angles))
@@ -215,21 +213,19 @@ def karcher_mean(
         del state, extra
         stacked, n = _prepare("karcher_mean", stacked, params, on)
         w = node_weights("karcher_mean", fixed, weights, n)
-        iters = []
 
         def compute(valid):
-            iters.clear()
             refs = (
                 leaves_of(params)[0] if on == "deltas" else [None] * len(jax.tree_util.tree_leaves(stacked))
             )
-            outs = []
+            outs, iters = [], []
             for x, r in zip(leaves_of(stacked)[0], refs, strict=True):
                 y, it = _karcher_leaf(x, r, w, valid, jnp.float32(tol), max_iter=int(max_iter))
                 outs.append(y)
                 iters.append(it)
-            return unflatten_like(stacked, outs)
+            return unflatten_like(stacked, outs), iters
 
-        merged, valid = optimistic(stacked, mask, n, assume_finite, compute)
+        merged, iters, valid = optimistic(stacked, mask, n, assume_finite, compute, aux=True)
         require_valid_count("karcher_mean", valid, n, 1)
         return merged, SphereState(info(valid, w, False), unflatten_like(stacked, iters))
 

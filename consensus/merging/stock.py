@@ -18,7 +18,6 @@ from consensus.merging._common import (
     unflatten_like,
 )
 from kernels import gram as gram_kernels
-from kernels import rows as row_kernels
 
 PyTree = Any
 
@@ -56,16 +55,60 @@ def stock_ratio(g: jax.Array, valid: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(jnp.sum(jnp.where(pair | jnp.diag(valid), g, 0.0))), t, jnp.nan)
 
 
+def _gram_and_sum(x: jax.Array, base: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The (n, n) Gram matrix of the task vectors and their sum over the valid nodes, in one read.
+
+    Streams the columns in the Gram kernel's cache-sized chunks: each chunk of ``x - base``
+    is centred once, multiplied by itself for the Gram matrix (Kahan-summed over chunks, as
+    :func:`kernels.gram.gram`) and by the valid indicator for the column sums, written in
+    place into the (s,) sum. Rows that are not valid add 0 to the sum even when they hold
+    NaN; they reach only their own row and column of G.
+    """
+    n = x.shape[0]
+    x = x.reshape(n, -1)
+    b = base.reshape(-1).astype(jnp.float32)
+    s = x.shape[1]
+    chunk = gram_kernels.chunk_columns(n)
+    ind = valid.astype(jnp.float32)[None]
+
+    def part(xs, bs):
+        d = xs.astype(jnp.float32) - bs[None]
+        g = jnp.dot(d, d.T, precision=gram_kernels.HIGHEST)
+        return g, jnp.dot(ind, jnp.where(valid[:, None], d, 0.0), precision=gram_kernels.HIGHEST)[0]
+
+    k = s // chunk
+    if k < 2:
+        return part(x, b)
+
+    def body(i, carry):
+        acc, comp, total = carry
+        g, col = part(
+            jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk, axis=1),
+            jax.lax.dynamic_slice_in_dim(b, i * chunk, chunk),
+        )
+        y = g - comp
+        t = acc + y
+        return t, (t - acc) - y, jax.lax.dynamic_update_slice_in_dim(total, col, i * chunk, 0)
+
+    zeros = jnp.zeros((n, n), jnp.float32)
+    acc, comp, total = jax.lax.fori_loop(0, k, body, (zeros, zeros, jnp.zeros((s,), jnp.float32)))
+    if s % chunk:
+        g, col = part(x[:, k * chunk :], b[k * chunk :])
+        acc = acc + (g - comp)
+        total = jax.lax.dynamic_update_slice_in_dim(total, col, k * chunk, 0)
+    return acc, total
+
+
 @jax.jit
 def _stock_leaf(x, base, valid):
     # Rows of invalid nodes may hold NaN: they only reach their own row and column of G,
-    # which stock_ratio masks out.
-    g = gram_kernels.gram(x, base)
+    # which stock_ratio masks out, and add 0 to the sum.
+    g, total = _gram_and_sum(x, base, valid)
     t = stock_ratio(g, valid)
     m = jnp.maximum(jnp.sum(valid.astype(jnp.float32)), 1.0)
-    coeffs = jnp.where(valid, t / m, 0.0)
-    # base + t * (mean - base) = base + sum_i (t / m) (x_i - base): one pass.
-    out = row_kernels.weighted_sum(x, coeffs, base, 1.0 - jnp.sum(coeffs))
+    # base + t * (mean - base) = base + (t / m) sum_i (x_i - base): the sum came with the Gram
+    # matrix, so the stack is read once.
+    out = base.astype(jnp.float32) + (t / m) * total.reshape(base.shape)
     return out.astype(x.dtype), t
 
 
@@ -83,7 +126,8 @@ def model_stock() -> Aggregator:
     a negative mean cosine gives t < 0 here and there). Singular leaves (a zero
     task vector, or 1 + (m - 1) cos = 0) keep the base (t = 0), as mergekit's
     zero-norm guard does. ``state.t`` holds the per-leaf ratios.
-    Cost: one Gram pass and one weighted-sum pass per leaf.
+    Cost: one read of the stack per leaf (the Gram matrix and the sum of the task
+    vectors in the same streamed pass), then one pass over leaf-sized arrays.
 
     Not robust (the mean of the nodes is the target). Permutation invariant.
     DP sensitivity: not bounded by this package (t depends on every node).
@@ -93,18 +137,16 @@ def model_stock() -> Aggregator:
     def update(stacked, state, params=None, *, mask=None, assume_finite=False, **extra):
         del state, extra
         stacked, n = require_base("model_stock", stacked, params)
-        ratios = []
 
         def compute(valid):
-            ratios.clear()
-            outs = []
+            outs, ratios = [], []
             for x, b in zip(*leaves_of(stacked, params), strict=True):
                 y, t = _stock_leaf(x, b, valid)
                 outs.append(y)
                 ratios.append(t)
-            return unflatten_like(params, outs)
+            return unflatten_like(params, outs), ratios
 
-        merged, valid = optimistic(stacked, mask, n, assume_finite, compute)
+        merged, ratios, valid = optimistic(stacked, mask, n, assume_finite, compute, aux=True)
         require_valid_count("model_stock", valid, n, 2)
         return merged, StockState(
             info(valid, jnp.ones((n,), jnp.float32), False), unflatten_like(params, ratios)

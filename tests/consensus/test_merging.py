@@ -240,6 +240,43 @@ def test_kth_largest_takes_two_passes_on_continuous_rows_and_stays_exact_on_ties
         )
 
 
+def test_kth_largest_reads_a_crowded_lane_back_once_more_and_stays_exact():
+    # Four entries of one extraction lane (columns 8192 apart, off the sample's grid, so the
+    # first pass and the window do not move) planted inside the window: the lane holds over 3
+    # window entries, the window is read back into 8191 lanes (one more pass), exactly.
+    from consensus.merging import _select as sel
+
+    rng = np.random.default_rng(0)
+    s, k, n = 80_000, 16_000, 2
+    x = rng.standard_normal((n, s)).astype(np.float32)
+    zero, valid, kk = jnp.zeros(s, jnp.float32), jnp.ones(n, bool), jnp.int32(k)
+    cols = 101 + sel.EXTRACT_LANES * np.arange(4)
+    assert s // sel.SAMPLE == 4 and np.all(cols % 4 == 1)
+    for _ in range(5):
+        xj = jnp.asarray(x)
+        probes = jnp.clip(
+            sel._sample_probes(xj, zero, valid, k, sel.FIRST_PROBES, sel.FIRST_SPREAD), 0, sel.TOP
+        )
+        lo, hi, c_lo, c_hi = sel._bracket(
+            probes,
+            sel._count_pass(xj, zero, valid, probes),
+            jnp.zeros(n, jnp.int32),
+            jnp.full(n, sel.TOP, jnp.int32),
+            jnp.full(n, s, jnp.int32),
+            jnp.zeros(n, jnp.int32),
+            kk,
+        )
+        wlo, whi = (int(v[0]) for v in sel._window(lo, hi, c_lo, c_hi, kk, sel.WINDOW_SPREAD))
+        planted = np.abs(x[0, cols]).view(np.int32)
+        if np.all((planted >= wlo) & (planted < whi)):
+            break
+        x[0, cols] = np.linspace(wlo, whi - 1, 6)[1:5].astype(np.int32).view(np.float32)
+    want = -np.sort(-np.abs(x), axis=1)[:, k - 1]
+    bits, passes = sel.kth_largest_delta_bits(jnp.asarray(x), zero, valid, k)
+    np.testing.assert_array_equal(np.asarray(bits).view(np.float32), want)
+    assert int(passes) == 3  # count, extract, extract again: no narrowing passes
+
+
 @pytest.mark.parametrize("n", [2, 5])
 def test_model_stock_matches_reference(n):
     base = make_base()
@@ -257,6 +294,23 @@ def test_model_stock_zero_delta_keeps_the_base():
     np.testing.assert_array_equal(np.asarray(merged["dense"]["bias"]), base["dense"]["bias"])
     assert float(state.t["dense"]["bias"]) == 0.0
     assert float(state.t["dense"]["kernel"]) != 0.0
+
+
+def test_model_stock_streams_long_leaves_exactly():
+    # 50_000 columns: several chunks of the one-read Gram-and-sum pass plus a partial one; a NaN
+    # node (eager and under jit: the optimistic pass, then the finite one) and a masked node.
+    rng = np.random.default_rng(11)
+    base = {"w": rng.standard_normal(50_000).astype(np.float32)}
+    x = base["w"] + 0.1 * rng.standard_normal((5, 50_000)).astype(np.float32) + 0.05
+    stacked = {"w": x.copy()}
+    stacked["w"][4, 123] = np.nan
+    agg = consensus.model_stock()
+    jitted = jax.jit(lambda s, p, m: agg.update(s, agg.init(p), p, mask=m)[0])
+    for mask in (None, jnp.arange(5) != 2):
+        keep = [0, 1, 3] if mask is not None else [0, 1, 2, 3]
+        want = ref_model_stock(x[keep].astype(np.float64), base["w"].astype(np.float64))
+        for got in (agg.update(stacked, agg.init(base), base, mask=mask)[0], jitted(stacked, base, mask)):
+            np.testing.assert_allclose(np.asarray(got["w"], np.float64), want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("t", [0.0, 0.3, 1.0])
@@ -385,6 +439,33 @@ def test_dare_ties_is_ties_of_the_dropped_nodes():
     agg = consensus.process(consensus.ties(0.5), pre=[consensus.dare(0.5)])
     merged, _ = agg.update(stacked, agg.init(base), base, key=key)
     assert_tree_close(merged, per_leaf(ref_ties, dropped, base, 0.5, "sum", 1.0, np.ones(4)))
+
+
+def test_dare_keeps_a_non_finite_node_non_finite_and_the_merge_excludes_it():
+    # DARE makes no finiteness pass: a dropped entry is d * 0, NaN where d is not finite, so a
+    # poisoned node stays poisoned and the rule after DARE excludes it; masked nodes come out NaN.
+    base = make_base()
+    stacked = make_nodes(base, 5)
+    key = jax.random.key(5)
+    poisoned = jax.tree.map(lambda x: x.at[(2,) + (0,) * (x.ndim - 1)].set(jnp.inf), stacked)
+    pre = consensus.dare(0.5)
+    clean, _ = pre.update(stacked, None, base, key=key)
+    dropped, _ = pre.update(poisoned, None, base, key=key)
+    for c, p in zip(leaves64(clean), leaves64(dropped), strict=True):
+        assert not np.isfinite(p[2]).all()  # kept or dropped, the Inf entry stays non-finite
+        np.testing.assert_array_equal(np.delete(p, 2, axis=0), np.delete(c, 2, axis=0))
+    masked, _ = pre.update(stacked, None, base, key=key, mask=jnp.arange(5) != 1)
+    for c, m in zip(leaves64(clean), leaves64(masked), strict=True):
+        assert np.isnan(m[1]).all()
+        np.testing.assert_array_equal(np.delete(m, 1, axis=0), np.delete(c, 1, axis=0))
+    honest = jax.tree.map(lambda x: np.delete(np.asarray(x), 2, axis=0), clean)
+    want = per_leaf(ref_ties, honest, base, 0.5, "sum", 1.0, np.ones(4))
+    agg = consensus.process(consensus.ties(0.5), pre=[consensus.dare(0.5)])
+    merged, state = agg.update(poisoned, agg.init(base), base, key=key)
+    assert_tree_close(merged, want)
+    assert not bool(consensus.get_info(state).valid[2])
+    jitted = jax.jit(lambda s, p, k: agg.update(s, agg.init(p), p, key=k)[0])
+    assert_tree_close(jitted(poisoned, base, key), want)
 
 
 # ----------------------------------------------------------------------------- properties
