@@ -372,3 +372,177 @@ def load_history(path: Path) -> list[RoundInfo]:
         if line.strip():
             out.append(RoundInfo.from_json(json.loads(line)))
     return out
+
+
+# ----------------------------------------------------------------------------- reading one tree leaf by leaf
+
+# The item of a checkpoint that holds the arrays, and the file orbax writes into every finished step.
+ARRAYS_ITEM = "arrays"
+_STEP_MARKERS = ("_CHECKPOINT_METADATA", "commit_success.txt")
+
+
+def is_step_directory(path: Path) -> bool:
+    """Whether ``path`` looks like one saved round of :class:`RunCheckpoints` (``<run>/checkpoints/<n>``)."""
+    path = Path(path)
+    return (path / ARRAYS_ITEM).is_dir() and any((path / m).exists() for m in _STEP_MARKERS)
+
+
+def _finished_steps(directory: Path) -> list[Path]:
+    """The step folders under ``directory`` (orbax's unfinished ``<n>.orbax-checkpoint-tmp-*`` are not)."""
+    steps = [p for p in directory.iterdir() if p.is_dir() and p.name.isdigit() and is_step_directory(p)]
+    return sorted(steps, key=lambda p: int(p.name))
+
+
+def find_step_directory(path: str | Path) -> Path | None:
+    """The checkpoint an input path names: a step folder itself, else the latest step of a
+    ``checkpoints`` folder or of a run folder's ``checkpoints/``; None when ``path`` is none of these."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    if is_step_directory(path):
+        return path
+    for directory in (path, path / "checkpoints"):
+        if directory.is_dir():
+            steps = _finished_steps(directory)
+            if steps:
+                return steps[-1]
+    return None
+
+
+class TreeReader:
+    """One tree of a :class:`RunCheckpoints` checkpoint (default the consensus), read one leaf at a time.
+
+    The same interface as :class:`consensus.io.CheckpointReader` (``specs``, ``read_into``,
+    ``get``, ``close``), so the merge command takes this package's orbax checkpoints as
+    inputs: keys are the dotted keys of :func:`consensus.io.flatten` (``Dense_0.kernel``,
+    ``layers.0.w``), the ones :func:`consensus.io.save_safetensors` writes for the same tree.
+
+    Reading is leaf by leaf: the tree's shapes and dtypes come from orbax's metadata (no
+    array read), and each :meth:`read_into` restores a single array through orbax's
+    ``PyTreeRestore``, with :data:`orbax.checkpoint.PLACEHOLDER` for every other leaf of the
+    item (placeholders are not read). orbax returns a new host array, which is copied into
+    ``out``: memory is about twice the leaf being read, never the whole tree.
+
+    Args:
+      path: a step folder ``<run>/checkpoints/<round>``, a ``checkpoints`` folder or a run
+        folder (their latest step).
+      tree: which tree of the ``arrays`` item: ``"consensus"`` or ``"fedavg"``.
+
+    Raises :class:`consensus.io.CheckpointError` (a user error) for a folder that is not such a
+    checkpoint, one whose metadata cannot be read, or a leaf that cannot be restored.
+    """
+
+    def __init__(self, path: str | Path, *, tree: str = "consensus"):
+        import orbax.checkpoint as ocp
+
+        from consensus import io
+
+        self._ocp, self._io = ocp, io
+        self.path = Path(path)
+        step = find_step_directory(self.path)
+        if step is None:
+            raise io.CheckpointError(
+                f"{self.path}: not a meta-consensus orbax checkpoint (a <run>/checkpoints/<round> folder "
+                "with an 'arrays' item) nor a safetensors checkpoint"
+            )
+        self.step_directory = step
+        self.tree = tree
+        self._handler = ocp.PyTreeCheckpointHandler()
+        try:
+            metadata = self._handler.metadata(step / ARRAYS_ITEM)
+            self._metadata = metadata.tree if hasattr(metadata, "tree") else metadata
+        except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many types for a damaged folder
+            self.close()
+            why = _first_line(e)
+            raise io.CheckpointError(f"{step}: cannot read the checkpoint's metadata ({why})") from e
+        if not isinstance(self._metadata, dict) or tree not in self._metadata:
+            items = sorted(self._metadata) if isinstance(self._metadata, dict) else []
+            self.close()
+            raise io.CheckpointError(f"{step}: no {tree!r} in its arrays item (it holds {items})")
+        self.metadata = {"step": step.name, "tree": tree}
+        self._paths: dict[str, Any] = {}  # dotted key -> path of the leaf in the arrays item
+        self.specs: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(self._metadata[tree])[0]]
+        try:
+            flat = io.flatten(self._metadata[tree])  # the same order as ``paths``
+        except io.CheckpointKeyError as e:
+            self.close()
+            raise io.CheckpointError(f"{step}: {tree}: {e}") from e
+        for leaf_path, (key, meta) in zip(paths, flat.items(), strict=True):
+            shape, dtype = getattr(meta, "shape", None), getattr(meta, "dtype", None)
+            if shape is None or dtype is None:
+                self.close()
+                raise io.CheckpointError(f"{step}: {tree}.{key} is a {type(meta).__name__}, not an array")
+            self._paths[key] = (jax.tree_util.DictKey(tree), *leaf_path)
+            self.specs[key] = (tuple(int(d) for d in shape), np.dtype(dtype))
+
+    def __enter__(self) -> TreeReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        handler, self._handler = getattr(self, "_handler", None), None
+        if handler is not None:
+            handler.close()
+
+    def keys(self) -> list[str]:
+        return list(self.specs)
+
+    def nbytes(self, key: str) -> int:
+        shape, dtype = self.specs[key]
+        return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+    def get(self, key: str) -> np.ndarray:
+        """The leaf ``key`` as a numpy array."""
+        if key not in self.specs:
+            raise self._io.CheckpointKeyError(f"{self.path} has no key {key!r}")
+        ocp = self._ocp
+        target = self._paths[key]
+        shape, dtype = self.specs[key]
+
+        def pick(path: Any, _meta: Any, value: Any) -> Any:
+            return value if tuple(path) == target else ocp.PLACEHOLDER
+
+        def tree_of(value: Any) -> Any:
+            return jax.tree_util.tree_map_with_path(lambda p, m: pick(p, m, value), self._metadata)
+
+        args = ocp.args.PyTreeRestore(
+            item=tree_of(jax.ShapeDtypeStruct(shape, dtype)),
+            restore_args=tree_of(ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)),
+        )
+        try:
+            restored = self._handler.restore(self.step_directory / ARRAYS_ITEM, args=args)
+            leaf = restored
+            for part in target:
+                leaf = leaf[part.idx if hasattr(part, "idx") else part.key]
+            array = np.asarray(leaf)
+        except Exception as e:  # noqa: BLE001 - a damaged data file: any tensorstore / orbax error
+            raise self._io.CheckpointError(
+                f"{self.step_directory}: cannot restore {self.tree}.{key} ({_first_line(e)})"
+            ) from e
+        if array.shape != shape or array.dtype != dtype:
+            raise self._io.CheckpointError(
+                f"{self.step_directory}: {self.tree}.{key} restored as {array.dtype}{list(array.shape)}, "
+                f"its metadata says {dtype}{list(shape)}"
+            )
+        return array
+
+    def read_into(self, key: str, out: np.ndarray) -> None:
+        """Read the leaf ``key`` into ``out`` (its shape and dtype)."""
+        if key not in self.specs:
+            raise self._io.CheckpointKeyError(f"{self.path} has no key {key!r}")
+        shape, dtype = self.specs[key]
+        if out.shape != shape or out.dtype != dtype:
+            raise ValueError(f"read_into {key!r}: out must be {shape} {dtype}, got {out.shape} {out.dtype}")
+        out[...] = self.get(key)
+
+    def check_against(self, like: PyTree) -> None:
+        """Every key, shape and dtype of the template ``like``; the error names the first mismatch."""
+        self._io.check_against(self.specs, like, str(self.path))
+
+
+def _first_line(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [""])[0][:200]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
