@@ -26,9 +26,12 @@ mix (see :func:`open_input`).
 Streaming (memory about (2n + 2) times the largest leaf, not n models): every
 safetensors input is a :class:`~consensus.io.CheckpointReader` that reads one
 tensor straight into the merge's buffer, every orbax input a
-:class:`~meta_consensus.checkpoint.TreeReader` that restores one leaf at a time
-(orbax allocates it, then it is copied: one more leaf while it is read), and the
-output a :class:`~consensus.io.ShardedWriter` that appends one tensor at a time.
+:class:`~meta_consensus.checkpoint.TreeReader` that restores a few leaves at a
+time (orbax restores whole trees or parts of one, not arrays into a given buffer,
+and each restore walks the checkpoint's whole metadata: the leaves come in groups
+of at most max(largest leaf, 8 MB), held until they are read, then copied into the
+merge's buffer: one such group more per orbax input), and the output a
+:class:`~consensus.io.ShardedWriter` that appends one tensor at a time.
 
 * Coordinate-wise rules and merge methods run leaf by leaf: the n copies of
   one leaf are stacked (host buffer, then device copy), merged, cast and

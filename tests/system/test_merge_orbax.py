@@ -118,6 +118,18 @@ def test_tree_reader_keys_dtypes_and_values_are_the_safetensors_ones(tmp_path):
             r.read_into(k, got)
             np.testing.assert_array_equal(got, v, err_msg=k)
             assert got.dtype == v.dtype
+        assert r.restores == 1  # the whole (small) tree in one group
+    # one leaf per restore: dict paths through partial_restore, list paths through placeholders;
+    # out of order too
+    with TreeReader(tmp_path / "run", group_bytes=1) as r:
+        for k in reversed(list(flat)):
+            np.testing.assert_array_equal(r.get(k), flat[k], err_msg=k)
+        assert r.restores == len(flat)
+    with TreeReader(tmp_path / "run", group_bytes=4 * 24 + 2 * 4) as r:  # kernel + bias in one group
+        np.testing.assert_array_equal(r.get("Dense_0.kernel"), flat["Dense_0.kernel"])  # its own group
+        for k in flat:
+            np.testing.assert_array_equal(r.get(k), flat[k], err_msg=k)
+        assert r.restores == 1 + 2  # kernel; then bias + kernel, blocks.0.w + blocks.1.w + count
     with TreeReader(tmp_path / "run" / "checkpoints" / "1") as r:  # a step folder: that round
         np.testing.assert_array_equal(r.get("Dense_0.kernel"), np.zeros((6, 4), np.float32))
     with TreeReader(tmp_path / "run", tree="fedavg") as r:
