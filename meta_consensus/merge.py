@@ -56,9 +56,13 @@ need held-out data, which checkpoints alone do not carry: they are not offered
 here (use :mod:`consensus.convex` from Python).
 
 Every user error (inputs with different keys, shapes or dtypes, an unknown
-method or parameter, too few inputs for the rule, an existing output folder)
-is found before anything is written and raises :class:`MergeError`; the CLI
-prints it on one line and exits 2.
+method or parameter, too few inputs for the rule, an existing output folder,
+a folder that is no checkpoint, an orbax checkpoint whose metadata cannot be
+read) is found before anything is written and raises :class:`MergeError` (or
+:class:`consensus.io.CheckpointError`); the CLI prints it on one line and exits
+2. A tensor that cannot be read only when its turn comes (a data file cut short)
+is the same one-line error, and the output, written to a temporary folder until
+the end, is removed.
 """
 
 from __future__ import annotations
