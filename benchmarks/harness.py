@@ -45,6 +45,8 @@ def parser(doc: str | None, quick_help: str = "a small run of about a minute") -
 
 
 _out: Path | None = None  # the --out of the script running in this process (None: RESULTS)
+_script: str | None = None  # the module run from the command line (None: called with an argv list)
+_extra: list[str] = []  # its arguments other than --quick and --out, for the recorded command
 
 
 def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -52,10 +54,22 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argp
 
     A script runs once per process, so its output folder is process-wide: the script bodies
     call ``save(name, quick, ...)`` without threading ``args.out`` through every function.
+    The other arguments (``--task``, ...) are kept for the command :func:`command` records.
     """
-    global _out
+    global _out, _script, _extra
     args = p.parse_args(argv)
     _out = args.out
+    raw = list(sys.argv[1:] if argv is None else argv)
+    _script = Path(sys.argv[0]).stem if argv is None and sys.argv[0].endswith(".py") else None
+    _extra, skip = [], False
+    for a in raw:
+        if skip or a == "--quick" or a.startswith("--out="):
+            skip = False
+            continue
+        if a == "--out":
+            skip = True
+            continue
+        _extra.append(a)
     return args
 
 
@@ -111,7 +125,11 @@ def machine() -> dict[str, Any]:
 
 
 def command(name: str, quick: bool) -> str:
-    return f"python -m benchmarks.{name}" + (" --quick" if quick else "")
+    """The command that ran: the script's module (``name`` when unknown), --quick and its other arguments."""
+    import shlex
+
+    extra = "".join(f" {shlex.quote(a)}" for a in _extra)
+    return f"python -m benchmarks.{_script or name}" + (" --quick" if quick else "") + extra
 
 
 def stem(name: str, quick: bool) -> str:

@@ -1,7 +1,9 @@
 """Byzantine robustness on digits: every rule against every attack, over heterogeneity and f.
 
-Run ``python -m benchmarks.robustness [--quick]``. Writes benchmarks/results/robustness.json,
-robustness.md and robustness.png (``robustness_quick.*`` with --quick).
+Run ``python -m benchmarks.robustness [--quick] [--task fashion_mnist] [--rules A,B] [--attacks X,Y]``
+(a subset of the rules, plain FedAvg always among them, and of the attacks). Writes
+benchmarks/results/robustness.json, robustness.md and robustness.png (``robustness_quick.*``
+with --quick, ``robustness_<task>*`` with another task).
 
 Setting: the digits task (``DigitsTask``, a small MLP), n = 16 nodes whose training shards
 are a Dirichlet(alpha) label-skew partition of the training split (alpha in {0.3, 1, 10}:
@@ -747,13 +749,33 @@ def markdown(res: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def subset(text: str | None, valid: Sequence[str], what: str, always: Sequence[str] = ()) -> tuple[str, ...]:
+    """``--rules`` / ``--attacks``: the comma-separated names, in ``valid``'s order (all when None)."""
+    if text is None:
+        return tuple(valid)
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in names if t not in valid]
+    if unknown or not names:
+        raise ValueError(f"--{what}: unknown {unknown or 'none given'}; valid: {', '.join(valid)}")
+    return tuple(v for v in valid if v in names or v in always)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     global NAME
     parser = harness.parser(__doc__, "one seed, fewer rounds and alphas")
     add_task_option(parser)
+    parser.add_argument("--rules", help=f"comma-separated rules to run (default all; {FEDAVG} always runs)")
+    parser.add_argument("--attacks", help="comma-separated attacks to run (default all)")
     args = harness.parse(parser, argv)
+    try:
+        chosen = {
+            "rules": subset(args.rules, tuple(RULES), "rules", always=(FEDAVG,)),
+            "attacks": subset(args.attacks, tuple(ATTACKS), "attacks"),
+        }
+    except ValueError as e:
+        parser.error(str(e))
     NAME = use_task(args.task, "robustness")
-    settings = Settings(**QUICK) if args.quick else Settings(**FULL)
+    settings = Settings(**(QUICK if args.quick else FULL), **chosen)
     t0 = time.perf_counter()
     runs = run_all(settings, log=lambda s: print(s, flush=True))
     summary = summarize(runs, settings)

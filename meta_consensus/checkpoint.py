@@ -372,3 +372,220 @@ def load_history(path: Path) -> list[RoundInfo]:
         if line.strip():
             out.append(RoundInfo.from_json(json.loads(line)))
     return out
+
+
+# ----------------------------------------------------------------------------- reading one tree leaf by leaf
+
+# The item of a checkpoint that holds the arrays, and the file orbax writes into every finished step.
+ARRAYS_ITEM = "arrays"
+_STEP_MARKERS = ("_CHECKPOINT_METADATA", "commit_success.txt")
+
+
+def is_step_directory(path: Path) -> bool:
+    """Whether ``path`` looks like one saved round of :class:`RunCheckpoints` (``<run>/checkpoints/<n>``)."""
+    path = Path(path)
+    return (path / ARRAYS_ITEM).is_dir() and any((path / m).exists() for m in _STEP_MARKERS)
+
+
+def _finished_steps(directory: Path) -> list[Path]:
+    """The step folders under ``directory`` (orbax's unfinished ``<n>.orbax-checkpoint-tmp-*`` are not)."""
+    steps = [p for p in directory.iterdir() if p.is_dir() and p.name.isdigit() and is_step_directory(p)]
+    return sorted(steps, key=lambda p: int(p.name))
+
+
+def find_step_directory(path: str | Path) -> Path | None:
+    """The checkpoint an input path names: a step folder itself, else the latest step of a
+    ``checkpoints`` folder or of a run folder's ``checkpoints/``; None when ``path`` is none of these."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    if is_step_directory(path):
+        return path
+    for directory in (path, path / "checkpoints"):
+        if directory.is_dir():
+            steps = _finished_steps(directory)
+            if steps:
+                return steps[-1]
+    return None
+
+
+class TreeReader:
+    """One tree of a :class:`RunCheckpoints` checkpoint (default the consensus), read a few leaves at a time.
+
+    The same interface as :class:`consensus.io.CheckpointReader` (``specs``, ``read_into``,
+    ``get``, ``close``), so the merge command takes this package's orbax checkpoints as
+    inputs: keys are the dotted keys of :func:`consensus.io.flatten` (``Dense_0.kernel``,
+    ``layers.0.w``), the ones :func:`consensus.io.save_safetensors` writes for the same tree.
+
+    The tree's shapes and dtypes come from orbax's metadata (no array read). orbax restores
+    trees, not single arrays, but it restores a *part* of a tree: each restore asks for a
+    group of leaves only (``PyTreeRestore(partial_restore=True)`` when their paths are all
+    dict keys, else the whole item with :data:`orbax.checkpoint.PLACEHOLDER` for every other
+    leaf, which is not read). Every orbax restore re-reads and walks the checkpoint's whole
+    metadata (tens of milliseconds for a run's checkpoint of a few thousand arrays), so the
+    leaves are restored in groups: the requested leaf and the ones after it in :attr:`specs`
+    order, up to ``max(largest leaf, group_bytes)`` in all. A group is held until its leaves
+    are read (each once, in order: what the merge does; a leaf read out of order restores
+    its own group). Memory: one group plus the leaf being copied out, never the whole tree.
+
+    Args:
+      path: a step folder ``<run>/checkpoints/<round>``, a ``checkpoints`` folder or a run
+        folder (their latest step).
+      tree: which tree of the ``arrays`` item: ``"consensus"`` or ``"fedavg"``.
+      group_bytes: the least a group may hold (a larger leaf is restored alone).
+
+    Raises :class:`consensus.io.CheckpointError` (a user error) for a folder that is not such a
+    checkpoint, one whose metadata cannot be read, or a leaf that cannot be restored.
+    """
+
+    GROUP_BYTES = 8 << 20
+
+    def __init__(self, path: str | Path, *, tree: str = "consensus", group_bytes: int = GROUP_BYTES):
+        import orbax.checkpoint as ocp
+
+        from consensus import io
+
+        self._ocp, self._io = ocp, io
+        self.path = Path(path)
+        step = find_step_directory(self.path)
+        if step is None:
+            raise io.CheckpointError(
+                f"{self.path}: not a meta-consensus orbax checkpoint (a <run>/checkpoints/<round> folder "
+                "with an 'arrays' item) nor a safetensors checkpoint"
+            )
+        self.step_directory = step
+        self.tree = tree
+        self._handler = ocp.PyTreeCheckpointHandler()
+        try:
+            metadata = self._handler.metadata(step / ARRAYS_ITEM)
+            self._metadata = metadata.tree if hasattr(metadata, "tree") else metadata
+        except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many types for a damaged folder
+            self.close()
+            why = _first_line(e)
+            raise io.CheckpointError(f"{step}: cannot read the checkpoint's metadata ({why})") from e
+        if not isinstance(self._metadata, dict) or tree not in self._metadata:
+            items = sorted(self._metadata) if isinstance(self._metadata, dict) else []
+            self.close()
+            raise io.CheckpointError(f"{step}: no {tree!r} in its arrays item (it holds {items})")
+        self.metadata = {"step": step.name, "tree": tree}
+        self._paths: dict[str, tuple[Any, ...]] = {}  # dotted key -> path of the leaf in the arrays item
+        self.specs: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(self._metadata[tree])[0]]
+        try:
+            flat = io.flatten(self._metadata[tree])  # the same order as ``paths``
+        except io.CheckpointKeyError as e:
+            self.close()
+            raise io.CheckpointError(f"{step}: {tree}: {e}") from e
+        for leaf_path, (key, meta) in zip(paths, flat.items(), strict=True):
+            shape, dtype = getattr(meta, "shape", None), getattr(meta, "dtype", None)
+            if shape is None or dtype is None:
+                self.close()
+                raise io.CheckpointError(f"{step}: {tree}.{key} is a {type(meta).__name__}, not an array")
+            self._paths[key] = (jax.tree_util.DictKey(tree), *leaf_path)
+            self.specs[key] = (tuple(int(d) for d in shape), np.dtype(dtype))
+        self._order = list(self.specs)
+        self._index = {k: i for i, k in enumerate(self._order)}
+        self._budget = max([group_bytes, *(self.nbytes(k) for k in self._order)])
+        self._held: dict[str, np.ndarray] = {}  # the restored group's leaves not read yet
+        self.restores = 0  # orbax restore calls so far
+
+    def __enter__(self) -> TreeReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._held = {}
+        handler, self._handler = getattr(self, "_handler", None), None
+        if handler is not None:
+            handler.close()
+
+    def keys(self) -> list[str]:
+        return list(self.specs)
+
+    def nbytes(self, key: str) -> int:
+        shape, dtype = self.specs[key]
+        return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+    def get(self, key: str) -> np.ndarray:
+        """The leaf ``key`` as a numpy array (from the group in hand, else a restore of its group)."""
+        if key not in self.specs:
+            raise self._io.CheckpointKeyError(f"{self.path} has no key {key!r}")
+        if key not in self._held:
+            self._held = {}  # a leaf out of order: drop the group in hand
+            group, total = [], 0
+            for k in self._order[self._index[key] :]:
+                if group and total + self.nbytes(k) > self._budget:
+                    break
+                group.append(k)
+                total += self.nbytes(k)
+            self._held = self._restore(group)
+        return self._held.pop(key)
+
+    def _restore(self, keys: list[str]) -> dict[str, np.ndarray]:
+        ocp = self._ocp
+        wanted = {self._paths[k]: k for k in keys}
+
+        def leaf_args(key: str) -> tuple[Any, Any]:
+            shape, dtype = self.specs[key]
+            return jax.ShapeDtypeStruct(shape, dtype), ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
+
+        if all(isinstance(part, jax.tree_util.DictKey) for path in wanted for part in path):
+            item: dict[str, Any] = {}  # nested dicts holding only the wanted leaves
+            restore_args: dict[str, Any] = {}
+            for path, key in wanted.items():
+                for tree, value in zip((item, restore_args), leaf_args(key), strict=True):
+                    for part in path[:-1]:
+                        tree = tree.setdefault(part.key, {})
+                    tree[path[-1].key] = value
+            args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+        else:  # a list on the way: the whole item, placeholders for the leaves not wanted
+
+            def tree_of(which: int) -> Any:
+                def pick(path: Any, _meta: Any) -> Any:
+                    key = wanted.get(tuple(path))
+                    return ocp.PLACEHOLDER if key is None else leaf_args(key)[which]
+
+                return jax.tree_util.tree_map_with_path(pick, self._metadata)
+
+            args = ocp.args.PyTreeRestore(item=tree_of(0), restore_args=tree_of(1))
+        try:
+            self.restores += 1
+            restored = self._handler.restore(self.step_directory / ARRAYS_ITEM, args=args)
+            out = {}
+            for path, key in wanted.items():
+                leaf = restored
+                for part in path:
+                    leaf = leaf[part.idx if hasattr(part, "idx") else part.key]
+                out[key] = np.asarray(leaf)
+        except Exception as e:  # noqa: BLE001 - a damaged data file: any tensorstore / orbax error
+            raise self._io.CheckpointError(
+                f"{self.step_directory}: cannot restore {self.tree}.{keys[0]} ({_first_line(e)})"
+            ) from e
+        for key, array in out.items():
+            shape, dtype = self.specs[key]
+            if array.shape != shape or array.dtype != dtype:
+                raise self._io.CheckpointError(
+                    f"{self.step_directory}: {self.tree}.{key} restored as {array.dtype}{list(array.shape)}, "
+                    f"its metadata says {dtype}{list(shape)}"
+                )
+        return out
+
+    def read_into(self, key: str, out: np.ndarray) -> None:
+        """Read the leaf ``key`` into ``out`` (its shape and dtype)."""
+        if key not in self.specs:
+            raise self._io.CheckpointKeyError(f"{self.path} has no key {key!r}")
+        shape, dtype = self.specs[key]
+        if out.shape != shape or out.dtype != dtype:
+            raise ValueError(f"read_into {key!r}: out must be {shape} {dtype}, got {out.shape} {out.dtype}")
+        out[...] = self.get(key)
+
+    def check_against(self, like: PyTree) -> None:
+        """Every key, shape and dtype of the template ``like``; the error names the first mismatch."""
+        self._io.check_against(self.specs, like, str(self.path))
+
+
+def _first_line(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [""])[0][:200]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__

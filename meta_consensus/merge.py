@@ -14,9 +14,24 @@ for the rules that need ``params`` (merge methods over task vectors) and
 ``--override PATTERN=METHOD`` for a different rule on the keys a regular
 expression matches (as mergekit's slices do; the first matching override wins).
 
+Inputs (and ``--base``) are safetensors checkpoints (a ``.safetensors`` file, a
+sharded folder with its ``model.safetensors.index.json``, an ``*.index.json``) or
+orbax checkpoints of this package (:class:`~meta_consensus.checkpoint.RunCheckpoints`):
+a step folder ``<run>/checkpoints/<round>``, a ``checkpoints`` folder or a run
+folder without a ``consensus.safetensors`` (their latest round), whose consensus
+is read with the dotted keys that :func:`consensus.io.save_safetensors` writes for
+the same tree (``Dense_0.kernel``, ``layers.0.w``), so safetensors and orbax inputs
+mix (see :func:`open_input`).
+
 Streaming (memory about (2n + 2) times the largest leaf, not n models): every
-input is a memory-mapped :class:`~consensus.io.CheckpointReader` and the output
-a :class:`~consensus.io.ShardedWriter` that appends one tensor at a time.
+safetensors input is a :class:`~consensus.io.CheckpointReader` that reads one
+tensor straight into the merge's buffer, every orbax input a
+:class:`~meta_consensus.checkpoint.TreeReader` that restores a few leaves at a
+time (orbax restores whole trees or parts of one, not arrays into a given buffer,
+and each restore walks the checkpoint's whole metadata: the leaves come in groups
+of at most max(largest leaf, 8 MB), held until they are read, then copied into the
+merge's buffer: one such group more per orbax input), and the output a
+:class:`~consensus.io.ShardedWriter` that appends one tensor at a time.
 
 * Coordinate-wise rules and merge methods run leaf by leaf: the n copies of
   one leaf are stacked (host buffer, then device copy), merged, cast and
@@ -41,9 +56,13 @@ need held-out data, which checkpoints alone do not carry: they are not offered
 here (use :mod:`consensus.convex` from Python).
 
 Every user error (inputs with different keys, shapes or dtypes, an unknown
-method or parameter, too few inputs for the rule, an existing output folder)
-is found before anything is written and raises :class:`MergeError`; the CLI
-prints it on one line and exits 2.
+method or parameter, too few inputs for the rule, an existing output folder,
+a folder that is no checkpoint, an orbax checkpoint whose metadata cannot be
+read) is found before anything is written and raises :class:`MergeError` (or
+:class:`consensus.io.CheckpointError`); the CLI prints it on one line and exits
+2. A tensor that cannot be read only when its turn comes (a data file cut short)
+is the same one-line error, and the output, written to a temporary folder until
+the end, is removed.
 """
 
 from __future__ import annotations
@@ -202,6 +221,29 @@ def _size(text: Any) -> int | None:
 
 
 # ----------------------------------------------------------------------------- checks
+
+
+def open_input(path: str | Path) -> Any:
+    """A reader of one input: :class:`~consensus.io.CheckpointReader` for safetensors, else
+    :class:`~meta_consensus.checkpoint.TreeReader` for an orbax checkpoint of this package.
+
+    A folder holding ``.safetensors`` files is read as safetensors (a run folder's final
+    ``consensus.safetensors`` included); a folder without any is read as an orbax step folder,
+    ``checkpoints`` folder or run folder (the latest round). Anything else is a
+    :class:`MergeError` naming both kinds.
+    """
+    from consensus import io
+    from meta_consensus.checkpoint import TreeReader, find_step_directory
+
+    p = Path(path)
+    if p.is_dir() and not any(p.glob("*.safetensors")) and not any(p.glob("*.index.json")):
+        if find_step_directory(p) is None:
+            raise MergeError(
+                f"{p}: not a checkpoint: no .safetensors files and no orbax checkpoint of this package "
+                "(<run>/checkpoints/<round>/arrays)"
+            )
+        return TreeReader(p)
+    return io.CheckpointReader(p)
 
 
 def _check_rule(choice: RuleChoice, n: int, has_base: bool) -> None:
@@ -480,9 +522,12 @@ def merge_checkpoints(plan: MergePlan, *, progress: bool = True, overwrite: bool
     except ByzantineToleranceError as e:
         raise MergeError(f"{e} ({n} inputs given)") from e
 
-    readers = [ckpt.CheckpointReader(p) for p in plan.inputs]
-    base = ckpt.CheckpointReader(plan.base) if plan.base else None
+    readers: list[Any] = []
+    base = None
     try:
+        for p in plan.inputs:
+            readers.append(open_input(p))
+        base = open_input(plan.base) if plan.base else None
         _check_inputs(readers, base)
         keys = list(readers[0].specs)
         rules = assign_rules(keys, plan)
@@ -504,6 +549,12 @@ def merge_checkpoints(plan: MergePlan, *, progress: bool = True, overwrite: bool
             ],
             "inputs": [str(p) for p in plan.inputs],
             "base": plan.base,
+            # the round each orbax input was read from (a checkpoints or run folder: its latest)
+            "orbax_steps": {
+                str(p): str(r.step_directory)
+                for p, r in zip([*plan.inputs, plan.base], [*readers, base], strict=True)
+                if hasattr(r, "step_directory")
+            },
             "dtype": plan.dtype,
             "seed": plan.seed,
             "vector_rules": {},
@@ -652,9 +703,18 @@ def _merge_leaf(
 def add_parser(sub: Any) -> None:
     """Register the ``merge`` subcommand on the CLI's subparsers."""
     p = sub.add_parser(
-        "merge", help="merge checkpoints (safetensors files or folders) with a registered rule"
+        "merge",
+        help="merge checkpoints (safetensors files or folders, or this package's orbax checkpoints) "
+        "with a registered rule",
     )
-    p.add_argument("inputs", nargs="*", metavar="INPUT", help="checkpoints: .safetensors files or folders")
+    p.add_argument(
+        "inputs",
+        nargs="*",
+        metavar="INPUT",
+        help="checkpoints: .safetensors files, sharded safetensors folders, or orbax checkpoints of "
+        "this package (a <run>/checkpoints/<round> folder, or a checkpoints or run folder: its latest "
+        "round; the consensus is merged); kinds may be mixed",
+    )
     p.add_argument("--method", help="a rule of consensus.registry.RULES (median, trimmed_mean, krum, ...)")
     p.add_argument("--num-byzantine", "-f", type=int, default=None, help="f, for the rules that take one")
     p.add_argument(
@@ -667,7 +727,9 @@ def add_parser(sub: Any) -> None:
         metavar="PATTERN=METHOD[,PARAM=VALUE...]",
         help="another rule for the keys a regex matches, e.g. '^head\\.=median' (first match wins)",
     )
-    p.add_argument("--base", help="the common base model (needed by merge methods over task vectors)")
+    p.add_argument(
+        "--base", help="the common base model, any input kind (needed by merge methods over task vectors)"
+    )
     p.add_argument("--out", help="output folder (must not exist)")
     p.add_argument("--dtype", help="output dtype of float tensors (default: the inputs')")
     p.add_argument("--shard-size", help="shard the output above this size, e.g. 2GB")

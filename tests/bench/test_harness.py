@@ -34,6 +34,15 @@ def test_parser_has_quick_and_out_and_save_writes_there(tmp_path):
     assert harness.results_folder() == harness.RESULTS
 
 
+def test_recorded_command_keeps_the_scripts_own_arguments(tmp_path):
+    p = harness.parser(None)
+    p.add_argument("--rules")
+    harness.parse(p, ["--rules", "a,b c", "--quick", f"--out={tmp_path}"])
+    assert harness.command("demo", True) == "python -m benchmarks.demo --quick --rules 'a,b c'"
+    harness.parse(harness.parser(None), [])
+    assert harness.command("demo", False) == "python -m benchmarks.demo"
+
+
 def test_best_time_is_the_minimum_and_ratio_checks_its_floor():
     calls = []
     assert harness.best_time(lambda: calls.append(1), repeats=4, warmup=2) >= 0.0

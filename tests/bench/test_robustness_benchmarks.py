@@ -315,3 +315,15 @@ def test_meta_summary_pairs_methods_with_their_runs():
     assert s["fedavg_same_in_every_variant"] and s["epsilon"] == {"full": 1.0, "no_dp": math.inf}
     runs[0]["fedavg"] += 0.01
     assert not meta_consensus.summarize(runs, ["alie"])["alie"]["fedavg_same_in_every_variant"]
+
+
+def test_rules_and_attacks_options_pick_a_subset_in_table_order(capsys):
+    rules = robustness.subset("median, nnm+krum", tuple(robustness.RULES), "rules", always=("mean",))
+    assert rules == tuple(r for r in robustness.RULES if r in ("mean", "median", "nnm+krum"))
+    assert robustness.subset(None, ("a", "b"), "attacks") == ("a", "b")
+    with pytest.raises(ValueError, match=r"--attacks: unknown \['nope'\]; valid: sign_flip"):
+        robustness.subset("alie,nope", tuple(robustness.ATTACKS), "attacks")
+    with pytest.raises(SystemExit) as e:  # argparse's one-line error, before any run
+        robustness.main(["--quick", "--rules", "krumm"])
+    assert e.value.code == 2
+    assert "--rules: unknown ['krumm']" in capsys.readouterr().err

@@ -141,3 +141,17 @@ def test_cli_init_that_does_not_fit_is_one_line_exit_2(finished, tmp_path, capsy
 def test_init_from_must_be_a_path():
     with pytest.raises(config.ConfigError, match="init_from"):
         config.load(None, ["init_from=''"])
+
+
+def test_the_runs_orbax_checkpoint_merges_like_its_consensus_safetensors(finished, tmp_path):
+    """A real run's orbax checkpoint as a merge input: the same keys and bits as its safetensors file."""
+    from meta_consensus.checkpoint import TreeReader
+
+    run_dir, result = finished
+    with TreeReader(run_dir / "checkpoints") as r:  # the latest round of the run
+        assert r.step_directory.name == "1"
+        _assert_bit_exact({k: r.get(k) for k in r.specs}, _leaves(result.consensus_params))
+    out = tmp_path / "merged"
+    argv = ["merge", "--method", "median", "--quiet", "--out", str(out)]
+    assert cli.main([*argv, str(run_dir / "checkpoints" / "1"), str(run_dir / "consensus.safetensors")]) == 0
+    _assert_bit_exact(_leaves(io.load_safetensors(out)), _leaves(result.consensus_params))
