@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -519,7 +520,16 @@ def markdown(res: Mapping[str, Any]) -> str:
     lines = harness.header(
         f"Ablations on {st['task']}: what each part of meta-consensus buys", st["name"], st["quick"], st
     )
+    if "command" in st:  # the header's generic command names the result file, not this script's options
+        lines = [f"Command: `{st['command']}`" if x.startswith("Command:") else x for x in lines]
     seeds = f"mean ± std over seeds {st['seeds']}" if len(st["seeds"]) > 1 else f"seed {st['seeds'][0]}"
+    planned = st.get("seeds_planned", st["seeds"])
+    if list(planned) != list(st["seeds"]):
+        lines.append(
+            f"**Partial:** seeds {st['seeds']} of {list(planned)} had finished when this was written "
+            "(the files are rewritten after every seed)."
+        )
+        lines.append("")
     lines.append(
         f"Every run: {st['nodes']} nodes, {st['rounds']} rounds x {st['local_steps']} local steps, "
         f"{seeds}; 'attack' = the default's attackers (nodes {st['byzantine_nodes']}, "
@@ -795,6 +805,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     name = f"{NAME}_{args.task}"
     settings = {
         "name": name,
+        "command": " ".join(["python -m benchmarks.ablations", *(sys.argv[1:] if argv is None else argv)]),
         "task": args.task,
         "quick": args.quick,
         "seeds": seeds,
@@ -815,7 +826,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "overrides": {"task": TASKS[args.task], "common": COMMON, "threats": THREATS, "merges": MERGES},
     }
     t0 = time.perf_counter()
-    strategy_runs, merge_runs, baseline_list = [], [], []
+    strategy_runs, merge_runs, baseline_list, done = [], [], [], []
     rows = max(8, 64 if text else 512)
     for seed in seeds:
         for alpha in alphas:
@@ -856,23 +867,48 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"central {r['central_all_accuracy']:.3f} ({r['seconds']:.1f} s)",
                 flush=True,
             )
-    for r in strategy_runs + merge_runs:
-        r["consensus_perplexity"] = perplexity(r["consensus_loss"])
-        acc = np.asarray(r["node_accuracy"])
-        r["node_accuracy_mean"], r["node_accuracy_spread"] = float(acc.mean()), float(acc.std())
-        r["node_accuracy_best"] = float(acc.max())
+        done.append(seed)
+        # The result files after every seed: a run cut short keeps the seeds it finished.
+        res = report(
+            {**settings, "seeds": list(done), "seeds_planned": seeds},
+            strategy_runs,
+            merge_runs,
+            baseline_list,
+            time.perf_counter() - t0,
+        )
+    print(res["markdown"])
+    return res
+
+
+def derived(r: dict[str, Any]) -> dict[str, Any]:
+    """A system run's perplexity and node-accuracy summary (mean, spread over the nodes, best)."""
+    r["consensus_perplexity"] = perplexity(r["consensus_loss"])
+    acc = np.asarray(r["node_accuracy"])
+    r["node_accuracy_mean"], r["node_accuracy_spread"] = float(acc.mean()), float(acc.std())
+    r["node_accuracy_best"] = float(acc.max())
+    return r
+
+
+def report(
+    settings: Mapping[str, Any],
+    strategy_runs: list[dict[str, Any]],
+    merge_runs: list[dict[str, Any]],
+    baseline_runs_: list[dict[str, Any]],
+    total_s: float,
+) -> dict[str, Any]:
+    """Summary, plot, markdown and the result files of the runs so far (``settings["seeds"]``)."""
     res: dict[str, Any] = {
-        "settings": settings,
-        "strategy_runs": strategy_runs,
-        "merge_runs": merge_runs,
-        "baseline_runs": baseline_list,
+        "settings": dict(settings),
+        "strategy_runs": [derived(r) for r in strategy_runs],
+        "merge_runs": [derived(r) for r in merge_runs],
+        "baseline_runs": baseline_runs_,
     }
     res["summary"] = summarize(res)
     res["plot"] = plot(res)
-    res["total_s"] = time.perf_counter() - t0
+    res["total_s"] = total_s
     md = markdown(res)
-    harness.save(name, args.quick, res, md)
-    print(md)
+    harness.save(settings["name"], settings["quick"], res, md)
+    res["markdown"] = md
     return res
 
 
