@@ -34,6 +34,7 @@ The baselines are written here with the task's loss and optax (:func:`train_alon
 from __future__ import annotations
 
 import functools
+import json
 import math
 import sys
 import time
@@ -731,6 +732,13 @@ def markdown(res: Mapping[str, Any]) -> str:
             f"centralised {_pm(b['central_all_perplexity'], 2)}."
         )
     lines.append("")
+    if st.get("parts"):
+        lines.append(
+            "Combined (`--combine`) from runs in separate processes: "
+            + "; ".join(f"`{p['command']}` (seeds {p['seeds']}, {p['total_s']:.0f} s)" for p in st["parts"])
+            + "."
+        )
+        lines.append("")
     lines.append(f"Plot: `{res['plot']}`. Total time {res['total_s']:.0f} s.")
     return "\n".join(lines) + "\n"
 
@@ -782,7 +790,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--task", default="digits", choices=list(TASKS), help="fashion_mnist needs `make data`"
     )
     parser.add_argument("--seeds", default=None, help="comma-separated root seeds (default: the task's)")
+    parser.add_argument(
+        "--combine",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="train nothing: report the runs of these result files together (the same --task and "
+        "--quick, other seeds each, e.g. seeds run in parallel processes with their own --out), "
+        "written as this --task's result files",
+    )
     args = harness.parse(parser, argv)
+    if args.combine:
+        return combine(args.combine, args.task, args.quick, parser)
     budget_cfg = BUDGETS[args.task]
     budget = budget_cfg["quick" if args.quick else "full"]
     try:
@@ -876,6 +896,57 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             baseline_list,
             time.perf_counter() - t0,
         )
+    print(res["markdown"])
+    return res
+
+
+def _decode(x: Any) -> Any:
+    """The result JSON's non-finite floats ("inf", "-inf", "nan" strings) back to floats."""
+    if isinstance(x, dict):
+        return {k: _decode(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_decode(v) for v in x]
+    return float(x) if x in ("inf", "-inf", "nan") else x
+
+
+# Settings that may differ between the parts of a --combine (everything else must match).
+PER_PART = ("seeds", "seeds_planned", "command")
+
+
+def combine(paths: Sequence[Path], task: str, quick: bool, parser: Any) -> dict[str, Any]:
+    """One report from the runs of several result files of the same task and settings."""
+    parts = [_decode(json.loads(Path(p).read_text())) for p in paths]
+    ref = {k: v for k, v in parts[0]["settings"].items() if k not in PER_PART}
+    if ref.get("task") != task or ref.get("quick") != quick:
+        parser.error(f"--combine: {paths[0]} is task {ref.get('task')!r} quick={ref.get('quick')}")
+    seeds: list[int] = []
+    for p, part in zip(paths, parts, strict=True):
+        other = {k: v for k, v in part["settings"].items() if k not in PER_PART}
+        if other != ref:
+            diff = sorted(k for k in ref.keys() | other.keys() if ref.get(k) != other.get(k))
+            parser.error(f"--combine: {p} has other settings than {paths[0]}: {diff}")
+        if set(part["settings"]["seeds"]) & set(seeds):
+            parser.error(
+                f"--combine: {p} repeats seeds {sorted(set(part['settings']['seeds']) & set(seeds))}"
+            )
+        seeds += part["settings"]["seeds"]
+    pieces = [
+        {
+            "command": part["settings"].get("command", "?"),
+            "seeds": part["settings"]["seeds"],
+            "total_s": part["total_s"],
+        }
+        for part in parts
+    ]
+    settings = {**ref, "seeds": sorted(seeds), "parts": pieces}
+    settings["command"] = " ".join(["python -m benchmarks.ablations", *sys.argv[1:]])
+    res = report(
+        settings,
+        [r for part in parts for r in part["strategy_runs"]],
+        [r for part in parts for r in part["merge_runs"]],
+        [r for part in parts for r in part["baseline_runs"]],
+        sum(part["total_s"] for part in parts),
+    )
     print(res["markdown"])
     return res
 
