@@ -34,7 +34,9 @@ The baselines are written here with the task's loss and optax (:func:`train_alon
 from __future__ import annotations
 
 import functools
+import json
 import math
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -519,7 +521,16 @@ def markdown(res: Mapping[str, Any]) -> str:
     lines = harness.header(
         f"Ablations on {st['task']}: what each part of meta-consensus buys", st["name"], st["quick"], st
     )
+    if "command" in st:  # the header's generic command names the result file, not this script's options
+        lines = [f"Command: `{st['command']}`" if x.startswith("Command:") else x for x in lines]
     seeds = f"mean ± std over seeds {st['seeds']}" if len(st["seeds"]) > 1 else f"seed {st['seeds'][0]}"
+    planned = st.get("seeds_planned", st["seeds"])
+    if list(planned) != list(st["seeds"]):
+        lines.append(
+            f"**Partial:** seeds {st['seeds']} of {list(planned)} had finished when this was written "
+            "(the files are rewritten after every seed)."
+        )
+        lines.append("")
     lines.append(
         f"Every run: {st['nodes']} nodes, {st['rounds']} rounds x {st['local_steps']} local steps, "
         f"{seeds}; 'attack' = the default's attackers (nodes {st['byzantine_nodes']}, "
@@ -721,6 +732,13 @@ def markdown(res: Mapping[str, Any]) -> str:
             f"centralised {_pm(b['central_all_perplexity'], 2)}."
         )
     lines.append("")
+    if st.get("parts"):
+        lines.append(
+            "Combined (`--combine`) from runs in separate processes: "
+            + "; ".join(f"`{p['command']}` (seeds {p['seeds']}, {p['total_s']:.0f} s)" for p in st["parts"])
+            + "."
+        )
+        lines.append("")
     lines.append(f"Plot: `{res['plot']}`. Total time {res['total_s']:.0f} s.")
     return "\n".join(lines) + "\n"
 
@@ -772,7 +790,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--task", default="digits", choices=list(TASKS), help="fashion_mnist needs `make data`"
     )
     parser.add_argument("--seeds", default=None, help="comma-separated root seeds (default: the task's)")
+    parser.add_argument(
+        "--combine",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="train nothing: report the runs of these result files together (the same --task and "
+        "--quick, other seeds each, e.g. seeds run in parallel processes with their own --out), "
+        "written as this --task's result files",
+    )
     args = harness.parse(parser, argv)
+    if args.combine:
+        return combine(args.combine, args.task, args.quick, parser)
     budget_cfg = BUDGETS[args.task]
     budget = budget_cfg["quick" if args.quick else "full"]
     try:
@@ -795,6 +825,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     name = f"{NAME}_{args.task}"
     settings = {
         "name": name,
+        "command": " ".join(["python -m benchmarks.ablations", *(sys.argv[1:] if argv is None else argv)]),
         "task": args.task,
         "quick": args.quick,
         "seeds": seeds,
@@ -815,7 +846,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "overrides": {"task": TASKS[args.task], "common": COMMON, "threats": THREATS, "merges": MERGES},
     }
     t0 = time.perf_counter()
-    strategy_runs, merge_runs, baseline_list = [], [], []
+    strategy_runs, merge_runs, baseline_list, done = [], [], [], []
     rows = max(8, 64 if text else 512)
     for seed in seeds:
         for alpha in alphas:
@@ -856,23 +887,99 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"central {r['central_all_accuracy']:.3f} ({r['seconds']:.1f} s)",
                 flush=True,
             )
-    for r in strategy_runs + merge_runs:
-        r["consensus_perplexity"] = perplexity(r["consensus_loss"])
-        acc = np.asarray(r["node_accuracy"])
-        r["node_accuracy_mean"], r["node_accuracy_spread"] = float(acc.mean()), float(acc.std())
-        r["node_accuracy_best"] = float(acc.max())
+        done.append(seed)
+        # The result files after every seed: a run cut short keeps the seeds it finished.
+        res = report(
+            {**settings, "seeds": list(done), "seeds_planned": seeds},
+            strategy_runs,
+            merge_runs,
+            baseline_list,
+            time.perf_counter() - t0,
+        )
+    print(res["markdown"])
+    return res
+
+
+def _decode(x: Any) -> Any:
+    """The result JSON's non-finite floats ("inf", "-inf", "nan" strings) back to floats."""
+    if isinstance(x, dict):
+        return {k: _decode(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_decode(v) for v in x]
+    return float(x) if x in ("inf", "-inf", "nan") else x
+
+
+# Settings that may differ between the parts of a --combine (everything else must match).
+PER_PART = ("seeds", "seeds_planned", "command")
+
+
+def combine(paths: Sequence[Path], task: str, quick: bool, parser: Any) -> dict[str, Any]:
+    """One report from the runs of several result files of the same task and settings."""
+    parts = [_decode(json.loads(Path(p).read_text())) for p in paths]
+    ref = {k: v for k, v in parts[0]["settings"].items() if k not in PER_PART}
+    if ref.get("task") != task or ref.get("quick") != quick:
+        parser.error(f"--combine: {paths[0]} is task {ref.get('task')!r} quick={ref.get('quick')}")
+    seeds: list[int] = []
+    for p, part in zip(paths, parts, strict=True):
+        other = {k: v for k, v in part["settings"].items() if k not in PER_PART}
+        if other != ref:
+            diff = sorted(k for k in ref.keys() | other.keys() if ref.get(k) != other.get(k))
+            parser.error(f"--combine: {p} has other settings than {paths[0]}: {diff}")
+        if set(part["settings"]["seeds"]) & set(seeds):
+            parser.error(
+                f"--combine: {p} repeats seeds {sorted(set(part['settings']['seeds']) & set(seeds))}"
+            )
+        seeds += part["settings"]["seeds"]
+    pieces = [
+        {
+            "command": part["settings"].get("command", "?"),
+            "seeds": part["settings"]["seeds"],
+            "total_s": part["total_s"],
+        }
+        for part in parts
+    ]
+    settings = {**ref, "seeds": sorted(seeds), "parts": pieces}
+    settings["command"] = " ".join(["python -m benchmarks.ablations", *sys.argv[1:]])
+    res = report(
+        settings,
+        [r for part in parts for r in part["strategy_runs"]],
+        [r for part in parts for r in part["merge_runs"]],
+        [r for part in parts for r in part["baseline_runs"]],
+        sum(part["total_s"] for part in parts),
+    )
+    print(res["markdown"])
+    return res
+
+
+def derived(r: dict[str, Any]) -> dict[str, Any]:
+    """A system run's perplexity and node-accuracy summary (mean, spread over the nodes, best)."""
+    r["consensus_perplexity"] = perplexity(r["consensus_loss"])
+    acc = np.asarray(r["node_accuracy"])
+    r["node_accuracy_mean"], r["node_accuracy_spread"] = float(acc.mean()), float(acc.std())
+    r["node_accuracy_best"] = float(acc.max())
+    return r
+
+
+def report(
+    settings: Mapping[str, Any],
+    strategy_runs: list[dict[str, Any]],
+    merge_runs: list[dict[str, Any]],
+    baseline_runs_: list[dict[str, Any]],
+    total_s: float,
+) -> dict[str, Any]:
+    """Summary, plot, markdown and the result files of the runs so far (``settings["seeds"]``)."""
     res: dict[str, Any] = {
-        "settings": settings,
-        "strategy_runs": strategy_runs,
-        "merge_runs": merge_runs,
-        "baseline_runs": baseline_list,
+        "settings": dict(settings),
+        "strategy_runs": [derived(r) for r in strategy_runs],
+        "merge_runs": [derived(r) for r in merge_runs],
+        "baseline_runs": baseline_runs_,
     }
     res["summary"] = summarize(res)
     res["plot"] = plot(res)
-    res["total_s"] = time.perf_counter() - t0
+    res["total_s"] = total_s
     md = markdown(res)
-    harness.save(name, args.quick, res, md)
-    print(md)
+    harness.save(settings["name"], settings["quick"], res, md)
+    res["markdown"] = md
     return res
 
 

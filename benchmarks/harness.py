@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -149,9 +150,18 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for a single value)."""
+    """Mean and sample standard deviation (0 for a single value).
+
+    Non-finite values (an epsilon of inf without DP, a perplexity that overflowed): the mean is
+    ``fmean``'s (inf, or nan for inf and -inf), the std 0 when every value is the same and nan
+    otherwise (``statistics.stdev`` raises on inf).
+    """
     vals = [float(v) for v in values]
-    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
+    if len(vals) < 2:
+        return statistics.fmean(vals), 0.0
+    if not all(math.isfinite(v) for v in vals):
+        return statistics.fmean(vals), (0.0 if len(set(vals)) == 1 else math.nan)
+    return statistics.fmean(vals), statistics.stdev(vals)
 
 
 def pm(values: Sequence[float], digits: int = 3) -> str:

@@ -52,3 +52,12 @@ def test_best_time_is_the_minimum_and_ratio_checks_its_floor():
         harness.ratio(1.0, 0.0)
     with pytest.raises(ValueError, match="repeats"):
         harness.best_time(lambda: None, repeats=0)
+
+
+def test_mean_std_takes_non_finite_values():
+    # An epsilon of inf (no DP) in every seed: the summary of a multi-seed run must not raise.
+    assert harness.mean_std([math.inf, math.inf]) == (math.inf, 0.0)
+    m, s = harness.mean_std([1.0, math.inf])
+    assert m == math.inf and math.isnan(s)
+    assert harness.mean_std([1.0, 3.0]) == pytest.approx((2.0, math.sqrt(2.0)))
+    assert harness.mean_std([5.0]) == (5.0, 0.0)
