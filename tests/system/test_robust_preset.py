@@ -17,7 +17,7 @@ def test_robust_preset_loads_as_documented():
     cfg = config.load(PRESET)
     assert cfg.nodes.count == 16 and cfg.task.alpha == 0.3
     assert cfg.byzantine.nodes == (12, 13, 14, 15)
-    assert cfg.vote.rule == "fltrust" and cfg.vote.pre == () and cfg.vote.root_size == 100
+    assert cfg.vote.rule == "dnc" and cfg.vote.pre == () and cfg.vote.f(cfg.nodes.count) == 4
     assert cfg.weights.objective == "vote" and cfg.baseline_fedavg
     # Every rule of the vote holds at n = 16, f = 4 (the registry's static preconditions).
     for name in (*cfg.vote.pre, cfg.vote.rule):
@@ -26,12 +26,12 @@ def test_robust_preset_loads_as_documented():
 
 
 def test_robust_preset_composes_with_set():
-    cfg = config.load(PRESET, ["byzantine.attack=min_max", "rounds=3", "vote.root_size=50"])
-    assert cfg.byzantine.attack == "min_max" and cfg.rounds == 3 and cfg.vote.root_size == 50
-    assert cfg.vote.rule == "fltrust" and cfg.nodes.count == 16  # the rest of the preset stays
+    cfg = config.load(PRESET, ["byzantine.attack=min_max", "rounds=3", "vote.num_byzantine=3"])
+    assert cfg.byzantine.attack == "min_max" and cfg.rounds == 3 and cfg.vote.f(16) == 3
+    assert cfg.vote.rule == "dnc" and cfg.nodes.count == 16  # the rest of the preset stays
     # Overrides that do not fit the preset are refused with the reason: options the rule does not
     # take, and Bulyan's n >= 4f + 3 at f = 4 of 16.
-    with pytest.raises(ConfigError, match="fltrust takes no parameter"):
+    with pytest.raises(ConfigError, match=r"dnc takes no parameter\(s\) \['clip_radius'\]; valid parameters"):
         config.load(PRESET, ["vote.options={clip_radius = 0.5}"])
     with pytest.raises(ConfigError, match="vote.rule = 'bulyan' cannot run .* n >= 4f \\+ 3"):
         config.load(PRESET, ["vote.rule=bulyan", "vote.num_byzantine=4"])

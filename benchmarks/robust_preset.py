@@ -1,0 +1,145 @@
+"""The robust preset's vote, chosen through the system itself (``configs/robust.toml``).
+
+Run ``python -m benchmarks.robust_preset [--quick]``. Writes benchmarks/results/robust_preset.json
+and robust_preset.md (``robust_preset_quick.*`` with ``--quick``: three candidates, one reported seed).
+
+``benchmarks.robustness`` compares the rules inside its own FedAvg loop (plain SGD nodes). The
+preset, however, runs through ``meta-consensus run`` (Adam nodes, the system's round), where a rule
+can behave differently: FLTrust, the benchmark's choice, rescales every update to the server's
+norm, which costs several points even without attackers in the system. So the preset's vote is
+chosen here, through :class:`meta_consensus.MetaConsensus` with the preset's config and only the
+vote changed: every candidate under every attack at alpha = 0.3, f = 4 of 16 on seed 100, by its
+worst-case *held-out* accuracy over the attacks; the choice (and plain FedAvg, the benchmark's
+choice FLTrust and the earlier preset NNM + centered clipping) are then reported on seeds 0, 1, 2,
+which the selection does not use. Target (issue 17): within 3 points of clean FedAvg under every
+attack.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from benchmarks import harness
+from benchmarks.harness import markdown_table
+
+PRESET = "configs/robust.toml"
+ATTACKS = [
+    "sign_flip",
+    "gaussian",
+    "alie",
+    "ipm",
+    "mimic",
+    "label_flip",
+    "min_max",
+    "min_sum",
+    "fltrust_aware",
+]
+_CC = "vote.options={clip_radius = 1.0, iterations = 3}"
+# The vote of each candidate as --set overrides of the preset (no f where the rule takes none).
+CANDIDATES: dict[str, list[str]] = {
+    "mean": ["vote.rule=mean", "vote.pre=[]", "vote.options={}", "vote.num_byzantine=none"],
+    "median": ["vote.rule=median", "vote.pre=[]", "vote.options={}", "vote.num_byzantine=4"],
+    "trimmed_mean": ["vote.rule=trimmed_mean", "vote.pre=[]", "vote.options={}", "vote.num_byzantine=4"],
+    "multi_krum": ["vote.rule=multi_krum", "vote.pre=[]", "vote.options={}", "vote.num_byzantine=4"],
+    "geometric_median": [
+        "vote.rule=geometric_median",
+        "vote.pre=[]",
+        "vote.options={}",
+        "vote.num_byzantine=none",
+    ],
+    "centered_clipping": ["vote.rule=centered_clipping", "vote.pre=[]", _CC, "vote.num_byzantine=none"],
+    "nnm+centered_clipping": ["vote.rule=centered_clipping", 'vote.pre=["nnm"]', _CC, "vote.num_byzantine=4"],
+    "nnm+trimmed_mean": [
+        "vote.rule=trimmed_mean",
+        'vote.pre=["nnm"]',
+        "vote.options={}",
+        "vote.num_byzantine=4",
+    ],
+    "fltrust": ["vote.rule=fltrust", "vote.pre=[]", "vote.options={}", "vote.num_byzantine=none"],
+    "server_monna": ["vote.rule=server_monna", "vote.pre=[]", "vote.options={}", "vote.num_byzantine=4"],
+    "signguard": ["vote.rule=signguard", "vote.pre=[]", "vote.options={}", "vote.num_byzantine=4"],
+    "dnc": ["vote.rule=dnc", "vote.pre=[]", "vote.options={}", "vote.num_byzantine=4"],
+    "caf": ["vote.rule=caf", "vote.pre=[]", "vote.options={}", "vote.num_byzantine=4"],
+    "meamed": ["vote.rule=meamed", "vote.pre=[]", "vote.options={}", "vote.num_byzantine=4"],
+}
+QUICK_CANDIDATES = ("mean", "nnm+centered_clipping", "dnc")
+SELECTION_SEED = 100
+
+
+def run_once(sets: list[str]) -> tuple[float, float]:
+    """(test accuracy, held-out accuracy) of the consensus after the preset's last round."""
+    from meta_consensus import MetaConsensus, config
+
+    cfg = config.load(PRESET, ["checkpoint_every=0", "baseline_fedavg=false", *sets])
+    result = MetaConsensus(cfg, write=False, progress=False).train()
+    last = [h for h in result.history if h.ok][-1]
+    return float(last.consensus_accuracy), float(last.heldout_accuracy)
+
+
+def sweep(name: str, seed: int, rounds: int | None) -> dict[str, tuple[float, float]]:
+    """Clean ('none') and every attack, one candidate, one seed."""
+    extra = [] if rounds is None else [f"rounds={rounds}"]
+    out = {}
+    for attack in ["none", *ATTACKS]:
+        byz = ["byzantine.nodes=[]"] if attack == "none" else [f"byzantine.attack={attack}"]
+        out[attack] = run_once([f"seed={seed}", *CANDIDATES[name], *byz, *extra])
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = harness.parse(harness.parser(__doc__, "three candidates, one reported seed, 8 rounds"), argv)
+    names = list(QUICK_CANDIDATES if args.quick else CANDIDATES)
+    seeds = [0] if args.quick else [0, 1, 2]
+    rounds = 8 if args.quick else None
+    t0 = time.perf_counter()
+    selection = {}
+    for name in names:
+        runs = sweep(name, SELECTION_SEED, rounds)
+        worst = min(runs[a][1] for a in ATTACKS)
+        selection[name] = {"worst_heldout": worst, "clean_heldout": runs["none"][1], "runs": runs}
+        print(f"{name:24s} worst held-out {worst:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    chosen = max(selection, key=lambda k: selection[k]["worst_heldout"])  # first on ties
+    shown = list(dict.fromkeys([chosen, "mean", "fltrust", "nnm+centered_clipping"]))
+    shown = [s for s in shown if s in names]
+    report = {name: {str(s): sweep(name, s, rounds) for s in seeds} for name in shown}
+    clean = np.array([report["mean"][str(s)]["none"][0] for s in seeds])
+    rows = []
+    for name in shown:
+        worst = np.array([min(report[name][str(s)][a][0] for a in ATTACKS) for s in seeds])
+        gap = (clean - worst) * 100
+        per_attack = [np.mean([report[name][str(s)][a][0] for s in seeds]) for a in ATTACKS]
+        rows.append(
+            [name + (" (chosen)" if name == chosen else ""), float(np.mean(worst)), float(np.max(gap))]
+            + [float(v) for v in per_attack]
+        )
+    mach = harness.machine()
+    md = [
+        "# The robust preset's vote, chosen through the system\n\n",
+        f"Command: `{harness.command('robust_preset', args.quick)}`. "
+        f"Machine: {mach['processor']}, {mach['cpu_count']} CPUs, jax {mach['jax']}.\n\n",
+        f"`{PRESET}` with only the vote changed: 16 digits nodes, alpha = 0.3, 4 Byzantine; "
+        f"selection on seed {SELECTION_SEED} by worst-case held-out accuracy over {len(ATTACKS)} attacks "
+        f"({', '.join(ATTACKS)}); reported on seeds {seeds}.\n\n",
+        markdown_table(
+            ["candidate", "worst held-out (seed 100)", "clean held-out"],
+            [[k, v["worst_heldout"], v["clean_heldout"]] for k, v in selection.items()],
+        ),
+        f"\nChosen: **{chosen}**. Test accuracy on the reported seeds (mean over seeds; gap = the largest "
+        "drop over seeds of the worst attack below clean FedAvg of the same seed, in points; target 3):\n\n",
+        markdown_table(["vote", "worst (mean)", "gap (points)", *ATTACKS], rows),
+        f"\nClean FedAvg (the plain mean without attackers): {np.mean(clean):.3f}. "
+        f"Total time {time.perf_counter() - t0:.0f} s.\n",
+    ]
+    res = {"selection": selection, "chosen": chosen, "report": report, "seeds": seeds, "rounds": rounds}
+    harness.save(
+        "robust_preset", args.quick, res, "".join(md), settings={"quick": args.quick, "seeds": seeds}
+    )
+    print("".join(md))
+    return res
+
+
+if __name__ == "__main__":
+    main()
