@@ -327,3 +327,16 @@ def test_rules_and_attacks_options_pick_a_subset_in_table_order(capsys):
         robustness.main(["--quick", "--rules", "krumm"])
     assert e.value.code == 2
     assert "--rules: unknown ['krumm']" in capsys.readouterr().err
+
+
+def test_robust_preset_candidates_are_valid_configs_of_the_preset():
+    """Every vote the preset's selection tries loads on configs/robust.toml and is the vote it names."""
+    from benchmarks import robust_preset
+    from meta_consensus import config
+
+    preset = Path(__file__).resolve().parents[2] / robust_preset.PRESET
+    for name, sets in robust_preset.CANDIDATES.items():
+        cfg = config.load(preset, sets)
+        *pre, rule = name.split("+")
+        assert (cfg.vote.rule, tuple(cfg.vote.pre)) == (rule, tuple(pre)), name
+    assert set(robust_preset.QUICK_CANDIDATES) <= set(robust_preset.CANDIDATES)
