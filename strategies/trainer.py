@@ -620,7 +620,7 @@ class NodeTrainer:
         # dot_general, which XLA:CPU runs measurably slower than a plain GEMM; the node axis is
         # taken off the carry and the loop-invariant arguments once, outside the scan, not per step.
         single = self.mesh is None and flip.shape[0] == 1
-        vstep = None if single else jax.vmap(node_step, in_axes=in_axes, spmd_axis_name=spmd)
+        step_fn = node_step if single else jax.vmap(node_step, in_axes=in_axes, spmd_axis_name=spmd)
 
         # Node i's s-th training step uses fold_in(key_i, s) (s = its step count), split into a
         # sampling and a loss key. Derived for all steps at once, outside the loop (one vectorized
@@ -640,9 +640,7 @@ class NodeTrainer:
             xs = jax.tree.map(lambda x: x[:, 0], xs)
 
         def body(carry, xs):
-            if single:
-                return node_step(*carry, *xs, *invariant)
-            return vstep(*carry, *xs, *invariant)
+            return step_fn(*carry, *xs, *invariant)
 
         carry, outs = jax.lax.scan(body, carry0, xs, length=steps, unroll=self.unroll)
         if single:
