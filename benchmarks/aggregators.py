@@ -277,8 +277,9 @@ def _write_sweep(args, argv: list[str], total: int, results: list[dict]) -> str:
         "# Aggregators from 8 to 1024 nodes at a fixed n * d (time / one numpy pass over the stack)\n\n"
         f"Command: `{command}`. n * d = {total:.1e}. "
         f"Machine: {machine()['processor']}, {machine()['cpu_count']} cores, jax {jax.__version__} "
-        f"({jax.default_backend()}), shared with other jobs while it ran. eager / jit: time / floor "
-        "(params given). numpy ref / mode: numpy's time over the rule's (np.median for the median, "
+        f"({jax.default_backend()}), load average {machine()['load_average_1min']:.2f} when written. "
+        "eager / jit: time / floor (params given). numpy ref / mode: numpy's time over the rule's "
+        "(np.median for the median, "
         "np.partition at f and n - f - 1 for trimmed mean and Bulyan); above 1 the rule is faster. "
         "GFLOP/s: the Gram's 2 n^2 d flops over its time; 'of numpy matmul': that over numpy's "
         "x @ x.T in the same run.\n\n" + markdown_table(headers, table)

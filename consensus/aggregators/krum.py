@@ -167,10 +167,11 @@ def bulyan(num_byzantine: int) -> Aggregator:
 
 def _iterated_prefix(d2, f, valid, max_selected, theta):
     n = d2.shape[0]
+    scores_of = krum_kernels.remaining_scores(d2, f, valid)
 
     def body(t, carry):
         remaining, chosen = carry
-        scores = krum_kernels.krum_scores(d2, f, remaining)
+        scores = scores_of(remaining)
         pick = krum_kernels.pick_lowest_remaining(scores, remaining) & (t < theta)
         return remaining & ~pick, chosen | pick
 
