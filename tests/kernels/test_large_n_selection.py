@@ -149,3 +149,15 @@ def test_dense_mixing_view_matches_materialized_rows():
     rows = (c + a @ (x - c)).astype(np.float32)
     out = sorting.median(jnp.asarray(x), mixing=jnp.asarray(a), centre=jnp.asarray(c), diagonal=False)
     np.testing.assert_array_equal(np.asarray(out), np.median(rows.astype(np.float64), axis=0))
+
+
+@pytest.mark.parametrize("n", [127, 128, 129, 255, 256, 257, 1024])
+def test_row_counts_do_not_wrap_in_their_narrow_accumulators(n):
+    # Counts accumulate in uint8 per group of 128 rows: every row True must still count n.
+    rng = np.random.default_rng(n)
+    mask = rng.random((n, 33)) < 0.5
+    mask[:, 0] = True
+    mask[:, 1] = False
+    got = np.asarray(jax.jit(selection.count_rows)(jnp.asarray(mask)))
+    np.testing.assert_array_equal(got, mask.sum(axis=0))
+    assert got[0] == n and got[1] == 0
