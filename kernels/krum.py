@@ -82,30 +82,66 @@ def multi_krum_select(d2: jax.Array, f: int, valid: jax.Array, num_selected: int
     return chosen & valid
 
 
-def remaining_scores(d2: jax.Array, f: int, valid: jax.Array):
-    """``scores(remaining)`` = :func:`krum_scores` ``(d2, f, remaining)`` for any remaining subset of valid.
+def iterated_picks(d2: jax.Array, f: int, valid: jax.Array, steps: int, limit=None) -> jax.Array:
+    """(n,) bool: the nodes picked by ``steps`` rounds of Krum, each removing its winner (Bulyan's stage 1).
 
-    Removing nodes only masks columns, so every row is sorted once (an (n, n)
-    sort costs ~0.1 s at n = 1024 on XLA:CPU; one per Krum iteration made
-    Bulyan's selection take 45 s there) and each call walks the rows in that
-    order: a node's score is the sum of the first k remaining entries of its row.
+    Every round scores the remaining nodes exactly as :func:`krum_scores` on the
+    remaining set (the sum of the k = m_rem - f - 2 nearest remaining others,
+    floored at 1) and picks the lowest (first on ties). Rounds at or past a traced
+    ``limit`` pick nothing.
+
+    An (n, n) sort costs ~0.1 s at n = 1024 on XLA:CPU, and one per round made the
+    selection take 45 s there. Removing a node only masks one column, so every row is
+    sorted once, and each row keeps a pointer t_i to the sorted position of its k-th
+    remaining neighbour; the score is the sum of the row's remaining entries up to t_i.
+    After removing node j (at position p_i in row i) with k' = k - 1, the pointer stays
+    when p_i < t_i and moves to the previous remaining entry otherwise; with k' = k = 1
+    it moves to the next remaining entry when p_i = t_i. A round is a few O(n^2)
+    elementwise passes, no sort and no scan.
     """
     n = d2.shape[0]
+    rows = jnp.arange(n)
     usable = valid[None, :] & valid[:, None] & ~jnp.eye(n, dtype=bool)
     order = jnp.argsort(jnp.where(usable, d2, jnp.inf), axis=1, stable=True)
     d_sorted = jnp.take_along_axis(d2, order, axis=1)
-    not_self = order != jnp.arange(n)[:, None]
+    position = jnp.argsort(order, axis=1)  # position[i, j]: where node j sits in row i's order
+    cols = rows[None, :]
+    neighbour = valid[order] & (order != rows[:, None])  # (n, n) in sorted layout
+    m0 = jnp.sum(valid.astype(jnp.int32))
+    k0 = num_neighbours(m0, f)
+    seen = jnp.cumsum(neighbour.astype(jnp.int32), axis=1)  # once, not per round
+    t0 = jnp.where(seen[:, -1] >= k0, jnp.argmax(seen >= k0, axis=1), n).astype(jnp.int32)
 
-    def scores(remaining: jax.Array) -> jax.Array:
-        m = jnp.sum(remaining.astype(jnp.int32))
+    def body(step, carry):
+        remaining, chosen, neighbour, t, m = carry
         k = num_neighbours(m, f)
-        neighbour = remaining[order] & not_self  # (n, n): the sorted entry is a remaining other node
-        taken = neighbour & (jnp.cumsum(neighbour.astype(jnp.int32), axis=1) <= k)
+        taken = neighbour & (cols <= t[:, None])
         total = jnp.sum(jnp.where(taken, d_sorted, 0.0), axis=1)
         # Fewer than k remaining neighbours (m = 1): +inf, as krum_scores' +inf padding gives.
-        return jnp.where(remaining & (m - 1 >= k), total, jnp.inf)
+        scores = jnp.where(remaining & (m - 1 >= k), total, jnp.inf)
+        pick = pick_lowest_remaining(scores, remaining)
+        if limit is not None:
+            pick = pick & (step < limit)
+        picked = jnp.any(pick)
+        j = jnp.argmax(pick)
+        after = neighbour & (order != j)
+        p = position[:, j]
+        k_next = num_neighbours(m - 1, f)
+        before_t = jnp.max(jnp.where(after & (cols < t[:, None]), cols, -1), axis=1)
+        past_t = jnp.min(jnp.where(after & (cols > t[:, None]), cols, n), axis=1)
+        shrink = jnp.where(p < t, t, before_t)  # k' = k - 1
+        same = jnp.where(p == t, past_t, t)  # k' = k (the floor of 1)
+        t_next = jnp.where(k_next < k, shrink, same).astype(jnp.int32)
+        return (
+            remaining & ~pick,
+            chosen | pick,
+            jnp.where(picked, after, neighbour),
+            jnp.where(picked, t_next, t),
+            m - picked.astype(jnp.int32),
+        )
 
-    return scores
+    init = (valid, jnp.zeros(n, bool), neighbour, t0, m0)
+    return jax.lax.fori_loop(0, steps, body, init)[1]
 
 
 @functools.partial(jax.jit, static_argnames=("f", "num_selected"))
@@ -115,14 +151,6 @@ def iterated_krum_select(d2: jax.Array, f: int, valid: jax.Array, num_selected: 
     Bulyan's selection stage (El Mhamdi et al. 2018): every round recomputes the
     scores on the nodes still remaining, with k = m_remaining - f - 2 neighbours
     (floored at 1 once fewer than f + 4 remain). The rows are sorted once
-    (:func:`remaining_scores`), so a round costs O(n^2), not a sort.
+    (:func:`iterated_picks`), so a round costs O(n^2), not a sort.
     """
-    scores = remaining_scores(d2, f, valid)
-
-    def body(_, carry):
-        remaining, chosen = carry
-        pick = pick_lowest_remaining(scores(remaining), remaining)
-        return remaining & ~pick, chosen | pick
-
-    _, chosen = jax.lax.fori_loop(0, num_selected, body, (valid, jnp.zeros(d2.shape[0], bool)))
-    return chosen
+    return iterated_picks(d2, f, valid, num_selected)

@@ -166,14 +166,4 @@ def bulyan(num_byzantine: int) -> Aggregator:
 
 
 def _iterated_prefix(d2, f, valid, max_selected, theta):
-    n = d2.shape[0]
-    scores_of = krum_kernels.remaining_scores(d2, f, valid)
-
-    def body(t, carry):
-        remaining, chosen = carry
-        scores = scores_of(remaining)
-        pick = krum_kernels.pick_lowest_remaining(scores, remaining) & (t < theta)
-        return remaining & ~pick, chosen | pick
-
-    _, chosen = jax.lax.fori_loop(0, max_selected, body, (valid, jnp.zeros(n, bool)))
-    return chosen
+    return krum_kernels.iterated_picks(d2, f, valid, max_selected, limit=theta)
