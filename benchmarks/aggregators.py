@@ -277,7 +277,7 @@ def _write_sweep(args, argv: list[str], total: int, results: list[dict]) -> str:
         "# Aggregators from 8 to 1024 nodes at a fixed n * d (time / one numpy pass over the stack)\n\n"
         f"Command: `{command}`. n * d = {total:.1e}. "
         f"Machine: {machine()['processor']}, {machine()['cpu_count']} cores, jax {jax.__version__} "
-        f"({jax.default_backend()}), load average {machine()['load_average_1min']:.2f} when written. "
+        f"({jax.default_backend()}), load averages {harness.load_average()} (1/5/15 min) when written. "
         "eager / jit: time / floor (params given). numpy ref / mode: numpy's time over the rule's "
         "(np.median for the median, "
         "np.partition at f and n - f - 1 for trimmed mean and Bulyan); above 1 the rule is faster. "
@@ -287,7 +287,15 @@ def _write_sweep(args, argv: list[str], total: int, results: list[dict]) -> str:
     name = args.name or ("aggregators_nsweep" + ("_quick" if args.quick else ""))
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     harness.write_results(
-        name, {"machine": machine(), "command": command, "settings": settings, "results": results}, md
+        name,
+        {
+            "machine": machine(),
+            "load_average": harness.load_average(),
+            "command": command,
+            "settings": settings,
+            "results": results,
+        },
+        md,
     )
     print(md)
     return {"results": results}
@@ -355,7 +363,15 @@ def main(argv: list[str] | None = None) -> dict:
     name = args.name or ("aggregators" + ("_quick" if args.quick else ""))
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     harness.write_results(
-        name, {"machine": machine(), "command": command, "settings": settings, "results": results}, md
+        name,
+        {
+            "machine": machine(),
+            "load_average": harness.load_average(),
+            "command": command,
+            "settings": settings,
+            "results": results,
+        },
+        md,
     )
     return md
 

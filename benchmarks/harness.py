@@ -119,8 +119,6 @@ def machine() -> dict[str, Any]:
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
-        # Timings are ratios within one run, but a busy machine still skews them: record how busy.
-        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
 
 
