@@ -124,6 +124,12 @@ def bulyan(num_byzantine: int) -> Aggregator:
 
     Precondition: m >= 4f + 3 (ValueError naming n, f otherwise). ``info.selected``
     is the theta-set; ``info.linear`` is False.
+
+    Cost: one Gram pass; the selection sorts each distance row once and then
+    takes O(n^2) per round (:func:`kernels.krum.iterated_picks`); the second
+    stage is one sorting-network pass over the masked stack up to theta = 48
+    rows and, above, an exact bisection selection over a gathered copy of the
+    theta chosen rows (theta / n of the stack in extra memory).
     """
     f = check_f("bulyan", num_byzantine)
 
