@@ -243,6 +243,19 @@ def n_sweep(args, argv: list[str]) -> dict:
     return {"results": results}
 
 
+def _write(name: str, args, command: str, results: list[dict], md: str) -> None:
+    """``<name>.json`` / ``.md`` with the machine, its load averages, the command and the settings."""
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    payload = {
+        "machine": machine(),
+        "load_average": harness.load_average(),
+        "command": command,
+        "settings": settings,
+        "results": results,
+    }
+    harness.write_results(name, payload, md)
+
+
 def _write_sweep(args, argv: list[str], total: int, results: list[dict]) -> str:
     headers = [
         "n",
@@ -285,18 +298,7 @@ def _write_sweep(args, argv: list[str], total: int, results: list[dict]) -> str:
         "x @ x.T in the same run.\n\n" + markdown_table(headers, table)
     )
     name = args.name or ("aggregators_nsweep" + ("_quick" if args.quick else ""))
-    settings = {k: v for k, v in vars(args).items() if k != "out"}
-    harness.write_results(
-        name,
-        {
-            "machine": machine(),
-            "load_average": harness.load_average(),
-            "command": command,
-            "settings": settings,
-            "results": results,
-        },
-        md,
-    )
+    _write(name, args, command, results, md)
     print(md)
     return {"results": results}
 
@@ -361,18 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
         + markdown_table(headers, table)
     )
     name = args.name or ("aggregators" + ("_quick" if args.quick else ""))
-    settings = {k: v for k, v in vars(args).items() if k != "out"}
-    harness.write_results(
-        name,
-        {
-            "machine": machine(),
-            "load_average": harness.load_average(),
-            "command": command,
-            "settings": settings,
-            "results": results,
-        },
-        md,
-    )
+    _write(name, args, command, results, md)
     return md
 
 

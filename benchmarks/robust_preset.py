@@ -37,33 +37,31 @@ ATTACKS = [
     "min_sum",
     "fltrust_aware",
 ]
-_CC = "vote.options={clip_radius = 1.0, iterations = 3}"
-# The vote of each candidate as --set overrides of the preset (no f where the rule takes none).
+_CC = "{clip_radius = 1.0, iterations = 3}"
+
+
+def _vote(rule: str, pre: str = "", options: str = "{}", f: str = "4") -> list[str]:
+    """The --set overrides of the preset's vote (``f="none"`` where the rule takes no f)."""
+    pre_list = f'["{pre}"]' if pre else "[]"
+    return [f"vote.rule={rule}", f"vote.pre={pre_list}", f"vote.options={options}", f"vote.num_byzantine={f}"]
+
+
+# The vote of each candidate as --set overrides of the preset.
 CANDIDATES: dict[str, list[str]] = {
-    "mean": ["vote.rule=mean", "vote.pre=[]", "vote.options={}", "vote.num_byzantine=none"],
-    "median": ["vote.rule=median", "vote.pre=[]", "vote.options={}", "vote.num_byzantine=4"],
-    "trimmed_mean": ["vote.rule=trimmed_mean", "vote.pre=[]", "vote.options={}", "vote.num_byzantine=4"],
-    "multi_krum": ["vote.rule=multi_krum", "vote.pre=[]", "vote.options={}", "vote.num_byzantine=4"],
-    "geometric_median": [
-        "vote.rule=geometric_median",
-        "vote.pre=[]",
-        "vote.options={}",
-        "vote.num_byzantine=none",
-    ],
-    "centered_clipping": ["vote.rule=centered_clipping", "vote.pre=[]", _CC, "vote.num_byzantine=none"],
-    "nnm+centered_clipping": ["vote.rule=centered_clipping", 'vote.pre=["nnm"]', _CC, "vote.num_byzantine=4"],
-    "nnm+trimmed_mean": [
-        "vote.rule=trimmed_mean",
-        'vote.pre=["nnm"]',
-        "vote.options={}",
-        "vote.num_byzantine=4",
-    ],
-    "fltrust": ["vote.rule=fltrust", "vote.pre=[]", "vote.options={}", "vote.num_byzantine=none"],
-    "server_monna": ["vote.rule=server_monna", "vote.pre=[]", "vote.options={}", "vote.num_byzantine=4"],
-    "signguard": ["vote.rule=signguard", "vote.pre=[]", "vote.options={}", "vote.num_byzantine=4"],
-    "dnc": ["vote.rule=dnc", "vote.pre=[]", "vote.options={}", "vote.num_byzantine=4"],
-    "caf": ["vote.rule=caf", "vote.pre=[]", "vote.options={}", "vote.num_byzantine=4"],
-    "meamed": ["vote.rule=meamed", "vote.pre=[]", "vote.options={}", "vote.num_byzantine=4"],
+    "mean": _vote("mean", f="none"),
+    "median": _vote("median"),
+    "trimmed_mean": _vote("trimmed_mean"),
+    "multi_krum": _vote("multi_krum"),
+    "geometric_median": _vote("geometric_median", f="none"),
+    "centered_clipping": _vote("centered_clipping", options=_CC, f="none"),
+    "nnm+centered_clipping": _vote("centered_clipping", pre="nnm", options=_CC),
+    "nnm+trimmed_mean": _vote("trimmed_mean", pre="nnm"),
+    "fltrust": _vote("fltrust", f="none"),
+    "server_monna": _vote("server_monna"),
+    "signguard": _vote("signguard"),
+    "dnc": _vote("dnc"),
+    "caf": _vote("caf"),
+    "meamed": _vote("meamed"),
 }
 QUICK_CANDIDATES = ("mean", "nnm+centered_clipping", "dnc")
 SELECTION_SEED = 100
