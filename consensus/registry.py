@@ -12,6 +12,11 @@ edge that names them. Each entry is a :class:`RuleSpec` that says, once:
   run on n valid nodes with f Byzantine ones, else the requirement ("n > 2f + 2 = 6");
   nothing is checked by running a rule on zeros;
 * ``sensitivity``: the rule's node-level DP sensitivity, in words (see ``docs/rules.md``);
+* ``elementwise``: output coordinate k depends only on coordinate k of the inputs (and the
+  base) and on which nodes are valid (finite over what the rule is given): the rule gives
+  the same values on any slice of a leaf's coordinates that it gives on the whole leaf,
+  when every slice finds the same valid nodes (``meta-consensus merge`` streams such
+  rules in cache-sized column chunks);
 * ``needs``: what the caller must pass besides the stacked trees (``"params"`` for a
   merge method's base, ``"key"`` for randomized rules, ``"server_update"``, ...);
 * the parameters, read from the factory's signature (:attr:`RuleSpec.params`), and
@@ -70,6 +75,7 @@ class RuleSpec:
     summary: str = ""
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     order_matters: bool = False
+    elementwise: bool = False
 
     @property
     def permutation_invariant(self) -> bool:
@@ -168,6 +174,7 @@ def register(
     summary: str = "",
     defaults: Mapping[str, Any] | None = None,
     order_matters: bool = False,
+    elementwise: bool = False,
     replace: bool = False,
 ) -> RuleSpec:
     """Register a rule under ``name`` (see :class:`RuleSpec` for the fields)."""
@@ -182,6 +189,7 @@ def register(
         summary=summary or (inspect.getdoc(factory) or "").split("\n", 1)[0],
         defaults=dict(defaults or {}),
         order_matters=order_matters,
+        elementwise=elementwise,
     )
     return RULES.register(name, spec, replace=replace)
 
@@ -195,21 +203,30 @@ def _at_least_one(n: int, f: int) -> str | None:
 
 
 # The built-in rules. Their conventions are in each factory's docstring and docs/rules.md.
-register("mean", agg.mean, "coordinatewise", precondition=_at_least_one, sensitivity="C / n (uniform mean)")
+register(
+    "mean",
+    agg.mean,
+    "coordinatewise",
+    precondition=_at_least_one,
+    sensitivity="C / n (uniform mean)",
+    elementwise=True,
+)
 register(
     "weighted_mean",
     agg.weighted_mean,
     "coordinatewise",
     precondition=_at_least_one,
     sensitivity="C * max_i w_i (fixed weights)",
+    elementwise=True,
     needs=("weights",),  # at construction (its parameter) or as update(..., weights=...)
 )
-register("median", agg.median, "coordinatewise", precondition=_at_least_one)
+register("median", agg.median, "coordinatewise", precondition=_at_least_one, elementwise=True)
 register(
     "trimmed_mean",
     agg.trimmed_mean,
     "coordinatewise",
     takes_f=True,
+    elementwise=True,
     precondition=lambda n, f: _need(n > 2 * f, f"n > 2f = {2 * f}"),
 )
 register(
@@ -301,7 +318,9 @@ register(
         )
     ),
 )
-register("meamed", agg.meamed, "coordinatewise", takes_f=True, precondition=_honest_majority)
+register(
+    "meamed", agg.meamed, "coordinatewise", takes_f=True, precondition=_honest_majority, elementwise=True
+)
 register(
     "bucketing",
     agg.bucketing,
@@ -331,6 +350,7 @@ register(
     precondition=_merge_nodes(1),
     sensitivity="scale * max_i w_i * C (a weighted sum of clipped deltas)",
     needs=("params",),
+    elementwise=True,
 )
 register(
     "ties",

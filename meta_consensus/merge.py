@@ -31,9 +31,18 @@ time (orbax restores whole trees or parts of one, not arrays into a given buffer
 and each restore walks the checkpoint's whole metadata: the leaves come in groups
 of at most max(largest leaf, 8 MB), held until they are read, then copied into the
 merge's buffer: one such group more per orbax input), and the output a
-:class:`~consensus.io.ShardedWriter` that appends one tensor at a time.
+:class:`~consensus.io.ShardedWriter` that appends one tensor at a time, with
+``O_DIRECT`` where the file system allows it (:class:`~consensus.io.DirectFile`:
+the page cache stays with the inputs). :mod:`meta_consensus.merge_stream` holds
+the buffers, the read-ahead and write-behind threads and the column chunks.
 
-* Coordinate-wise rules and merge methods run leaf by leaf: the n copies of
+* Element-wise rules (``RuleSpec.elementwise``: mean, median, trimmed mean,
+  MeaMed, task arithmetic) are streamed in column chunks of the flattened
+  leaves, 16 MB of stacked rows at a time, so the rule reads rows that are still
+  in cache and a model's leaves share a few compiled shapes; a leaf whose chunks
+  find different valid nodes (a node non-finite in part of it) is merged again
+  whole, so the result is always the whole-leaf merge.
+* Other coordinate-wise rules and merge methods run leaf by leaf: the n copies of
   one leaf are stacked (host buffer, then device copy), merged, cast and
   written. A merge method's statistics (TIES' trimming, DARE's drop) are then
   per tensor, as in mergekit; a rule that needs a key gets ``fold_in(key(seed),
@@ -76,6 +85,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from meta_consensus import merge_stream as stream
 
 # jax and the library are imported in the functions that use them: building the CLI parser
 # (``meta-consensus --help``, ``run``, ``report``) must not pay for importing jax.
@@ -323,53 +334,13 @@ def assign_rules(keys: Sequence[str], plan: MergePlan) -> dict[str, RuleChoice]:
 # ----------------------------------------------------------------------------- merging
 
 
-# jax's CPU client aliases a host array instead of copying it when the buffer is this aligned
-# (XLA's minimum CPU alignment); numpy's large allocations are only 16-byte aligned, and the copy
-# into an XLA buffer was the merge's largest cost (more than the sorting network of a median).
-_ALIGN = 64
-
-
-def _aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """An uninitialized C-contiguous array whose data starts on an ``_ALIGN``-byte boundary."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + _ALIGN, np.uint8)
-    start = -raw.ctypes.data % _ALIGN
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
-
-
-def _stack(readers: Sequence[Any], key: str, into: np.ndarray | None = None) -> np.ndarray:
-    """The n inputs' tensor ``key`` as one (n, ...) array, in ``into`` (raw bytes, reused) if given."""
-    shape, dtype = readers[0].specs[key]
-    buf = _view(into, (len(readers), *shape), dtype) if into is not None else None
-    if buf is None:
-        buf = _aligned_empty((len(readers), *shape), dtype)
-    for i, r in enumerate(readers):
-        r.read_into(key, buf[i])  # straight from the file into the stack: one copy, no mapped pages
-    return buf
-
-
-def _read_one(reader: Any, key: str, into: np.ndarray | None = None) -> np.ndarray:
-    shape, dtype = reader.specs[key]
-    buf = _view(into, shape, dtype) if into is not None else None
-    if buf is None:
-        buf = _aligned_empty(shape, dtype)
-    reader.read_into(key, buf)
-    return buf
-
-
-def _view(raw: np.ndarray, shape: tuple[int, ...], dtype: Any) -> np.ndarray | None:
-    """The first bytes of the aligned byte buffer ``raw`` as an array (None if it is too small)."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    return raw[:nbytes].view(dtype).reshape(shape) if nbytes <= raw.size else None
-
-
 def _as_compute(x: np.ndarray) -> Any:
     """Floating leaves are merged in float32 (bfloat16 / float16 inputs too) and cast back on output.
 
     A float32 / float64 host array is handed to jax as it is: on the CPU backend an aligned
-    buffer (``_aligned_empty``) is aliased, not copied. :class:`_Prefetch` reuses a buffer only
-    once the leaf it held is merged and its output is on the host (see there).
+    buffer (:func:`~meta_consensus.merge_stream.aligned_empty`) is aliased, not copied.
+    :class:`~meta_consensus.merge_stream.Prefetch` reuses a buffer only once the piece it held
+    is merged and its output is on the host (see there).
     """
     import jax
     import jax.numpy as jnp
@@ -377,81 +348,6 @@ def _as_compute(x: np.ndarray) -> Any:
     if np.dtype(x.dtype) in (np.dtype(np.float32), np.dtype(np.float64)):
         return jax.device_put(x)
     return jnp.asarray(x, jnp.float32 if np.dtype(x.dtype).itemsize <= 4 else x.dtype)
-
-
-class _Prefetch:
-    """Reads the next leaf's inputs (and base) in a worker thread while the caller merges this one.
-
-    ``os.preadv`` and XLA's computations release the GIL, so reading leaf k + 1 overlaps the
-    merge of leaf k. Two aligned byte buffers of the largest stack (and two of the largest base
-    leaf) take turns: fresh pages for every leaf cost a page fault per 4 KiB, which made reading
-    1.5-2x slower than into reused memory. A buffer is handed out again only when the caller
-    asks for the leaf after next, i.e. when it is done with the leaf the buffer held: the caller
-    must not keep views of a yielded array past its next step (the merged output it writes is
-    a buffer of its own; :func:`_merge_leaf` copies where it would be a view). Memory: about
-    2n + 2 of the largest leaf.
-    """
-
-    def __init__(self, readers: Sequence[Any], base: Any | None, keys: Sequence[str]):
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.readers, self.base, self.keys = readers, base, list(keys)
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="merge-read")
-        specs = readers[0].specs
-        leaf_bytes = [int(np.prod(specs[k][0], dtype=np.int64)) * specs[k][1].itemsize for k in self.keys]
-        biggest = max(leaf_bytes, default=0)
-        self.free = [_aligned_empty((len(readers) * biggest,), np.uint8) for _ in range(2)]
-        self.free_base = [_aligned_empty((biggest,), np.uint8) for _ in range(2)] if base is not None else []
-
-    def _read(self, key: str, raw: np.ndarray, raw_base: np.ndarray | None) -> tuple[np.ndarray, Any]:
-        stacked = _stack(self.readers, key, raw)
-        return stacked, (None if self.base is None else _read_one(self.base, key, raw_base))
-
-    def _submit(self, key: str) -> tuple[Any, tuple[np.ndarray, np.ndarray | None]]:
-        raw = self.free.pop()
-        raw_base = self.free_base.pop() if self.free_base else None
-        return self.pool.submit(self._read, key, raw, raw_base), (raw, raw_base)
-
-    def __iter__(self):
-        try:
-            ahead = self._submit(self.keys[0]) if self.keys else None
-            for i, key in enumerate(self.keys):
-                future, buffers = ahead
-                stacked, base_leaf = future.result()
-                ahead = self._submit(self.keys[i + 1]) if i + 1 < len(self.keys) else None
-                yield key, stacked, base_leaf
-                # The caller is done with this leaf: its buffers serve the leaf after next.
-                self.free.append(buffers[0])
-                if buffers[1] is not None:
-                    self.free_base.append(buffers[1])
-        finally:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-class _Writer:
-    """Writes the merged leaves in order in a worker thread (one write in flight), overlapping the merge."""
-
-    def __init__(self, writer: Any):
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.writer = writer
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="merge-write")
-        self.pending: Any = None
-
-    def write(self, key: str, array: np.ndarray) -> None:
-        self.wait()
-        self.pending = self.pool.submit(self.writer.write, key, array)
-
-    def wait(self) -> None:
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.result()  # a failed write raises here
-
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _centre(stacked: Any, base: np.ndarray | None) -> Any:
@@ -489,8 +385,14 @@ def _rule_key(choice: RuleChoice) -> str:
     return json.dumps([choice.method, choice.pattern], default=str)
 
 
-def merge_checkpoints(plan: MergePlan, *, progress: bool = True, overwrite: bool = False) -> dict[str, Any]:
-    """Run a merge plan: check everything, then stream the inputs into ``plan.out``; returns the report."""
+def merge_checkpoints(
+    plan: MergePlan, *, progress: bool = True, overwrite: bool = False, chunk_bytes: int = stream.CHUNK_BYTES
+) -> dict[str, Any]:
+    """Run a merge plan: check everything, then stream the inputs into ``plan.out``; returns the report.
+
+    ``chunk_bytes``: the size of the column chunks that element-wise rules are streamed in
+    (see :mod:`meta_consensus.merge_stream`; 0 merges every leaf whole, as other rules are).
+    """
     import jax.numpy as jnp
     from tqdm.auto import tqdm
 
@@ -524,6 +426,7 @@ def merge_checkpoints(plan: MergePlan, *, progress: bool = True, overwrite: bool
 
     readers: list[Any] = []
     base = None
+    compiled: _Compiled | None = None
     try:
         for p in plan.inputs:
             readers.append(open_input(p))
@@ -566,14 +469,34 @@ def merge_checkpoints(plan: MergePlan, *, progress: bool = True, overwrite: bool
             if rules[k].spec.kind == "vector" and _is_float(readers[0].specs[k][1]):
                 vector_groups.setdefault(_rule_key(rules[k]), []).append(k)
         weights: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        compiled: dict[Any, Any] = {}  # one jitted update per (rule, base given, keyed) of this plan
         bar = tqdm(
             total=total + sum(len(v) for v in vector_groups.values()), disable=not progress, unit="leaf"
+        )
+        # Pass 2 reads the leaves of an element-wise rule in column chunks, the others whole.
+        chunked = {
+            k
+            for k in keys
+            if chunk_bytes > 0
+            and rules[k].spec.elementwise
+            and "key" not in rules[k].spec.needs
+            and _is_float(readers[0].specs[k][1])
+            and stream.can_chunk([*readers, base], k)
+        }
+        pieces = stream.plan_pieces(keys, readers[0].specs, chunked, n, chunk_bytes)
+        # its updates, compiled in the background while pass 1 or the first reads run
+        compiled = _Compiled(
+            [
+                (rules[p.key], shape, _compute_dtype(dtype), base is not None)
+                for p in pieces
+                for dtype in [readers[0].specs[p.key][1]]
+                for shape in [(n, *readers[0].specs[p.key][0]) if p.whole else (n, p.padded)]
+                if _is_float(dtype) and rules[p.key].spec.kind != "vector"
+            ]
         )
         for group, group_keys in vector_groups.items():
             gram, finite = np.zeros((n, n)), np.ones(n, bool)
             # pass 1: the Gram matrix of the whole slice, one leaf at a time
-            for _key, stacked, base_leaf in _Prefetch(readers, base, group_keys):
+            for _piece, stacked, base_leaf in stream.Prefetch(readers, base, map(stream.Piece, group_keys)):
                 x = _as_compute(stacked).reshape(n, -1)
                 c = _centre(x, None if base_leaf is None else base_leaf.reshape(-1))
                 finite &= np.asarray(jnp.all(jnp.isfinite(x), axis=1))
@@ -590,26 +513,40 @@ def merge_checkpoints(plan: MergePlan, *, progress: bool = True, overwrite: bool
             }
         with ckpt.atomic_directory(out, overwrite=overwrite) as tmp:
             writer = ckpt.ShardedWriter(
-                tmp, specs, shard_size=plan.shard_size, metadata={"merged_by": "meta-consensus merge"}
+                tmp,
+                specs,
+                shard_size=plan.shard_size,
+                metadata={"merged_by": "meta-consensus merge"},
+                direct=True,  # the page cache stays with the inputs (see consensus.io.DirectFile)
             )
             # pass 2: merge and write leaf by leaf; leaf k + 1 is read and leaf k - 1 written meanwhile
-            background = _Writer(writer)
+            background = stream.Writer(writer)
+            index_of = {k: i for i, k in enumerate(keys)}
+            leaf: _ChunkedLeaf | None = None
             try:
-                for index, (k, stacked, base_leaf) in enumerate(_Prefetch(readers, base, keys)):
+                for piece, stacked, base_piece in stream.Prefetch(readers, base, pieces):
+                    k = piece.key
                     shape, dtype = specs[k]
-                    merged, leaf_report = _merge_leaf(
-                        stacked,
-                        base_leaf,
-                        k,
-                        rules[k],
-                        weights.get(_rule_key(rules[k])),
-                        plan.seed,
-                        index,
-                        compiled,
-                    )
-                    host = np.asarray(merged).astype(dtype, copy=False).reshape(shape)
-                    if np.may_share_memory(host, stacked):  # a rule that passed an input through
-                        host = host.copy()  # the stack's buffer is reused while this is written
+                    where = (plan.seed, index_of[k], compiled)  # the rule's key, and its compiled updates
+                    if piece.whole:
+                        vector = weights.get(_rule_key(rules[k]))
+                        merged, leaf_report = _merge_leaf(stacked, base_piece, k, rules[k], vector, *where)
+                        host = np.asarray(merged).astype(dtype, copy=False).reshape(shape)
+                        if np.may_share_memory(host, stacked):  # a rule that passed an input through
+                            host = host.copy()  # the stack's buffer is reused while this is written
+                    else:
+                        if piece.start == 0:
+                            leaf = _ChunkedLeaf(rules[k], dtype)
+                        leaf.add(piece, *_apply_update(stacked, base_piece, rules[k], *where))
+                        if not piece.last:
+                            continue
+                        host, leaf_report = leaf.result()
+                        if host is None:  # the chunks found different valid nodes: merge the leaf whole
+                            whole_base = None if base is None else stream.read_one(base, k)
+                            merged, leaf_report = _merge_leaf(
+                                stream.stack(readers, k), whole_base, k, rules[k], None, *where
+                            )
+                            host = np.asarray(merged).astype(dtype, copy=False).reshape(shape)
                     background.write(k, host)
                     report["leaves"][k] = leaf_report
                     bar.update(1)
@@ -621,15 +558,79 @@ def merge_checkpoints(plan: MergePlan, *, progress: bool = True, overwrite: bool
             (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
         bar.close()
     finally:
+        if compiled is not None:
+            compiled.close()
         for r in [*readers, *([base] if base else [])]:
             r.close()
     return report
+
+
+def _compute_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype :func:`_as_compute` merges a floating leaf of ``dtype`` in."""
+    import jax
+
+    keep = np.dtype(dtype) in (np.dtype(np.float32), np.dtype(np.float64))
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype if keep else np.float32))
 
 
 def _is_float(dtype: np.dtype) -> bool:
     import ml_dtypes
 
     return bool(np.issubdtype(dtype, np.floating)) or np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16)
+
+
+def _jitted_update(choice: RuleChoice, has_base: bool) -> Any:
+    """The rule's update on one stacked leaf ``{"x": x}``, jitted: XLA fuses the rule's passes over
+    the leaf, where eager dispatch would run them one by one."""
+    import jax
+
+    spec = choice.spec
+    keyed = "key" in spec.needs
+    rule = spec.build(choice.num_byzantine if spec.takes_f else None, **choice.params)
+
+    def update(x: Any, params: Any, key: Any) -> Any:
+        extra = {"key": key} if keyed else {}
+        init = params if has_base else {"x": x[0]}
+        return rule.update({"x": x}, rule.init(init), params if has_base else None, **extra)
+
+    return jax.jit(update)
+
+
+class _Compiled:
+    """The plan's leaf updates, compiled ahead of time in a background thread, one per distinct
+    (rule, leaf shape, compute dtype, base given).
+
+    Compiling costs ~0.1 s per shape on a CPU, a fixed cost that was on the merge's critical
+    path at the first leaf of every shape (four shapes: ~0.45 s, against ~1 s for reading
+    8 GB of inputs); compiled here in the order the leaves come, each one is ready by the
+    time its first leaf is read, and XLA's compiler releases the GIL.
+    """
+
+    def __init__(self, jobs: Sequence[tuple[RuleChoice, tuple[int, ...], Any, bool]]):
+        from concurrent.futures import ThreadPoolExecutor
+
+        import jax
+
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="merge-compile")
+        self.futures: dict[tuple[str, tuple[int, ...], str, bool], Any] = {}
+        fns: dict[tuple[str, bool], Any] = {}
+        key_spec = jax.eval_shape(lambda: jax.random.key(0))
+        for choice, shape, dtype, has_base in jobs:
+            slot = (_rule_key(choice), tuple(shape), np.dtype(dtype).name, has_base)
+            if slot in self.futures:
+                continue
+            fn = fns.setdefault((slot[0], has_base), _jitted_update(choice, has_base))
+            x = jax.ShapeDtypeStruct(shape, dtype)
+            params = {"x": jax.ShapeDtypeStruct(shape[1:], dtype)} if has_base else None
+            key = key_spec if "key" in choice.spec.needs else None
+            self.futures[slot] = self.pool.submit(lambda f=fn, a=(x, params, key): f.lower(*a).compile())
+
+    def get(self, shape: tuple[int, ...], dtype: Any, has_base: bool, choice: RuleChoice) -> Any:
+        future = self.futures.get((_rule_key(choice), tuple(shape), np.dtype(dtype).name, has_base))
+        return None if future is None else future.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _merge_leaf(
@@ -640,12 +641,9 @@ def _merge_leaf(
     vector: tuple[np.ndarray, np.ndarray] | None,
     seed: int,
     index: int,
-    compiled: dict[Any, Any] | None = None,
+    compiled: _Compiled | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    import jax
     import jax.numpy as jnp
-
-    from consensus.base import get_info
 
     n = len(stacked)
     if not _is_float(stacked.dtype):
@@ -656,45 +654,75 @@ def _merge_leaf(
             )
         # A copy: the stack's buffer is reused for a later leaf while this one is being written.
         return stacked[0].copy(), {"method": "copy (non-float, equal in every input)"}
-    x = _as_compute(stacked)
-    base_leaf = None if base_leaf is None else _as_compute(base_leaf)
     if vector is not None:
         w, _ = vector
-        flat = x.reshape(n, -1)
-        c = _centre(flat, None if base_leaf is None else base_leaf.reshape(-1))
+        flat = _as_compute(stacked).reshape(n, -1)
+        c = _centre(flat, None if base_leaf is None else _as_compute(base_leaf).reshape(-1))
         valid = jnp.asarray(w != 0)
         delta = jnp.where(valid[:, None], flat - c, 0.0)  # a 0-weight input holding NaN contributes nothing
         merged = c + jnp.tensordot(jnp.asarray(w, jnp.float32), delta, axes=1)
         return merged, {"method": choice.method, "weights": "whole-model (see vector_rules)"}
-    spec = choice.spec
-    keyed = "key" in spec.needs
-    params = None if base_leaf is None else {"x": base_leaf}
-    # One jitted update per rule of the plan (XLA fuses the rule's passes over the leaf; eager
-    # dispatch would run them one by one), compiled once per leaf shape.
-    slot = (_rule_key(choice), params is not None, keyed)
-    if compiled is None or slot not in compiled:
-        rule = spec.build(choice.num_byzantine if spec.takes_f else None, **choice.params)
+    merged, info = _apply_update(stacked, base_leaf, choice, seed, index, compiled)
+    return merged, _leaf_report(choice, info)
 
-        def update(x: Any, params: Any, key: Any) -> Any:
-            extra = {"key": key} if keyed else {}
-            return rule.update(
-                {"x": x}, rule.init(params if params is not None else {"x": x[0]}), params, **extra
-            )
 
-        fn = jax.jit(update)
-        if compiled is None:
-            compiled = {}
-        compiled[slot] = fn
-    key = jax.random.fold_in(jax.random.key(seed), index) if keyed else None
-    merged, state = compiled[slot](x, params, key)
-    info = get_info(state)
+def _apply_update(
+    stacked: Any, base: Any | None, choice: RuleChoice, seed: int, index: int, compiled: _Compiled | None
+) -> tuple[Any, Any]:
+    """The rule's (merged leaf or chunk, info) on a float stack; the key is ``fold_in(key(seed), index)``."""
+    import jax
+
+    from consensus.base import get_info
+
+    x = _as_compute(stacked)
+    params = None if base is None else {"x": _as_compute(base)}
+    key = jax.random.fold_in(jax.random.key(seed), index) if "key" in choice.spec.needs else None
+    fn = compiled.get(x.shape, x.dtype, params is not None, choice) if compiled is not None else None
+    if fn is None:
+        fn = _jitted_update(choice, params is not None)
+    merged, state = fn(x, params, key)
+    return merged["x"], get_info(state)
+
+
+def _leaf_report(choice: RuleChoice, info: Any) -> dict[str, Any]:
     leaf_report: dict[str, Any] = {
         "method": choice.method,
         "selected": [int(i) for i in np.flatnonzero(np.asarray(info.selected))],
     }
     if info.linear:
         leaf_report["weights"] = [round(float(v), 8) for v in np.asarray(info.weights)]
-    return merged["x"], leaf_report
+    return leaf_report
+
+
+class _ChunkedLeaf:
+    """Collects the chunks of a leaf merged chunk by chunk (an element-wise rule).
+
+    An element-wise rule gives on a chunk the values it gives there on the whole leaf, as
+    long as it finds the same valid nodes (finite ones) in the chunk as in the leaf. When
+    every chunk reports the same selection, each node is finite in every chunk or in none,
+    which is the leaf's own selection: the result is the whole-leaf merge. Otherwise
+    (a node non-finite in part of the leaf) :meth:`result` says so and the caller merges
+    the leaf whole. The chunks' outputs are kept as they come (XLA's own buffers) and go
+    to the writer as pieces, so the leaf is never assembled in memory.
+    """
+
+    def __init__(self, choice: RuleChoice, dtype: np.dtype):
+        self.choice, self.dtype = choice, dtype
+        self.parts: list[np.ndarray] = []
+        self.report: dict[str, Any] | None = None
+        self.consistent = True
+
+    def add(self, piece: stream.Piece, merged: Any, info: Any) -> None:
+        values = np.asarray(merged)[: piece.width]  # waits for the chunk: its input buffer is reused
+        self.parts.append(values.astype(self.dtype, copy=False))
+        report = _leaf_report(self.choice, info)
+        if self.report is None:
+            self.report = report
+        self.consistent &= report == self.report
+
+    def result(self) -> tuple[list[np.ndarray] | None, dict[str, Any]]:
+        assert self.report is not None
+        return (self.parts if self.consistent else None), self.report
 
 
 # ----------------------------------------------------------------------------- command line

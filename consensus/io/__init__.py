@@ -12,6 +12,7 @@ from consensus.io.keys import CheckpointKeyError, KeyMapping, check_against, fla
 from consensus.io.safetensors import (
     CheckpointError,
     CheckpointReader,
+    DirectFile,
     ShardedWriter,
     atomic_directory,
     checkpoint_files,
@@ -24,6 +25,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointKeyError",
     "CheckpointReader",
+    "DirectFile",
     "KeyMapping",
     "ShardedWriter",
     "atomic_directory",

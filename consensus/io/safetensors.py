@@ -37,7 +37,7 @@ import re
 import shutil
 import struct
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +161,92 @@ def shard_names(count: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
+class DirectFile:
+    """A write-only file written with ``O_DIRECT`` through an aligned staging buffer (Linux).
+
+    Writing a large file through the page cache costs a fresh page per 4 KiB, and on a
+    virtual machine whose memory the host backs lazily the first touch of each page is
+    what dominates: measured here, 2.3-2.5 s per GB of buffered writes into fresh memory,
+    0.4 s into recycled page cache, and 0.6 s per GB with ``O_DIRECT`` (which also leaves
+    the page cache to the inputs a merge is reading). Bytes are staged in an aligned
+    buffer and written in aligned blocks; :meth:`close` writes the padded last block and
+    truncates the file to its true length. Where the file system refuses ``O_DIRECT``
+    (tmpfs, some network file systems), the file is written the ordinary way.
+    """
+
+    BLOCK = 4096
+    STAGE = 8 << 20
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.size = 0  # bytes accepted
+        self.flushed = 0  # bytes on disk (a multiple of BLOCK while direct)
+        raw = np.empty(self.STAGE + self.BLOCK, np.uint8)
+        start = -raw.ctypes.data % self.BLOCK
+        self.stage = raw[start : start + self.STAGE]
+        self.used = 0
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self.direct = hasattr(os, "O_DIRECT")
+        try:
+            self.fd = os.open(self.path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
+        except OSError:
+            self.direct = False
+            self.fd = os.open(self.path, flags, 0o644)
+
+    def write(self, data: Any) -> None:
+        view = np.frombuffer(data, np.uint8)
+        done = 0
+        while done < view.size:
+            take = min(self.STAGE - self.used, view.size - done)
+            self.stage[self.used : self.used + take] = view[done : done + take]
+            self.used += take
+            done += take
+            if self.used == self.STAGE:
+                self._flush(self.STAGE)
+        self.size += view.size
+
+    def _flush(self, nbytes: int) -> None:
+        """Write the first ``nbytes`` (a multiple of BLOCK while direct) of the stage."""
+        out = memoryview(self.stage[:nbytes])
+        while out:
+            try:
+                got = os.write(self.fd, out)
+            except OSError:
+                if not self.direct:
+                    raise
+                self._fall_back()  # the file system took the open but not the write
+                continue
+            out = out[got:]
+            self.flushed += got
+        keep = self.used - nbytes
+        if keep:
+            self.stage[:keep] = self.stage[nbytes : self.used]
+        self.used = keep
+
+    def _fall_back(self) -> None:
+        os.close(self.fd)
+        self.fd = os.open(self.path, os.O_WRONLY)
+        os.lseek(self.fd, self.flushed, os.SEEK_SET)
+        self.direct = False
+
+    def close(self) -> None:
+        if self.fd < 0:
+            return
+        try:
+            if self.used:
+                if self.direct:
+                    padded = -(-self.used // self.BLOCK) * self.BLOCK
+                    self.stage[self.used : padded] = 0
+                    true_size, self.used = self.flushed + self.used, padded
+                    self._flush(padded)
+                    os.ftruncate(self.fd, true_size)
+                else:
+                    self._flush(self.used)
+        finally:
+            os.close(self.fd)
+            self.fd = -1
+
+
 class ShardedWriter:
     """Writes a checkpoint folder tensor by tensor, in the order of ``specs``.
 
@@ -174,6 +260,7 @@ class ShardedWriter:
       specs: key -> (shape, dtype), in write order.
       shard_size: bytes per shard (None: one file).
       metadata: str -> str stored in every shard's header (``__metadata__``).
+      direct: write the shards with ``O_DIRECT`` (:class:`DirectFile`), bypassing the page cache.
     """
 
     def __init__(
@@ -183,7 +270,9 @@ class ShardedWriter:
         *,
         shard_size: int | None = None,
         metadata: Mapping[str, str] | None = None,
+        direct: bool = False,
     ):
+        self.direct = direct
         self.directory = Path(directory)
         self.specs = {k: (tuple(int(d) for d in s), np.dtype(t)) for k, (s, t) in specs.items()}
         self.metadata = {str(k): str(v) for k, v in (metadata or {}).items()}
@@ -214,7 +303,8 @@ class ShardedWriter:
             offset += self.nbytes[key]
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors' own writer does
-        self._file = open(self.directory / self.names[index], "wb")  # noqa: SIM115 (closed in close())
+        target = self.directory / self.names[index]
+        self._file = DirectFile(target) if self.direct else open(target, "wb")  # noqa: SIM115 (closed in close())
         self._file.write(struct.pack("<Q", len(text)))
         self._file.write(text)
         self._open_index = index
@@ -237,6 +327,34 @@ class ShardedWriter:
         if array.dtype.byteorder == ">":
             array = array.byteswap().view(array.dtype.newbyteorder("<"))
         self._file.write(array.reshape(-1).view(np.uint8).data)
+        self._next += 1
+
+    def write_parts(self, key: str, parts: Sequence[Any]) -> None:
+        """Append ``key`` given as consecutive pieces of its flattened values (each 1-D, its dtype).
+
+        For a caller that produces a tensor in pieces (``meta-consensus merge``'s column
+        chunks): the pieces go to the file as they are, never assembled in memory.
+        """
+        if self._next >= len(self._order) or self._order[self._next] != key:
+            expected = self._order[self._next] if self._next < len(self._order) else "nothing (all written)"
+            raise CheckpointError(f"ShardedWriter: got {key!r}, expected {expected!r} next")
+        shape, dtype = self.specs[key]
+        parts = [np.asarray(p) for p in parts]
+        bad = [p for p in parts if p.dtype != dtype or p.ndim != 1]
+        total = sum(p.size for p in parts)
+        if bad or total != int(np.prod(shape, dtype=np.int64)):
+            got = f"{len(parts)} pieces of {total} values" + (
+                f", one {bad[0].dtype}{list(bad[0].shape)}" if bad else ""
+            )
+            raise CheckpointError(f"ShardedWriter: {key!r} is {dtype}{list(shape)}, got {got}")
+        shard = self._shard_of[key]
+        if shard != self._open_index:
+            self._open_shard(shard)
+        for p in parts:
+            p = np.ascontiguousarray(p)
+            if p.dtype.byteorder == ">":
+                p = p.byteswap().view(p.dtype.newbyteorder("<"))
+            self._file.write(p.view(np.uint8).data)
         self._next += 1
 
     def close(self) -> None:
@@ -497,14 +615,38 @@ class CheckpointReader:
         else:
             self._read_stored(old, out)
 
-    def _read_stored(self, old: str, out: np.ndarray) -> None:
+    def read_range_into(self, key: str, start: int, out: np.ndarray) -> None:
+        """Read elements ``[start, start + out.size)`` of the flattened tensor ``key`` into ``out``.
+
+        ``out`` is a C-contiguous array of the tensor's dtype; the range is of the stored
+        (row-major) order, so a key the mapping transposes cannot be read this way. Lets a
+        caller stream a large tensor in column chunks that stay in cache (``meta-consensus
+        merge``'s element-wise rules).
+        """
+        if key not in self._source:
+            raise CheckpointKeyError(f"{self.path} has no key {key!r}")
+        shape, dtype = self.specs[key]
+        size = int(np.prod(shape, dtype=np.int64))
+        if out.dtype != dtype or not out.flags.c_contiguous or start < 0 or start + out.size > size:
+            raise ValueError(
+                f"read_range_into {key!r}: out must be C-contiguous {dtype} within the {size} elements, "
+                f"got {out.dtype} of {out.size} at {start}"
+            )
+        if self.mapping.transposes(key):
+            raise ValueError(f"read_range_into {key!r}: the mapping transposes it; read it whole")
+        old = self._source[key]
+        self._read_stored(old, out, start * dtype.itemsize)
+
+    def _read_stored(self, old: str, out: np.ndarray, skip: int | None = None) -> None:
+        """Read the stored tensor ``old`` into ``out`` (all of it), or ``out.nbytes`` bytes after ``skip``."""
         f = self._stored[old][0]
         begin, end = self._offsets[old]
         view = memoryview(out.reshape(-1).view(np.uint8))
-        if len(view) != end - begin:
-            raise CheckpointError(
-                f"{f}: {old!r} holds {end - begin} bytes, its shape and dtype need {len(view)}"
-            )
+        _, shape, dtype = self._stored[old]
+        need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if end - begin != need or (skip is None and len(view) != need):
+            raise CheckpointError(f"{f}: {old!r} holds {end - begin} bytes, its shape and dtype need {need}")
+        begin += skip or 0
         done = 0
         while done < len(view):  # preadv may return fewer bytes than asked (large reads, signals)
             got = os.preadv(self._fds[f], [view[done:]], begin + done)

@@ -254,3 +254,111 @@ def test_a_truncated_file_is_an_error_not_garbage(tmp_path):
             f.truncate(size - 16)
         with pytest.raises(io.CheckpointError, match="ends early"):
             reader.get("a")
+
+
+def test_range_reads_equal_slices_of_the_flattened_tensor(tmp_path):
+    rng = np.random.default_rng(6)
+    tensors = {
+        "a": rng.normal(size=(7, 5)).astype(np.float32),
+        "b": rng.normal(size=(11,)).astype(ml_dtypes.bfloat16),
+    }
+    path = tmp_path / "x.safetensors"
+    save_file(tensors, str(path))
+    with io.CheckpointReader(path) as reader:
+        for k, v in tensors.items():
+            flat = v.reshape(-1)
+            for start, stop in [(0, flat.size), (0, 1), (3, 9), (flat.size - 2, flat.size)]:
+                out = np.empty(stop - start, v.dtype)
+                reader.read_range_into(k, start, out)
+                assert out.tobytes() == flat[start:stop].tobytes(), (k, start, stop)
+        with pytest.raises(ValueError, match="within the 35 elements"):
+            reader.read_range_into("a", 30, np.empty(6, np.float32))
+        with pytest.raises(ValueError, match="C-contiguous float32"):
+            reader.read_range_into("a", 0, np.empty(3, np.float64))
+    transposed = io.KeyMapping(transpose=[r"^a$"])
+    with (
+        io.CheckpointReader(path, mapping=transposed) as reader,
+        pytest.raises(ValueError, match="transposes"),
+    ):
+        reader.read_range_into("a", 0, np.empty(3, np.float32))
+
+
+def _write_with(tmp_path, name, specs, arrays, **kw) -> bytes:
+    folder = tmp_path / name
+    folder.mkdir()
+    w = io.ShardedWriter(folder, specs, **kw)
+    for k, a in arrays.items():
+        if isinstance(a, list):
+            w.write_parts(k, a)
+        else:
+            w.write(k, a)
+    w.close()
+    return (folder / "model.safetensors").read_bytes()
+
+
+def test_direct_writes_and_pieces_give_the_same_bytes_as_buffered_writes(tmp_path, monkeypatch):
+    # A small stage makes the direct writer flush many times, with keys across the flushes.
+    monkeypatch.setattr(io.safetensors.DirectFile, "STAGE", 8192)
+    rng = np.random.default_rng(7)
+    arrays = {
+        "a": rng.normal(size=(3, 1000)).astype(np.float32),  # 12 kB: across stage flushes
+        "b": _array(rng, (5,), ml_dtypes.bfloat16),  # 10 bytes: the file's size is no block multiple
+        "c": rng.normal(size=(4099,)).astype(np.float64),
+    }
+    specs = {k: (v.shape, v.dtype) for k, v in arrays.items()}
+    buffered = _write_with(tmp_path, "buffered", specs, arrays)
+    direct = _write_with(tmp_path, "direct", specs, arrays, direct=True)
+    assert direct == buffered and len(direct) % 4096 != 0
+    pieces = {k: [v.reshape(-1)[:7], v.reshape(-1)[7:]] for k, v in arrays.items()}
+    assert _write_with(tmp_path, "pieces", specs, pieces, direct=True) == buffered
+    _assert_bits_equal(arrays, io.load_safetensors(tmp_path / "direct"))
+
+
+@pytest.mark.parametrize("refuses", ["open", "write"])
+def test_direct_writer_falls_back_where_the_file_system_refuses_o_direct(tmp_path, monkeypatch, refuses):
+    import errno
+    import os
+
+    direct_flag = getattr(os, "O_DIRECT", 0)
+    real_open, real_write = os.open, os.write
+    direct_fds, refused = set(), []
+
+    # A file system that refuses O_DIRECT at open (tmpfs), or takes the flag and then refuses
+    # the writes; the flag itself is never passed on, so this runs on any file system.
+    def fake_open(path, flags, *args):
+        if flags & direct_flag and refuses == "open":
+            refused.append(path)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        fd = real_open(path, flags & ~direct_flag, *args)
+        (direct_fds.add if flags & direct_flag else direct_fds.discard)(fd)  # fds are reused
+        return fd
+
+    def fake_write(fd, data):
+        if fd in direct_fds:
+            refused.append(len(data))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    rng = np.random.default_rng(8)
+    arrays = {"a": rng.normal(size=(5000,)).astype(np.float32), "b": np.arange(3, dtype=np.int8)}
+    specs = {k: (v.shape, v.dtype) for k, v in arrays.items()}
+    monkeypatch.setattr(io.safetensors.DirectFile, "STAGE", 8192)
+    monkeypatch.setattr(os, "O_DIRECT", direct_flag or 0o40000, raising=False)
+    direct_flag = os.O_DIRECT
+    with monkeypatch.context() as m:
+        m.setattr(os, "open", fake_open)
+        m.setattr(os, "write", fake_write)
+        got = _write_with(tmp_path, "direct", specs, arrays, direct=True)
+    assert refused, "O_DIRECT was never tried"
+    assert got == _write_with(tmp_path, "buffered", specs, arrays)
+
+
+def test_pieces_are_checked_against_the_declared_tensor(tmp_path):
+    w = io.ShardedWriter(tmp_path, {"a": ((2, 3), np.float32)})
+    with pytest.raises(io.CheckpointError, match=r"'a' is float32\[2, 3\], got 2 pieces of 5 values"):
+        w.write_parts("a", [np.zeros(2, np.float32), np.zeros(3, np.float32)])
+    with pytest.raises(io.CheckpointError, match="one float64"):
+        w.write_parts("a", [np.zeros(6)])
+    w.write_parts("a", [np.zeros(4, np.float32), np.ones(2, np.float32)])
+    w.close()
+    np.testing.assert_array_equal(io.load_safetensors(tmp_path)["a"], [[0, 0, 0], [0, 1, 1]])

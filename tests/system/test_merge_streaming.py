@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 from consensus import io
-from meta_consensus.merge import MergePlan, RuleChoice, _aligned_empty, merge_checkpoints
+from meta_consensus import merge_stream
+from meta_consensus.merge import MergePlan, RuleChoice, merge_checkpoints
+from meta_consensus.merge_stream import aligned_empty
 
 N = 5
 
@@ -55,6 +58,54 @@ def test_streamed_median_equals_numpy_leaf_by_leaf(tmp_path):
 
 def test_aligned_buffers_start_on_64_bytes():
     for shape, dtype in [((3,), np.float32), ((5, 7), np.float64), ((1,), np.uint8)]:
-        a = _aligned_empty(shape, dtype)
+        a = aligned_empty(shape, dtype)
         assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous
         assert a.ctypes.data % 64 == 0
+
+
+def _merge(tmp_path, name, paths, method, base=None, chunk_bytes=None):
+    kw = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
+    plan = MergePlan(inputs=tuple(paths), out=str(tmp_path / name), rule=RuleChoice(method), base=base)
+    report = merge_checkpoints(plan, progress=False, **kw)
+    return io.flatten(io.load_safetensors(tmp_path / name)), report
+
+
+@pytest.mark.slow  # six compilations
+@pytest.mark.parametrize("method", ["median", "task_arithmetic"])
+def test_column_chunks_give_the_whole_leaf_merge_bit_for_bit(tmp_path, method, monkeypatch):
+    # 2560-byte chunks of 5 rows: 128 columns, so the (64, 48) leaves come in 24 chunks, the
+    # (1000,) leaf in 8 (the last one 104 wide, padded) and (3,) in one padded chunk; bfloat16
+    # inputs are merged in float32 and cast back, chunk by chunk.
+    rng = np.random.default_rng(4)
+    shapes = {"a": (64, 48), "b": (1000,), "c": (3,)}
+    models = [
+        {
+            k: rng.normal(size=s).astype(ml_dtypes.bfloat16 if k == "b" else np.float32)
+            for k, s in shapes.items()
+        }
+        for _ in range(N + 1)
+    ]
+    models[1]["a"][40, 7] = np.nan  # input 1 is non-finite in one chunk of "a" only
+    paths = [str(io.save_safetensors(m, tmp_path / f"in{i}.safetensors")) for i, m in enumerate(models)]
+    base = paths.pop() if method == "task_arithmetic" else None
+    paths = paths[:N] if base else paths[1 : N + 1] + paths[:1]
+    chunks = []
+    read_chunk = merge_stream.read_chunk
+    monkeypatch.setattr(
+        merge_stream, "read_chunk", lambda r, p, into=None: chunks.append(p) or read_chunk(r, p, into)
+    )
+    chunked, report = _merge(tmp_path, "chunked", paths, method, base, chunk_bytes=2560)
+    assert len(chunks) == (24 + 8 + 1) * (2 if base else 1)  # the inputs' chunks, and the base's
+    whole, want = _merge(tmp_path, "whole", paths, method, base, chunk_bytes=0)
+    for k in shapes:
+        assert chunked[k].dtype == whole[k].dtype and chunked[k].tobytes() == whole[k].tobytes(), k
+        assert np.all(np.isfinite(np.asarray(chunked[k], np.float32))), k
+    assert report["leaves"] == want["leaves"]
+    # The node with a NaN in one chunk is dropped from that whole leaf (the leaf is merged
+    # whole when its chunks disagree), and kept in the others.
+    nan_input = paths.index(str(tmp_path / "in1.safetensors"))
+    assert nan_input not in report["leaves"]["a"]["selected"]
+    assert nan_input in report["leaves"]["b"]["selected"]
+    stack = np.stack([np.asarray(io.load_safetensors(p)["c"], np.float64) for p in paths])
+    if method == "median":
+        np.testing.assert_allclose(chunked["c"], np.median(stack, axis=0), rtol=1e-6)
