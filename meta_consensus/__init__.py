@@ -12,9 +12,35 @@ This is the one place where the coordinator (``consensus``) and the node side
 * :mod:`meta_consensus.report` - metrics.jsonl, TensorBoard, plots and the final table.
 """
 
-from meta_consensus.config import Config, ConfigError, load
-from meta_consensus.coordinator import Coordinator, CoordinatorState, RoundInfo
-from meta_consensus.run import MetaConsensus, RunResult
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from meta_consensus.config import Config, ConfigError, load
+    from meta_consensus.coordinator import Coordinator, CoordinatorState, RoundInfo
+    from meta_consensus.run import MetaConsensus, RunResult
+
+# The names below are imported on first use (PEP 562): ``meta-consensus merge`` and ``report``
+# import their own modules, not the node side (flax, optax, scipy.stats) that the run needs.
+_LAZY = {
+    "Config": "meta_consensus.config",
+    "ConfigError": "meta_consensus.config",
+    "load": "meta_consensus.config",
+    "Coordinator": "meta_consensus.coordinator",
+    "CoordinatorState": "meta_consensus.coordinator",
+    "RoundInfo": "meta_consensus.coordinator",
+    "MetaConsensus": "meta_consensus.run",
+    "RunResult": "meta_consensus.run",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'meta_consensus' has no attribute {name!r}")
+
 
 __all__ = [
     "Config",

@@ -38,7 +38,7 @@ the buffers, the read-ahead and write-behind threads and the column chunks.
 
 * Element-wise rules (``RuleSpec.elementwise``: mean, median, trimmed mean,
   MeaMed, task arithmetic) are streamed in column chunks of the flattened
-  leaves, 16 MB of stacked rows at a time, so the rule reads rows that are still
+  leaves, 32 MB of stacked rows at a time, so the rule reads rows that are still
   in cache and a model's leaves share a few compiled shapes; a leaf whose chunks
   find different valid nodes (a node non-finite in part of it) is merged again
   whole, so the result is always the whole-leaf merge.
@@ -244,10 +244,13 @@ def open_input(path: str | Path) -> Any:
     :class:`MergeError` naming both kinds.
     """
     from consensus import io
-    from meta_consensus.checkpoint import TreeReader, find_step_directory
 
     p = Path(path)
     if p.is_dir() and not any(p.glob("*.safetensors")) and not any(p.glob("*.index.json")):
+        # Imported here: the orbax side pulls in the run's modules (flax, optax, the node side),
+        # about 0.7 s that a merge of safetensors files does not need.
+        from meta_consensus.checkpoint import TreeReader, find_step_directory
+
         if find_step_directory(p) is None:
             raise MergeError(
                 f"{p}: not a checkpoint: no .safetensors files and no orbax checkpoint of this package "
@@ -495,12 +498,18 @@ def merge_checkpoints(
         )
         for group, group_keys in vector_groups.items():
             gram, finite = np.zeros((n, n)), np.ones(n, bool)
+
             # pass 1: the Gram matrix of the whole slice, one leaf at a time
-            for _piece, stacked, base_leaf in stream.Prefetch(readers, base, map(stream.Piece, group_keys)):
+            def gram_of(piece: stream.Piece, buffers: dict) -> tuple[np.ndarray, np.ndarray]:
+                stacked, base_leaf = stream.read_piece(readers, base, piece, buffers)
                 x = _as_compute(stacked).reshape(n, -1)
-                c = _centre(x, None if base_leaf is None else base_leaf.reshape(-1))
-                finite &= np.asarray(jnp.all(jnp.isfinite(x), axis=1))
-                gram += tree_lib.gram_f64({"x": jnp.where(jnp.isfinite(x), x, 0.0)}, {"x": c})
+                c = _centre(x, None if base_leaf is None else _as_compute(base_leaf).reshape(-1))
+                leaf_finite = np.asarray(jnp.all(jnp.isfinite(x), axis=1))
+                return leaf_finite, tree_lib.gram_f64({"x": jnp.where(jnp.isfinite(x), x, 0.0)}, {"x": c})
+
+            for leaf_finite, leaf_gram in stream.Pipeline(gram_of, [stream.Piece(k) for k in group_keys]):
+                finite &= leaf_finite
+                gram += leaf_gram
                 bar.update(1)
             choice = rules[group_keys[0]]
             w, selected = _vector_weights(choice, gram, finite)
@@ -522,31 +531,40 @@ def merge_checkpoints(
             # pass 2: merge and write leaf by leaf; leaf k + 1 is read and leaf k - 1 written meanwhile
             background = stream.Writer(writer)
             index_of = {k: i for i, k in enumerate(keys)}
+
+            def merge_piece(piece: stream.Piece, buffers: dict) -> tuple[Any, dict[str, Any]]:
+                """A worker's piece: a whole leaf merged (host array, report), or a chunk (values, info)."""
+                k = piece.key
+                shape, dtype = specs[k]
+                stacked, base_piece = stream.read_piece(readers, base, piece, buffers)
+                where = (plan.seed, index_of[k], compiled)  # the rule's key, and its compiled updates
+                if piece.whole:
+                    vector = weights.get(_rule_key(rules[k]))
+                    merged, leaf_report = _merge_leaf(stacked, base_piece, k, rules[k], vector, *where)
+                    host = np.asarray(merged).astype(dtype, copy=False).reshape(shape)
+                else:
+                    merged, info = _apply_update(stacked, base_piece, rules[k], *where)
+                    host = np.asarray(merged)[: piece.width].astype(dtype, copy=False)
+                    leaf_report = _leaf_report(rules[k], info)
+                if np.may_share_memory(host, stacked):  # a rule that passed an input through
+                    host = host.copy()  # the worker's buffer is reused for its next piece
+                return host, leaf_report
+
             leaf: _ChunkedLeaf | None = None
             try:
-                for piece, stacked, base_piece in stream.Prefetch(readers, base, pieces):
+                for piece, (host, leaf_report) in zip(
+                    pieces, stream.Pipeline(merge_piece, pieces), strict=True
+                ):
                     k = piece.key
-                    shape, dtype = specs[k]
-                    where = (plan.seed, index_of[k], compiled)  # the rule's key, and its compiled updates
-                    if piece.whole:
-                        vector = weights.get(_rule_key(rules[k]))
-                        merged, leaf_report = _merge_leaf(stacked, base_piece, k, rules[k], vector, *where)
-                        host = np.asarray(merged).astype(dtype, copy=False).reshape(shape)
-                        if np.may_share_memory(host, stacked):  # a rule that passed an input through
-                            host = host.copy()  # the stack's buffer is reused while this is written
-                    else:
+                    if not piece.whole:
                         if piece.start == 0:
-                            leaf = _ChunkedLeaf(rules[k], dtype)
-                        leaf.add(piece, *_apply_update(stacked, base_piece, rules[k], *where))
+                            leaf = _ChunkedLeaf()
+                        leaf.add(host, leaf_report)
                         if not piece.last:
                             continue
-                        host, leaf_report = leaf.result()
+                        host = leaf.parts if leaf.consistent else None
                         if host is None:  # the chunks found different valid nodes: merge the leaf whole
-                            whole_base = None if base is None else stream.read_one(base, k)
-                            merged, leaf_report = _merge_leaf(
-                                stream.stack(readers, k), whole_base, k, rules[k], None, *where
-                            )
-                            host = np.asarray(merged).astype(dtype, copy=False).reshape(shape)
+                            host, leaf_report = merge_piece(stream.Piece(k), {})
                     background.write(k, host)
                     report["leaves"][k] = leaf_report
                     bar.update(1)
@@ -701,28 +719,21 @@ class _ChunkedLeaf:
     long as it finds the same valid nodes (finite ones) in the chunk as in the leaf. When
     every chunk reports the same selection, each node is finite in every chunk or in none,
     which is the leaf's own selection: the result is the whole-leaf merge. Otherwise
-    (a node non-finite in part of the leaf) :meth:`result` says so and the caller merges
+    (a node non-finite in part of the leaf) ``consistent`` is False and the caller merges
     the leaf whole. The chunks' outputs are kept as they come (XLA's own buffers) and go
     to the writer as pieces, so the leaf is never assembled in memory.
     """
 
-    def __init__(self, choice: RuleChoice, dtype: np.dtype):
-        self.choice, self.dtype = choice, dtype
+    def __init__(self) -> None:
         self.parts: list[np.ndarray] = []
         self.report: dict[str, Any] | None = None
         self.consistent = True
 
-    def add(self, piece: stream.Piece, merged: Any, info: Any) -> None:
-        values = np.asarray(merged)[: piece.width]  # waits for the chunk: its input buffer is reused
-        self.parts.append(values.astype(self.dtype, copy=False))
-        report = _leaf_report(self.choice, info)
+    def add(self, values: np.ndarray, report: dict[str, Any]) -> None:
+        self.parts.append(values)
         if self.report is None:
             self.report = report
         self.consistent &= report == self.report
-
-    def result(self) -> tuple[list[np.ndarray] | None, dict[str, Any]]:
-        assert self.report is not None
-        return (self.parts if self.consistent else None), self.report
 
 
 # ----------------------------------------------------------------------------- command line

@@ -44,7 +44,10 @@ import dataclasses
 import math
 
 import numpy as np
-from scipy import signal, special
+
+# scipy.signal (fftconvolve, lfilter) is imported where it is used: importing it takes ~0.7 s,
+# most of ``import consensus``, and most users of the package never compose a PLD.
+from scipy import special
 
 from consensus.privacy._checks import (
     check_delta,
@@ -150,6 +153,8 @@ class DiscretePld:
         if self.pmf.size == 1 or other.pmf.size == 1:
             pmf = np.convolve(self.pmf, other.pmf)
         else:
+            from scipy import signal
+
             pmf = signal.fftconvolve(self.pmf, other.pmf)
         inf = 1.0 - (1.0 - self.infinity_mass) * (1.0 - other.infinity_mass)
         return _truncate(self.offset + other.offset, pmf, inf, self.discretization, tail_mass)
@@ -191,6 +196,8 @@ class DiscretePld:
         r = math.exp(-h)
         # tail[j] = sum_{k >= j} p_k; disc[j] = sum_{k >= j} p_k r^(k-j) (a stable backward recursion).
         tail = np.cumsum(pmf[::-1])[::-1]
+        from scipy import signal
+
         disc = signal.lfilter([1.0], [1.0, -r], pmf[::-1])[::-1]
         above = np.append(tail[1:], 0.0) + self.infinity_mass  # sum_{k > j} p_k + inf mass
         below_disc = r * np.append(disc[1:], 0.0)  # sum_{k > j} p_k e^(l_j - l_k)
