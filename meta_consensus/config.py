@@ -459,9 +459,7 @@ def _check_vote(cfg: Config) -> None:
     )
     _check(v.top_num_byzantine >= 0, "vote.top_num_byzantine", v.top_num_byzantine, "need >= 0")
     _check(v.root_size >= 1, "vote.root_size", v.root_size, "need >= 1 held-out rows")
-    _check(
-        v.server_steps is None or v.server_steps >= 1, "vote.server_steps", v.server_steps, "need >= 1"
-    )
+    _check(v.server_steps is None or v.server_steps >= 1, "vote.server_steps", v.server_steps, "need >= 1")
     vote_rules = rules.vote_rules()
     _choices("vote.rule", v.rule, vote_rules)
     unknown_pre = sorted(set(v.pre_options) - set(v.pre))

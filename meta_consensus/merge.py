@@ -23,7 +23,9 @@ is read with the dotted keys that :func:`consensus.io.save_safetensors` writes f
 the same tree (``Dense_0.kernel``, ``layers.0.w``), so safetensors and orbax inputs
 mix (see :func:`open_input`).
 
-Streaming (memory about (2n + 2) times the largest leaf, not n models): every
+Streaming (memory about n + 6 times the largest leaf merged whole: its stack and the
+base's leaf, up to four merged leaves in flight and one being written; chunked leaves
+take a chunk per worker and the merged leaves; never n models): every
 safetensors input is a :class:`~consensus.io.CheckpointReader` that reads one
 tensor straight into the merge's buffer, every orbax input a
 :class:`~meta_consensus.checkpoint.TreeReader` that restores a few leaves at a
@@ -341,9 +343,9 @@ def _as_compute(x: np.ndarray) -> Any:
     """Floating leaves are merged in float32 (bfloat16 / float16 inputs too) and cast back on output.
 
     A float32 / float64 host array is handed to jax as it is: on the CPU backend an aligned
-    buffer (:func:`~meta_consensus.merge_stream.aligned_empty`) is aliased, not copied.
-    :class:`~meta_consensus.merge_stream.Prefetch` reuses a buffer only once the piece it held
-    is merged and its output is on the host (see there).
+    buffer (:func:`~meta_consensus.merge_stream.aligned_empty`) is aliased, not copied: a
+    worker of :class:`~meta_consensus.merge_stream.Pipeline` reuses its buffers for its next
+    piece only once this one's output is on the host (and copied where it is a view of them).
     """
     import jax
     import jax.numpy as jnp
@@ -528,7 +530,7 @@ def merge_checkpoints(
                 metadata={"merged_by": "meta-consensus merge"},
                 direct=True,  # the page cache stays with the inputs (see consensus.io.DirectFile)
             )
-            # pass 2: merge and write leaf by leaf; leaf k + 1 is read and leaf k - 1 written meanwhile
+            # pass 2: two workers read and merge pieces (leaves or chunks) while earlier leaves are written
             background = stream.Writer(writer)
             index_of = {k: i for i, k in enumerate(keys)}
 
@@ -637,7 +639,9 @@ class _Compiled:
             slot = (_rule_key(choice), tuple(shape), np.dtype(dtype).name, has_base)
             if slot in self.futures:
                 continue
-            fn = fns.setdefault((slot[0], has_base), _jitted_update(choice, has_base))
+            if (slot[0], has_base) not in fns:
+                fns[slot[0], has_base] = _jitted_update(choice, has_base)
+            fn = fns[slot[0], has_base]
             x = jax.ShapeDtypeStruct(shape, dtype)
             params = {"x": jax.ShapeDtypeStruct(shape[1:], dtype)} if has_base else None
             key = key_spec if "key" in choice.spec.needs else None

@@ -1,10 +1,12 @@
-"""The merge's streaming machinery: reused read buffers, read-ahead and write-behind threads.
+"""The merge's streaming machinery: reused buffers, two workers, column chunks, write-behind.
 
-Two aligned byte buffers take turns holding the (n, leaf) stacks, a worker thread reads leaf
-k + 1 while leaf k merges and another writes leaf k - 1. A buffer reused too early would put a
-later leaf's bytes into an earlier leaf's output; this checks every leaf of a checkpoint with
-leaves of alternating sizes (large after small and small after large), an integer leaf (copied,
-a view of the stack otherwise) and more leaves than buffers against numpy's float64 median.
+Two workers read and merge pieces (whole leaves, one at a time in shared buffers, or column
+chunks in each worker's own buffers) while a third thread writes earlier leaves. A buffer
+reused too early would put a later leaf's bytes into an earlier leaf's output; this checks
+every leaf of a checkpoint with leaves of alternating sizes (large after small and small after
+large), an integer leaf (copied, a view of the stack otherwise) and more leaves than buffers
+against numpy's float64 median, whole and in chunks, and the chunks against the whole-leaf
+merge bit for bit.
 """
 
 from __future__ import annotations
@@ -35,12 +37,15 @@ def _models() -> list[dict[str, np.ndarray]]:
 
 
 @pytest.mark.slow  # two XLA compilations: 4.5 s on 2 shared cores
-def test_streamed_median_equals_numpy_leaf_by_leaf(tmp_path):
+@pytest.mark.parametrize("chunk_bytes", [0, 1024], ids=["whole leaves", "chunks"])
+def test_streamed_median_equals_numpy_leaf_by_leaf(tmp_path, chunk_bytes):
     models = _models()
     paths = [str(io.save_safetensors(m, tmp_path / f"in{i}.safetensors")) for i, m in enumerate(models)]
     out = tmp_path / "out"
     report = merge_checkpoints(
-        MergePlan(inputs=tuple(paths), out=str(out), rule=RuleChoice("median")), progress=False
+        MergePlan(inputs=tuple(paths), out=str(out), rule=RuleChoice("median")),
+        progress=False,
+        chunk_bytes=chunk_bytes,
     )
     merged = io.load_safetensors(out)
     flat = io.flatten(merged)
