@@ -114,3 +114,54 @@ def test_column_chunks_give_the_whole_leaf_merge_bit_for_bit(tmp_path, method, m
     stack = np.stack([np.asarray(io.load_safetensors(p)["c"], np.float64) for p in paths])
     if method == "median":
         np.testing.assert_allclose(chunked["c"], np.median(stack, axis=0), rtol=1e-6)
+
+
+@pytest.mark.slow  # four compilations
+@pytest.mark.parametrize("base", [False, True], ids=["median centre", "base centre"])
+def test_vector_rule_in_column_chunks_equals_whole_leaves(tmp_path, base, monkeypatch):
+    # Krum's whole-model weights come from a Gram matrix summed over chunks instead of leaves,
+    # and its output c + sum_i w_i (x_i - c) is built chunk by chunk: the same selection and
+    # the same values (to float32 rounding of the Gram sums). Input 5 holds a NaN: excluded.
+    rng = np.random.default_rng(9)
+    shapes = {"a": (64, 48), "b": (1000,), "c": (3,)}
+    centre = {k: rng.normal(size=s) for k, s in shapes.items()}
+    models = [
+        {
+            k: (v + (3.0 if i == N - 1 else 0.1) * rng.normal(size=v.shape)).astype(np.float32)
+            for k, v in centre.items()
+        }
+        for i in range(N + 1)
+    ]
+    models[N]["b"][500] = np.nan
+    paths = [str(io.save_safetensors(m, tmp_path / f"in{i}.safetensors")) for i, m in enumerate(models)]
+    base_path = None
+    if base:
+        base_path = str(
+            io.save_safetensors(
+                {k: v.astype(np.float32) for k, v in centre.items()}, tmp_path / "base.safetensors"
+            )
+        )
+    chunks = []
+    read_chunk = merge_stream.read_chunk
+    monkeypatch.setattr(
+        merge_stream, "read_chunk", lambda r, p, into=None: chunks.append(p) or read_chunk(r, p, into)
+    )
+
+    def run(name, chunk_bytes):
+        plan = MergePlan(
+            inputs=tuple(paths), out=str(tmp_path / name), rule=RuleChoice("krum", {}, 1), base=base_path
+        )
+        report = merge_checkpoints(plan, progress=False, chunk_bytes=chunk_bytes)
+        return io.flatten(io.load_safetensors(tmp_path / name)), report
+
+    chunked, report = run("chunked", 2560)
+    assert len(chunks) == 2 * (24 + 8 + 1) * (2 if base else 1)  # both passes; the base's chunks too
+    whole, want = run("whole", 0)
+    (entry,) = report["vector_rules"].values()
+    (want_entry,) = want["vector_rules"].values()
+    assert entry["selected"] == want_entry["selected"] and len(entry["selected"]) == 1
+    assert entry["excluded_nonfinite"] == want_entry["excluded_nonfinite"] == [paths[N]]
+    np.testing.assert_allclose(entry["weights"], want_entry["weights"], atol=1e-7)
+    for k in shapes:
+        np.testing.assert_allclose(chunked[k], whole[k], rtol=1e-6, atol=1e-6, err_msg=k)
+        assert np.all(np.isfinite(chunked[k]))
