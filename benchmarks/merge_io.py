@@ -10,6 +10,8 @@ runs, each in its own child process:
 * ``meta-consensus merge --method median`` over the inputs;
 * ``meta-consensus merge --method task_arithmetic --base BASE`` (the floor of this one
   also reads the base).
+* ``meta-consensus merge --method krum --num-byzantine 1`` (a vector rule: a Gram pass for
+  the whole-model weights, then the weighted pass; no target, shown for its two reads).
 
 Reported per run: wall seconds of the whole child process (start-up, jax import and
 compilation included), the ratio to the floor measured in the same run, and the
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     hidden = 256 if args.quick else 1024
     shapes = layout(int(gb * 1e9), hidden)
     model_bytes = 4 * sum(_prod(s) for s in shapes.values())
-    need = (args.models + 3) * model_bytes  # inputs, base, two outputs
+    need = (args.models + 4) * model_bytes  # inputs, base, three outputs
     args.workdir.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(args.workdir).free
     if need > 0.8 * free:
@@ -226,6 +228,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 *("--out", str(folder / "out_task_arithmetic"), *inputs),
             ]
         )
+        # A vector rule: a Gram pass for the whole-model weights, then the weighted pass (no target).
+        krum = run_child(
+            [*merge, "--method", "krum", "--num-byzantine", "1", "--out", str(folder / "out_krum"), *inputs]
+        )
     finally:
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
@@ -234,6 +240,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ("I/O floor (inputs + base)", floor_base, floor_base),
         ("merge median", median, floor),
         ("merge task_arithmetic (+ base)", arith, floor_base),
+        ("merge krum, f = 1 (two passes; no target)", krum, floor),
     ]
     results = {
         name: {
