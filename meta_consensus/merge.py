@@ -50,14 +50,15 @@ the buffers, the read-ahead and write-behind threads and the column chunks.
   per tensor, as in mergekit; a rule that needs a key gets ``fold_in(key(seed),
   leaf index)``.
 * Vector rules (Krum, Multi-Krum, geometric median, centered clipping) need
-  whole-model distances. A first pass over the leaves sums the Gram matrix
-  ``G = sum_leaves (X - c)(X - c)^T`` (float64 on the host), centred on ``c`` =
-  the base when given, else the coordinate-wise median of the inputs (the
-  library's own centre for ``params=None``). The rule then runs on an n x n
+  whole-model distances. A first pass over the leaves (in column chunks, as the
+  element-wise rules) sums the Gram matrix ``G = sum_chunks (X - c)(X - c)^T``
+  (float64 on the host), centred on ``c`` = the base when given, else the
+  coordinate-wise median of the inputs (the library's own centre for
+  ``params=None``); a node with a non-finite value anywhere is left out. The rule then runs on an n x n
   embedding ``E = U sqrt(Lambda)`` of ``G = U Lambda U^T``, which has the same
   inner products and distances as the inputs, so it selects and weighs the
   same inputs as on the full models; its weights ``w`` (``info.weights``) give
-  each output leaf in the second pass as ``c + sum_i w_i (x_i - c)``. Only rules
+  each output leaf in the second pass (chunk by chunk) as ``c + sum_i w_i (x_i - c)``. Only rules
   whose output is that linear combination (``info.linear``) can stream this way
   (Bulyan's coordinate-wise second stage cannot, and is refused).
 
