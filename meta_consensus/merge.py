@@ -541,7 +541,8 @@ def merge_checkpoints(
                 leaf_finite, leaf_gram = _vector_programs()[0](x, b)
                 return np.asarray(leaf_finite), np.asarray(leaf_gram, np.float64)
 
-            group_pieces = [p for p in pieces if p.key in set(group_keys)]
+            in_group = set(group_keys)
+            group_pieces = [p for p in pieces if p.key in in_group]
             for piece, (leaf_finite, leaf_gram) in zip(
                 group_pieces, stream.Pipeline(gram_of, group_pieces), strict=True
             ):
