@@ -31,6 +31,7 @@ checkpoint), and an existing path is never replaced unless ``overwrite=True``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -211,10 +212,10 @@ class DirectFile:
         while out:
             try:
                 got = os.write(self.fd, out)
-            except OSError:
-                if not self.direct:
-                    raise
-                self._fall_back()  # the file system took the open but not the write
+            except OSError as e:
+                if not self.direct or e.errno != errno.EINVAL:
+                    raise  # a full disk, an I/O error: the caller's error, not the mode's
+                self._fall_back()  # the file system took O_DIRECT at open but not in a write
                 continue
             out = out[got:]
             self.flushed += got

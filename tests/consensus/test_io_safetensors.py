@@ -362,3 +362,31 @@ def test_pieces_are_checked_against_the_declared_tensor(tmp_path):
     w.write_parts("a", [np.zeros(4, np.float32), np.ones(2, np.float32)])
     w.close()
     np.testing.assert_array_equal(io.load_safetensors(tmp_path)["a"], [[0, 0, 0], [0, 1, 1]])
+
+
+def test_direct_writer_reports_a_full_disk_instead_of_falling_back(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    real_write = os.write
+    direct_flag = getattr(os, "O_DIRECT", 0) or 0o40000
+    monkeypatch.setattr(os, "O_DIRECT", direct_flag, raising=False)
+    real_open = os.open
+    opened = []
+
+    def fake_open(path, flags, *a):
+        opened.append(flags & direct_flag)
+        return real_open(path, flags & ~direct_flag, *a)
+
+    monkeypatch.setattr(os, "open", fake_open)
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    w = io.ShardedWriter(tmp_path, {"a": ((3,), np.float32)}, direct=True)
+    w.write("a", np.ones(3, np.float32))
+    with pytest.raises(OSError, match="No space left"):
+        w.close()
+    monkeypatch.setattr(os, "write", real_write)
+    assert opened == [direct_flag]  # opened once, direct: no silent switch to buffered writes
