@@ -354,7 +354,7 @@ def _as_compute(x: np.ndarray) -> Any:
 
     if np.dtype(x.dtype) in (np.dtype(np.float32), np.dtype(np.float64)):
         return jax.device_put(x)
-    return jnp.asarray(x, jnp.float32 if np.dtype(x.dtype).itemsize <= 4 else x.dtype)
+    return jnp.asarray(x, _compute_dtype(x.dtype))
 
 
 def _centre(x: Any, base: Any | None) -> Any:
@@ -577,14 +577,12 @@ def merge_checkpoints(
                 shape, dtype = specs[k]
                 stacked, base_piece = stream.read_piece(readers, base, piece, buffers)
                 where = (plan.seed, index_of[k], compiled)  # the rule's key, and its compiled updates
-                if piece.whole:
+                if piece.whole or rules[k].spec.kind == "vector":
                     vector = weights.get(_rule_key(rules[k]))
                     merged, leaf_report = _merge_leaf(stacked, base_piece, k, rules[k], vector, *where)
-                    host = np.asarray(merged).astype(dtype, copy=False).reshape(shape)
-                elif rules[k].spec.kind == "vector":
-                    vector = weights[_rule_key(rules[k])]
-                    merged, leaf_report = _merge_leaf(stacked, base_piece, k, rules[k], vector, *where)
-                    host = np.asarray(merged)[: piece.width].astype(dtype, copy=False)
+                    host = np.asarray(merged)
+                    host = host.reshape(shape) if piece.whole else host[: piece.width]
+                    host = host.astype(dtype, copy=False)
                 else:
                     merged, info = _apply_update(stacked, base_piece, rules[k], *where)
                     host = np.asarray(merged)[: piece.width].astype(dtype, copy=False)
@@ -630,6 +628,8 @@ def _compute_dtype(dtype: np.dtype) -> np.dtype:
     """The dtype :func:`_as_compute` merges a floating leaf of ``dtype`` in."""
     import jax
 
+    # float32 / float64 are kept (float64 becomes float32 without jax's x64 mode); the
+    # narrower floats (bfloat16, float16) are merged in float32.
     keep = np.dtype(dtype) in (np.dtype(np.float32), np.dtype(np.float64))
     return np.dtype(jax.dtypes.canonicalize_dtype(dtype if keep else np.float32))
 

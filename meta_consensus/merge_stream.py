@@ -1,4 +1,4 @@
-"""How ``meta-consensus merge`` moves bytes: reused aligned buffers, read-ahead, write-behind, chunks.
+"""How ``meta-consensus merge`` moves bytes: reused aligned buffers, two workers, write-behind, chunks.
 
 The merge reads every input once and writes the output once; everything here keeps
 that close to the cost of the copies themselves:

@@ -180,7 +180,6 @@ class DirectFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self.size = 0  # bytes accepted
         self.flushed = 0  # bytes on disk (a multiple of BLOCK while direct)
         raw = np.empty(self.STAGE + self.BLOCK, np.uint8)
         start = -raw.ctypes.data % self.BLOCK
@@ -204,7 +203,6 @@ class DirectFile:
             done += take
             if self.used == self.STAGE:
                 self._flush(self.STAGE)
-        self.size += view.size
 
     def _flush(self, nbytes: int) -> None:
         """Write the first ``nbytes`` (a multiple of BLOCK while direct) of the stage."""
@@ -312,23 +310,14 @@ class ShardedWriter:
 
     def write(self, key: str, array: Any) -> None:
         """Append ``array`` as ``key`` (the next key of ``specs``; shape and dtype checked)."""
-        if self._next >= len(self._order) or self._order[self._next] != key:
-            expected = self._order[self._next] if self._next < len(self._order) else "nothing (all written)"
-            raise CheckpointError(f"ShardedWriter: got {key!r}, expected {expected!r} next")
+        self._check_next(key)
         array = np.asarray(array)
         shape, dtype = self.specs[key]
         if array.shape != shape or array.dtype != dtype:
             raise CheckpointError(
                 f"ShardedWriter: {key!r} is {array.dtype}{list(array.shape)}, declared {dtype}{list(shape)}"
             )
-        shard = self._shard_of[key]
-        if shard != self._open_index:
-            self._open_shard(shard)
-        array = np.ascontiguousarray(array)
-        if array.dtype.byteorder == ">":
-            array = array.byteswap().view(array.dtype.newbyteorder("<"))
-        self._file.write(array.reshape(-1).view(np.uint8).data)
-        self._next += 1
+        self._append(key, [array.reshape(-1)])
 
     def write_parts(self, key: str, parts: Sequence[Any]) -> None:
         """Append ``key`` given as consecutive pieces of its flattened values (each 1-D, its dtype).
@@ -336,9 +325,7 @@ class ShardedWriter:
         For a caller that produces a tensor in pieces (``meta-consensus merge``'s column
         chunks): the pieces go to the file as they are, never assembled in memory.
         """
-        if self._next >= len(self._order) or self._order[self._next] != key:
-            expected = self._order[self._next] if self._next < len(self._order) else "nothing (all written)"
-            raise CheckpointError(f"ShardedWriter: got {key!r}, expected {expected!r} next")
+        self._check_next(key)
         shape, dtype = self.specs[key]
         parts = [np.asarray(p) for p in parts]
         bad = [p for p in parts if p.dtype != dtype or p.ndim != 1]
@@ -348,14 +335,23 @@ class ShardedWriter:
                 f", one {bad[0].dtype}{list(bad[0].shape)}" if bad else ""
             )
             raise CheckpointError(f"ShardedWriter: {key!r} is {dtype}{list(shape)}, got {got}")
+        self._append(key, parts)
+
+    def _check_next(self, key: str) -> None:
+        if self._next >= len(self._order) or self._order[self._next] != key:
+            expected = self._order[self._next] if self._next < len(self._order) else "nothing (all written)"
+            raise CheckpointError(f"ShardedWriter: got {key!r}, expected {expected!r} next")
+
+    def _append(self, key: str, parts: Sequence[np.ndarray]) -> None:
+        """Write ``key``'s checked 1-D pieces, little-endian, into its shard."""
         shard = self._shard_of[key]
         if shard != self._open_index:
             self._open_shard(shard)
-        for p in parts:
-            p = np.ascontiguousarray(p)
-            if p.dtype.byteorder == ">":
-                p = p.byteswap().view(p.dtype.newbyteorder("<"))
-            self._file.write(p.view(np.uint8).data)
+        for part in parts:
+            part = np.ascontiguousarray(part)
+            if part.dtype.byteorder == ">":
+                part = part.byteswap().view(part.dtype.newbyteorder("<"))
+            self._file.write(part.view(np.uint8).data)
         self._next += 1
 
     def close(self) -> None:
