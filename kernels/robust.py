@@ -75,7 +75,7 @@ def take_columns(x: jax.Array, ref: jax.Array | None, index: jax.Array) -> jax.A
     return cols - jnp.take(ref.reshape(-1), index).astype(jnp.float32)[None]
 
 
-@functools.partial(jax.jit, static_argnames=("f", "m", "diagonal"))
+@functools.partial(jax.jit, static_argnames=("f", "m", "diagonal", "poison"))
 def meamed(
     x: jax.Array,
     f: int,
@@ -84,6 +84,7 @@ def meamed(
     mixing: jax.Array | None = None,
     centre: jax.Array | None = None,
     diagonal: bool = True,
+    poison: bool = False,
 ) -> jax.Array:
     """Mean around the median (Xie et al. 2018): per coordinate, the mean of the m - f values nearest it.
 
@@ -103,11 +104,15 @@ def meamed(
     which could hold the attackers' copies instead of nearer honest values.
     Above ``WINDOW_NETWORK_MAX`` rows: exact selection
     (:func:`kernels.selection.nearest_to_median_mean`, the same rule).
+    ``poison``: any NaN/Inf in a kept row makes the result NaN at that
+    coordinate (as :func:`kernels.sorting.median`), for the one-pass optimistic path.
     """
     if x.shape[0] > WINDOW_NETWORK_MAX:
+        if poison:
+            raise ValueError("meamed: poison is for the sorting network (at most 48 rows)")
         return selection.nearest_to_median_mean(x, f, keep, m, mixing, centre, diagonal)
     m = count(keep, x.shape[0], m)
-    s = sort_rows(exclude(x, keep, mixing, centre, diagonal))
+    s = sort_rows(exclude(x, keep, mixing, centre, diagonal, poison))
     med = 0.5 * (pick(s, (m - 1) // 2) + pick(s, m // 2))
     width = m - f
     start = jnp.zeros(s[0].shape, jnp.int32)
@@ -115,7 +120,16 @@ def meamed(
         entering = pick(s, j + width)
         start = start + (jnp.abs(entering - med) < jnp.abs(s[j] - med)).astype(jnp.int32)
     # Rows past m are +inf (excluded); the window never reaches them (j + width <= m - 1).
-    total = window_sum(s, start, width)
+    if isinstance(width, int) and width >= f:
+        # With a static count the window [start, start + width) always holds s_f .. s_{width-1}
+        # and, for each j < f, either s_j (j >= start) or s_{j + width}. Written so, XLA:CPU
+        # fuses the network into one loop; the generic masked sum over every row made it copy
+        # the 16 rows out first (2.6x one pass against 0.6x).
+        total = sum(s[f:width], jnp.zeros_like(s[0]))
+        for j in range(f):
+            total = total + jnp.where(j >= start, s[j], 0.0) + jnp.where(j < start, s[j + width], 0.0)
+    else:
+        total = window_sum(s, start, width)
     if isinstance(width, int):
         return total / float(width) if width > 0 else jnp.full_like(total, jnp.nan)
     return jnp.where(width > 0, total / jnp.maximum(width, 1).astype(jnp.float32), jnp.nan)

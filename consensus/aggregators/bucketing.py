@@ -8,10 +8,12 @@ import math
 import jax
 import jax.numpy as jnp
 
+from consensus.aggregators import view as views
 from consensus.aggregators._common import (
     RuleState,
     check_f,
     check_stacked,
+    gram_stats,
     init_rule_state,
     static_count,
     valid_nodes,
@@ -63,8 +65,15 @@ def bucketing(
     a message saying so (ByzantineToleranceError). At f = 4 of 16 only s = 1
     (no bucketing) satisfies it.
     ``info.weights`` are the inner weights pulled back to the nodes.
-    Cost: one finiteness pass, one pass writing the B bucket means, and the
-    inner rule on B / n of the stack. DP sensitivity: the inner rule's.
+    Cost: with a registered Gram-space inner rule (geometric median, Krum,
+    centered clipping, ...), the bucket means are never written: one Gram
+    pass over the nodes (their validity from its diagonal) gives the buckets'
+    Gram matrix ``A G A^T`` (A the (B, n) averaging matrix), the inner rule
+    runs on that lazy view (``consensus.aggregators.view``), and its output
+    is one weighted-sum pass with the node weights ``A^T w``; about 2 passes.
+    Otherwise one finiteness pass, one pass writing the B bucket means, and
+    the inner rule on B / n of the stack. An empty bucket (every member
+    invalid) is dropped, not averaged to zero. DP sensitivity: the inner rule's.
     """
     f = check_f("bucketing", num_byzantine)
     if not isinstance(bucket_size, int) or bucket_size < 1:
@@ -82,6 +91,13 @@ def bucketing(
     else:
         raise TypeError(f"bucketing: inner must be a rule name or an Aggregator, got {type(inner).__name__}")
 
+    # A registered vector rule that reads lazy views works in Gram space: the bucket means stay lazy.
+    gram_space = (
+        inner_spec is not None
+        and inner_spec.kind == "vector"
+        and getattr(inner_agg.update, "accepts_views", False)
+    )
+
     def refuse(n_now: int) -> None:
         need = bucket_requirement(n_now, f, bucket_size)
         if need is None and inner_spec is not None:
@@ -97,16 +113,41 @@ def bucketing(
         key = require_key("bucketing", key)
         n = check_stacked(stacked, params)
         refuse(n)
+        if gram_space and not views.is_view(stacked):
+            return gram_route(stacked, params, mask, key, extra)
         valid = valid_nodes(stacked, mask)
         m = static_count(valid)
         if m is not None:
             refuse(m)
         mixing = bucket_matrix(key, valid, bucket_size)
+        # An empty bucket's row comes out NaN (mix_rows), which the inner rule drops.
         means = jax.tree.map(lambda x: robust_kernels.mix_rows(x, mixing).astype(x.dtype), stacked)
         merged, inner_state = inner_agg.update(means, inner_agg.init(params), params, **extra)
+        return merged, pulled_back(inner_state, mixing, valid)
+
+    def gram_route(stacked, params, mask, key, extra):
+        # The Gram matrix of the nodes, centred on params (or, without params, on their mean:
+        # the bucket rows of A sum to 1, so their distances do not depend on that centre).
+        stats = gram_stats(stacked, params, mask)
+        m = static_count(stats.valid)
+        if m is not None:
+            refuse(m)
+        n = stats.valid.shape[0]
+        mixing = bucket_matrix(key, stats.valid, bucket_size)
+        # Padded to (n, n) with zero rows: the view's rows past B, and empty buckets, are invalid.
+        square = jnp.zeros((n, n), jnp.float32).at[: mixing.shape[0]].set(mixing)
+        filled = jnp.any(square > 0, axis=1)
+        base = views.identity(stacked, params)
+        if params is None:
+            base = base._replace(floating=True)
+        view = views.compose(base, square, diagonal=False, gram=square @ stats.gram @ square.T, valid=filled)
+        merged, inner_state = inner_agg.update(view, inner_agg.init(params), params, **extra)
+        return merged, pulled_back(inner_state, square, stats.valid)
+
+    def pulled_back(inner_state, mixing, valid):
         info = get_info(inner_state)
         weights = mixing.T @ info.weights
         selected = valid & ((mixing.T @ info.selected.astype(jnp.float32)) > 0)
-        return merged, RuleState(AggregationInfo(valid, selected, weights, info.linear))
+        return RuleState(AggregationInfo(valid, selected, weights, info.linear))
 
     return Aggregator(init_rule_state, update, "bucketing")

@@ -30,7 +30,7 @@ from consensus.base import AggregationInfo, Aggregator, require
 from kernels import sorting
 
 
-def _optimistic(kernel, stacked, mask, n: int, **kwargs):
+def optimistic_pass(kernel, stacked, mask, n: int, **kwargs):
     """One pass in the common case: run the rule on every allowed node, then check the result.
 
     With ``poison`` the kernels turn any NaN/Inf of a kept row into NaN at that
@@ -50,7 +50,7 @@ def _optimistic(kernel, stacked, mask, n: int, **kwargs):
         return None
     valid = allowed(mask, n)
     if not under_outer_jit(stacked, mask):
-        keep, m = _keep_args(valid, n)
+        keep, m = keep_args(valid, n)
         merged = coordinatewise(kernel, stacked, keep=keep, m=m, poison=True, **kwargs)
         if bool(all_finite(merged)):
             return merged, valid
@@ -69,7 +69,7 @@ def _optimistic(kernel, stacked, mask, n: int, **kwargs):
     return jax.lax.cond(jnp.all(valid), every_node, over_finite_nodes)
 
 
-def _keep_args(valid: jax.Array, n: int):
+def keep_args(valid: jax.Array, n: int):
     """(keep, m) for the kernels: no mask at all when every node is valid."""
     m = static_count(valid)
     if m == n:
@@ -92,13 +92,13 @@ def median() -> Aggregator:
     def update(stacked, state, params=None, *, mask=None, assume_finite=False, **extra):
         del state, extra
         n = check_stacked(stacked, params)
-        fast = None if assume_finite else _optimistic(sorting.median, stacked, mask, n)
+        fast = None if assume_finite else optimistic_pass(sorting.median, stacked, mask, n)
         if fast is not None and static_count(fast[1]) != 0:
             merged, valid = fast
             return merged, RuleState(AggregationInfo(valid, valid, uniform_over(valid), False))
         valid = valid_nodes(stacked, mask, assume_finite)
         require_count("median", static_count(valid), 0, static_count(valid) != 0, "at least 1 valid node")
-        keep, m = _keep_args(valid, n)
+        keep, m = keep_args(valid, n)
         merged = coordinatewise(sorting.median, stacked, keep=keep, m=m)
         return merged, RuleState(AggregationInfo(valid, valid, uniform_over(valid), False))
 
@@ -120,7 +120,7 @@ def trimmed_mean(num_byzantine: int) -> Aggregator:
         del state, extra
         n = check_stacked(stacked, params)
         require("trimmed_mean", n, f, n > 2 * f, f"n > 2f = {2 * f}")
-        fast = None if assume_finite else _optimistic(sorting.trimmed_mean, stacked, mask, n, f=f)
+        fast = None if assume_finite else optimistic_pass(sorting.trimmed_mean, stacked, mask, n, f=f)
         m_fast = None if fast is None else static_count(fast[1])
         if fast is not None and (m_fast is None or m_fast > 2 * f):
             merged, valid = fast
@@ -128,7 +128,7 @@ def trimmed_mean(num_byzantine: int) -> Aggregator:
         valid = valid_nodes(stacked, mask, assume_finite)
         m_now = static_count(valid)
         require_count("trimmed_mean", m_now, f, m_now is not None and m_now > 2 * f, f"n > 2f = {2 * f}")
-        keep, m = _keep_args(valid, n)
+        keep, m = keep_args(valid, n)
         merged = coordinatewise(sorting.trimmed_mean, stacked, f=f, keep=keep, m=m)
         return merged, RuleState(AggregationInfo(valid, valid, uniform_over(valid), False))
 

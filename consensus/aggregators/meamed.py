@@ -18,8 +18,10 @@ from consensus.aggregators._common import (
     valid_nodes,
 )
 from consensus.aggregators._robust import nan_if
+from consensus.aggregators.coordinatewise import keep_args, optimistic_pass
 from consensus.base import AggregationInfo, Aggregator, require
 from kernels import robust as robust_kernels
+from kernels.sorting import WINDOW_NETWORK_MAX
 
 
 def meamed(num_byzantine: int) -> Aggregator:
@@ -32,7 +34,10 @@ def meamed(num_byzantine: int) -> Aggregator:
     median, the lowest one first). Unlike the trimmed mean, which drops f
     values from *each* side, Meamed drops f values in all, from whichever side
     is farther. Precondition: m > 2f (ValueError otherwise; NaN under an
-    outer jit). One finiteness pass and one sorting-network pass.
+    outer jit). Up to 48 rows one sorting-network pass in the common case (the
+    kernel poisons the output with any NaN/Inf of a row, so a finite output
+    proves every node finite, as the median's); otherwise, or when a node is
+    not finite, a finiteness pass first. Above 48 rows: exact selection.
     DP sensitivity: as the coordinate-wise rules, 2C (any output in the
     C-ball around the last consensus).
     """
@@ -43,10 +48,19 @@ def meamed(num_byzantine: int) -> Aggregator:
         del state, extra
         n = check_stacked(stacked, params)
         require("meamed", n, f, n > 2 * f, f"n > 2f = {2 * f}")
+        fast = None
+        if not assume_finite and n <= WINDOW_NETWORK_MAX:
+            fast = optimistic_pass(robust_kernels.meamed, stacked, mask, n, f=f)
+        m_fast = None if fast is None else static_count(fast[1])
+        if fast is not None and (m_fast is None or m_fast > 2 * f):
+            merged, valid = fast
+            if m_fast is None:
+                merged = nan_if(jnp.sum(valid.astype(jnp.int32)) <= 2 * f, merged)
+            return merged, RuleState(AggregationInfo(valid, valid, uniform_over(valid), False))
         valid = valid_nodes(stacked, mask, assume_finite)
         m = static_count(valid)
         require_count("meamed", m, f, m is not None and m > 2 * f, f"n > 2f = {2 * f}")
-        keep, m_arg = (None, None) if m == n else (valid, m)
+        keep, m_arg = keep_args(valid, n)
         merged = coordinatewise(robust_kernels.meamed, stacked, f=f, keep=keep, m=m_arg)
         if m is None:
             merged = nan_if(jnp.sum(valid.astype(jnp.int32)) <= 2 * f, merged)

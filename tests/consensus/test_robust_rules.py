@@ -294,6 +294,59 @@ def test_meamed_with_repeated_attacker_values(jitted, n, f, copies_at):
     np.testing.assert_allclose(np.asarray(merged["w"]), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("jitted", [False, True])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_meamed_one_pass_falls_back_when_one_entry_is_not_finite(jitted, bad):
+    """The one-pass path (the kernel poisons the output with a row's NaN/Inf) must drop a node
+    whose only bad entry is one coordinate, as the float64 reference does."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((16, 301)).astype(np.float32)
+    x[5, 200] = bad
+    valid = np.ones(16, bool)
+    valid[5] = False
+    rule = agg.meamed(4)
+    update = jax.jit(rule.update) if jitted else rule.update
+    merged, state = update({"w": jnp.asarray(x)}, rule.init(None))
+    want = rref.meamed(x.astype(np.float64), 4, valid)
+    np.testing.assert_allclose(np.asarray(merged["w"]), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(state.info.valid), valid)
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+@pytest.mark.parametrize("inner", ["krum", "median", "geometric_median"])
+def test_bucketing_inner_rules_with_an_empty_bucket(jitted, inner):
+    """Gram-space inner rules (Krum, geometric median: the bucket means stay a lazy view) and
+    coordinate-wise ones (median: the means are written) equal the float64 reference, which drops
+    a bucket whose members are all invalid (here both masked) and averages a NaN node's partner alone."""
+    n, s = 12, 2
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((n, 40)).astype(np.float32)
+    perm = np.asarray(jax.random.permutation(KEY, n))
+    a, b = perm[2], perm[3]  # the second bucket: both masked, so it is empty
+    mask = np.ones(n, bool)
+    mask[[a, b]] = False
+    x[perm[6], 5] = np.nan  # a NaN node in the fourth bucket, whose other member stays
+    valid = mask.copy()
+    valid[perm[6]] = False
+    refs = {
+        "krum": lambda M, v: ref.krum(M, 1, v)[0],
+        "median": lambda M, v: ref.median(M, v),
+        "geometric_median": _gm,
+    }
+    want = rref.bucketing(x.astype(np.float64), valid, perm, s, refs[inner])
+    rule = agg.bucketing(1, bucket_size=s, inner=inner)
+    params = {"w": jnp.zeros(40, jnp.float32)}
+
+    def go(st, m):
+        return rule.update(st, rule.init(params), params, mask=m, key=KEY)
+
+    merged, state = (jax.jit(go) if jitted else go)({"w": jnp.asarray(x)}, jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(merged["w"]), want, rtol=2e-4, atol=2e-5)
+    info = consensus.get_info(state)
+    np.testing.assert_array_equal(np.asarray(info.valid), valid)
+    assert float(np.asarray(info.weights)[[a, b, perm[6]]].sum()) == 0.0
+
+
 def test_smea_picks_the_subset_without_the_spread_out_pair():
     rng = np.random.default_rng(0)
     honest = 0.1 * rng.standard_normal((7, 5))
