@@ -330,13 +330,18 @@ def test_rules_and_attacks_options_pick_a_subset_in_table_order(capsys):
 
 
 def test_robust_preset_candidates_are_valid_configs_of_the_preset():
-    """Every vote the preset's selection tries loads on configs/robust.toml and is the vote it names."""
+    """Every candidate of the preset's selection loads on configs/robust.toml and is the vote
+    ("pre+rule") and the weights ("+objective", none: the vote's output) it names."""
     from benchmarks import robust_preset
     from meta_consensus import config
+    from meta_consensus.objectives import OBJECTIVES
 
     preset = Path(__file__).resolve().parents[2] / robust_preset.PRESET
     for name, sets in robust_preset.CANDIDATES.items():
         cfg = config.load(preset, sets)
-        *pre, rule = name.split("+")
-        assert (cfg.vote.rule, tuple(cfg.vote.pre)) == (rule, tuple(pre)), name
+        *parts, last = name.split("+")
+        objective = last if last in OBJECTIVES.names() else "vote"
+        *pre, rule = parts if objective != "vote" else [*parts, last]
+        got = (cfg.vote.rule, tuple(cfg.vote.pre), cfg.weights.objective)
+        assert got == (rule, tuple(pre), objective), name
     assert set(robust_preset.QUICK_CANDIDATES) <= set(robust_preset.CANDIDATES)

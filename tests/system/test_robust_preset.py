@@ -18,7 +18,8 @@ def test_robust_preset_loads_as_documented():
     assert cfg.nodes.count == 16 and cfg.task.alpha == 0.3
     assert cfg.byzantine.nodes == (12, 13, 14, 15)
     assert cfg.vote.rule == "dnc" and cfg.vote.pre == () and cfg.vote.f(cfg.nodes.count) == 4
-    assert cfg.weights.objective == "vote" and cfg.baseline_fedavg
+    assert cfg.weights.objective == "quadratic" and cfg.weights.max_weight is None
+    assert cfg.weights.lambda_reg == 0.1 and cfg.baseline_fedavg
     # Every rule of the vote holds at n = 16, f = 4 (the registry's static preconditions).
     for name in (*cfg.vote.pre, cfg.vote.rule):
         spec = registry.RULES[name]
