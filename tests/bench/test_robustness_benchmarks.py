@@ -345,3 +345,31 @@ def test_robust_preset_candidates_are_valid_configs_of_the_preset():
         got = (cfg.vote.rule, tuple(cfg.vote.pre), cfg.weights.objective)
         assert got == (rule, tuple(pre), objective), name
     assert set(robust_preset.QUICK_CANDIDATES) <= set(robust_preset.CANDIDATES)
+    # The candidate the other tasks report is the preset as shipped: its overrides change nothing.
+    shipped = config.load(preset)
+    same = config.load(preset, robust_preset.CANDIDATES[robust_preset.PRESET_CANDIDATE])
+    assert (same.vote, same.weights) == (shipped.vote, shipped.weights)
+
+
+def test_robust_preset_on_another_task_reports_the_shipped_preset_without_selection(monkeypatch, tmp_path):
+    """--task fashion_mnist: no selection runs; the shipped preset, FedAvg, DnC and the oracle run on
+    that task (every run gets task.name), and the results go to robust_preset_fashion_mnist_quick.*."""
+    from benchmarks import quality_common, robust_preset
+
+    calls = []
+
+    def fake_run(sets):
+        calls.append(sets)
+        attacked = any(s.startswith("byzantine.attack=") for s in sets)
+        return (0.80 if attacked else 0.90), 0.85
+
+    monkeypatch.setattr(robust_preset, "run_once", fake_run)
+    monkeypatch.setattr(quality_common, "_task_name", "digits")  # use_task sets it; put it back after
+    res = robust_preset.main(["--quick", "--task", "fashion_mnist", "--out", str(tmp_path)])
+    assert res["selection"] == {} and res["chosen"] == robust_preset.PRESET_CANDIDATE
+    assert set(res["report"]) == {robust_preset.PRESET_CANDIDATE, "mean", "dnc"}
+    assert all("task.name=fashion_mnist" in sets for sets in calls)
+    assert not any(f"seed={robust_preset.SELECTION_SEED}" in sets for sets in calls)
+    assert len(calls) == 3 * (1 + len(robust_preset.ATTACKS)) + 1  # three merges, one seed, the oracle
+    md = (tmp_path / "robust_preset_fashion_mnist_quick.md").read_text()
+    assert "The preset: **dnc+quadratic**" in md and "gap (points)" in md
