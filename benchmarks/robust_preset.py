@@ -24,6 +24,7 @@ score, i.e. the price of losing the attackers' data.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -112,7 +113,7 @@ def extra_rounds(rounds: int | None) -> list[str]:
 
 
 def sweep(
-    name: str, seed: int, rounds: int | None, task_sets: list[str] = ()
+    name: str, seed: int, rounds: int | None, task_sets: Sequence[str] = ()
 ) -> dict[str, tuple[float, float]]:
     """Clean ('none') and every attack, one candidate, one seed."""
     extra = [*extra_rounds(rounds), *task_sets]
