@@ -81,13 +81,12 @@ def _final(run_dir):
     return state, history
 
 
-@pytest.mark.multiprocess
-def test_two_processes_equal_one(tmp_path):
+def _two_processes(out, *extra):
     port = _free_port()
     dist = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--local-devices", "1"]
     procs = {
         f"process {i}": subprocess.Popen(
-            _cmd(tmp_path, "multi", *dist, "--process-id", str(i)),
+            _cmd(out, "multi", *dist, "--process-id", str(i), *extra),
             env=_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -95,14 +94,43 @@ def test_two_processes_equal_one(tmp_path):
         )
         for i in range(2)
     }
-    outs = _wait(procs)
+    return _wait(procs)
+
+
+def _assert_equal(multi, hist_m, single):
+    for a, b in zip(jax.tree.leaves(multi.consensus), jax.tree.leaves(single.consensus_params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    nodes = jax.tree.leaves(single.state.nodes.params)
+    for a, b in zip(jax.tree.leaves(multi.nodes.params), nodes, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert [h.weights for h in hist_m] == [h.weights for h in single.history]
+    assert [h.node_accuracy for h in hist_m] == [h.node_accuracy for h in single.history]
+
+
+@pytest.mark.multiprocess
+def test_two_processes_equal_one_and_resume_bit_exact(tmp_path):
+    """2 rounds on two processes == one process; then both --resume from round 1's checkpoint == again.
+
+    (One test for both, so the processes and the reference start once: each start imports jax and
+    compiles the round on a 2-core machine.)
+    """
+    outs = _two_processes(tmp_path)
     # only process 0 logs (gloo's own connection line aside)
     assert "meta-consensus" in outs["process 0"] and "meta-consensus" not in outs["process 1"]
     multi, hist_m = _final(tmp_path / "multi")
     # The single-process reference: the same ("node" = 2) mesh on two of this process's devices.
     cfg = config.load(None, [*SETS, f"output_dir={tmp_path}", "name=single"])
     single = MetaConsensus(cfg, write=False, progress=False).train()
-    for a, b in zip(jax.tree.leaves(multi.consensus), jax.tree.leaves(single.consensus_params), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert [h.weights for h in hist_m] == [h.weights for h in single.history]
-    assert [h.node_accuracy for h in hist_m] == [h.node_accuracy for h in single.history]
+    _assert_equal(multi, hist_m, single)
+
+    # Resume: round 2's checkpoint moved out of the run (as if the run had died before writing
+    # it), both processes restore round 1's (written by two processes) and run round 2 again.
+    ckpts = tmp_path / "multi" / "checkpoints"
+    (ckpts / "2").rename(tmp_path / "round2.moved")
+    round1 = {p: p.stat().st_mtime_ns for p in (ckpts / "1").rglob("*") if p.is_file()}
+    _two_processes(tmp_path, "--resume")
+    # Restored, not recomputed: round 1's checkpoint is untouched, round 2's written again.
+    assert {p: p.stat().st_mtime_ns for p in (ckpts / "1").rglob("*") if p.is_file()} == round1
+    assert (ckpts / "2").is_dir()
+    resumed, hist_r = _final(tmp_path / "multi")
+    _assert_equal(resumed, hist_r, single)

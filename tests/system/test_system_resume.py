@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -261,12 +260,6 @@ def _mesh_env():
     return env
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_all(cmds):
     procs = [
         subprocess.Popen(c, env=_mesh_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -305,16 +298,3 @@ def test_resume_on_a_two_device_mesh_is_bit_exact(tmp_path):
     _run_all([_mesh_cmd(tmp_path, 2, "--local-devices", "2")])
     _run_all([_mesh_cmd(tmp_path, 3, "--local-devices", "2", "--resume")])
     _assert_mesh_run_equals(tmp_path, _mesh_reference(tmp_path, 3), 3)
-
-
-@pytest.mark.multiprocess
-def test_resume_of_two_processes_is_bit_exact(tmp_path):
-    """Two processes under jax.distributed (one device each): 1 round, then both --resume to 2."""
-
-    def both(rounds, *extra):
-        dist = ["--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes", "2", "--local-devices", "1"]
-        return [_mesh_cmd(tmp_path, rounds, *dist, "--process-id", str(i), *extra) for i in range(2)]
-
-    _run_all(both(1))
-    _run_all(both(2, "--resume"))
-    _assert_mesh_run_equals(tmp_path, _mesh_reference(tmp_path, 2), 2)
