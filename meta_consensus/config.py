@@ -205,6 +205,11 @@ class VoteConfig:
         :mod:`meta_consensus.server`). Unused by other rules.
       server_steps: the coordinator's Adam steps on the root set per round (None:
         ``nodes.local_steps``, a plain local node's budget).
+      server_step: after the vote and the weights, the consensus moves by this multiple of
+        the coordinator's own update on its root set (``consensus + server_step * g``, g as
+        for the server-guided rules; needs the root set, with any rule). 0 (the default):
+        off. The root set's data then enters the model: it assumes the coordinator's data
+        is clean and like the nodes' task, as FLTrust does.
     """
 
     rule: str = "multi_krum"
@@ -219,6 +224,7 @@ class VoteConfig:
     top_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     root_size: int = 100
     server_steps: int | None = None
+    server_step: float = 0.0
 
     def f(self, answered: int) -> int:
         """f of a flat vote when ``answered`` nodes answered with a valid candidate."""
@@ -460,6 +466,15 @@ def _check_vote(cfg: Config) -> None:
     _check(v.top_num_byzantine >= 0, "vote.top_num_byzantine", v.top_num_byzantine, "need >= 0")
     _check(v.root_size >= 1, "vote.root_size", v.root_size, "need >= 1 held-out rows")
     _check(v.server_steps is None or v.server_steps >= 1, "vote.server_steps", v.server_steps, "need >= 1")
+    _check(
+        isinstance(v.server_step, int | float)
+        and not isinstance(v.server_step, bool)
+        and math.isfinite(v.server_step)
+        and v.server_step >= 0,
+        "vote.server_step",
+        v.server_step,
+        "need a finite number >= 0 (0: off)",
+    )
     vote_rules = rules.vote_rules()
     _choices("vote.rule", v.rule, vote_rules)
     unknown_pre = sorted(set(v.pre_options) - set(v.pre))

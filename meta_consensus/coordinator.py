@@ -38,7 +38,15 @@ from meta_consensus import example_privacy, sampling
 from meta_consensus.config import Config, ConfigError
 from meta_consensus.fleet import Fleet
 from meta_consensus.pipeline import MergePipeline, MergeReport, RoundFailure
-from meta_consensus.server import SERVER_UPDATE, ServerReference, round_extra, round_needs, split_root
+from meta_consensus.server import (
+    SERVER_UPDATE,
+    ServerReference,
+    round_extra,
+    round_needs,
+    server_step,
+    split_root,
+    vote_needs,
+)
 from meta_consensus.statistics import check_config as check_statistics_config
 from meta_consensus.statistics import round_statistics
 from strategies.tasks.base import Task
@@ -175,13 +183,15 @@ class Coordinator:
     def _server_reference(self, process_count: int) -> ServerReference | None:
         """Server-guided rules: split the root set off the held-out data (before anything reads it)."""
         self.round_needs = round_needs(self.cfg)
+        self.vote_needs = vote_needs(self.cfg)
         check_statistics_config(self.cfg, self.round_needs, process_count)  # fisher_merge, regmean
         if SERVER_UPDATE not in self.round_needs:
             return None
         if process_count > 1:
             raise ConfigError(
-                f"vote.rule = {self.cfg.vote.rule!r} needs the coordinator's own update; "
-                "server-guided rules run in one process"
+                f"vote.rule = {self.cfg.vote.rule!r} with vote.server_step = {self.cfg.vote.server_step} "
+                "needs the coordinator's own update; server-guided rules and the server step run in "
+                "one process"
             )
         data = self.fleet.data
         root, rest = split_root(data.heldout, self.cfg.vote.root_size, self.cfg.seed)
@@ -350,9 +360,15 @@ class Coordinator:
             )
         try:
             extra = round_extra(self.round_needs, self.server, state.consensus, key)
+            # vote.server_step's update is the round's, not the vote's, unless a rule asks for it.
+            g = extra[SERVER_UPDATE] if self.cfg.vote.server_step > 0 else None
+            if SERVER_UPDATE not in self.vote_needs:
+                extra.pop(SERVER_UPDATE, None)
             # The nodes' Fisher / input Grams when the vote needs them (meta_consensus.statistics).
             extra.update(round_statistics(self.round_needs, self.fleet.task, self.fleet.data, out.submitted))
             merged, new_agg = self.pipeline.update(out.submitted, agg_state, state.consensus, valid, **extra)
+            if g is not None:  # after the vote, the weights and the DP release (post-processing)
+                merged = server_step(merged, g, float(self.cfg.vote.server_step))
         except (RoundFailure, ByzantineToleranceError) as e:
             # Solver failure, or too few valid nodes left for the rule's precondition (Krum needs
             # m > 2f + 2 of the nodes that answered). The pipeline stopped before the noise was

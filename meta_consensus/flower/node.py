@@ -85,7 +85,10 @@ def check_flower_config(cfg: Config) -> Config:
 
     needs = sorted(round_needs(cfg))
     if needs:  # the in-process coordinator provides them (meta_consensus.server); this strategy not yet
-        raise ConfigError(f"vote.rule = {cfg.vote.rule!r} needs {needs}, not provided on Flower yet")
+        raise ConfigError(
+            f"vote.rule = {cfg.vote.rule!r} with vote.server_step = {cfg.vote.server_step} needs {needs}, "
+            "not provided on Flower yet"
+        )
     return cfg
 
 

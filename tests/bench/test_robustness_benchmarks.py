@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -331,7 +332,8 @@ def test_rules_and_attacks_options_pick_a_subset_in_table_order(capsys):
 
 def test_robust_preset_candidates_are_valid_configs_of_the_preset():
     """Every candidate of the preset's selection loads on configs/robust.toml and is the vote
-    ("pre+rule") and the weights ("+objective", none: the vote's output) it names."""
+    ("pre+rule"), the weights ("+objective", none: the vote's output) and the server step
+    ("+server_<step>", none: 0) it names."""
     from benchmarks import robust_preset
     from meta_consensus import config
     from meta_consensus.objectives import OBJECTIVES
@@ -339,6 +341,11 @@ def test_robust_preset_candidates_are_valid_configs_of_the_preset():
     preset = Path(__file__).resolve().parents[2] / robust_preset.PRESET
     for name, sets in robust_preset.CANDIDATES.items():
         cfg = config.load(preset, sets)
+        step = 0.0
+        suffix = re.fullmatch(r"(.+)\+server_([0-9.]+)", name)
+        if suffix:
+            name, step = suffix[1], float(suffix[2])
+        assert cfg.vote.server_step == step, name
         *parts, last = name.split("+")
         objective = last if last in OBJECTIVES.names() else "vote"
         *pre, rule = parts if objective != "vote" else [*parts, last]
@@ -372,4 +379,4 @@ def test_robust_preset_on_another_task_reports_the_shipped_preset_without_select
     assert not any(f"seed={robust_preset.SELECTION_SEED}" in sets for sets in calls)
     assert len(calls) == 3 * (1 + len(robust_preset.ATTACKS)) + 1  # three merges, one seed, the oracle
     md = (tmp_path / "robust_preset_fashion_mnist_quick.md").read_text()
-    assert "The preset: **dnc+quadratic**" in md and "gap (points)" in md
+    assert f"The preset: **{robust_preset.PRESET_CANDIDATE}**" in md and "gap (points)" in md

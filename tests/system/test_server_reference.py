@@ -119,3 +119,34 @@ def test_server_update_is_the_trainers_on_the_root_set_only(tmp_path):
     g2 = other.update(params, key)
     assert not np.allclose(np.asarray(jax.tree.leaves(g1)[0]), np.asarray(jax.tree.leaves(g2)[0]))
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(g1))
+
+
+def test_server_step_config_and_needs(tmp_path):
+    median = ["vote.rule=median", "vote.num_byzantine=1"]
+    assert round_needs(tiny(tmp_path, *median)) == frozenset()
+    assert round_needs(tiny(tmp_path, *median, "vote.server_step=0.5")) == {"server_update"}
+    for bad in ("-0.5", "nan", "inf", "true"):
+        with pytest.raises(config.ConfigError, match="vote.server_step"):
+            tiny(tmp_path, *median, f"vote.server_step={bad}")
+
+
+@pytest.mark.slow  # a coordinator, two rounds and a refit of each
+def test_server_step_adds_the_servers_update_to_the_votes_merge(tmp_path):
+    """vote.server_step with a rule that needs no server: consensus = median(nodes) + step * g,
+    g the coordinator's update on its root set from the round's starting consensus."""
+    cfg = tiny(tmp_path, "vote.rule=median", "vote.num_byzantine=1", "vote.server_step=0.5")
+    co = Coordinator(cfg)
+    assert co.server is not None and co.server.root_size == 40
+    state = co.init()
+    flat = lambda t: np.concatenate([np.asarray(x, np.float64).reshape(-1) for x in jax.tree.leaves(t)])  # noqa: E731
+    for _ in range(cfg.rounds):
+        prev = state.consensus
+        key = co.round_key(state, 0)
+        new, info = co.round(state)
+        assert info.ok, info.reason
+        g = flat(co.server.update(prev, key))
+        out = co.fleet.fit(state.nodes, prev, jax.random.split(key)[0])
+        X = np.stack([flat(jax.tree.map(lambda a, i=i: a[i], out.submitted)) for i in range(cfg.nodes.count)])
+        assert np.linalg.norm(g) > 1e-3  # the step is not vacuous
+        np.testing.assert_allclose(flat(new.consensus), np.median(X, axis=0) + 0.5 * g, rtol=1e-5, atol=1e-6)
+        state = new
