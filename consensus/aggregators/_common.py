@@ -279,3 +279,9 @@ def accepts_views(update):
     """Mark an update function as able to read a lazy :class:`NodeView`."""
     update.accepts_views = True
     return update
+
+
+def accepts_dropped(update):
+    """Mark an update function as able to read DARE's lazy rows (:class:`.view.DroppedRows`)."""
+    update.accepts_dropped = True
+    return update

@@ -81,9 +81,13 @@ def process(
         # floating view (Gram matrix centred on the nodes' mean, formed in its one Gram pass).
         pre_states = []
         for p, s in zip(pre, state.pre, strict=True):
+            if views.is_dropped(x):  # DARE's lazy rows feed only a rule that reads them
+                x = views.materialize(x)
             x, s = p.update(x, s, params, mask=mask, lazy=True, **extra)
             pre_states.append(s)
         if views.is_view(x) and not getattr(aggregator.update, "accepts_views", False):
+            x = views.materialize(x)
+        if views.is_dropped(x) and not getattr(aggregator.update, "accepts_dropped", False):
             x = views.materialize(x)
         merged, agg_state = aggregator.update(x, state.aggregator, params, mask=mask, **extra)
         info = agg_state.info

@@ -54,8 +54,36 @@ class NodeView(NamedTuple):
     floating: bool = False
 
 
+class DroppedRows(NamedTuple):
+    """DARE's rows ``y_i = c + factor * keep_i * (x_i - c)``, not materialized (see :mod:`kernels.dropout`).
+
+    ``keep_i`` is a pure function of the leaf's key, so a consumer that knows this type
+    (task arithmetic) sums the dropped task vectors in one read of x; every other
+    consumer gets the rows written out (:func:`materialize`).
+
+    Attributes:
+      base: the stacked tree x (n rows).
+      centre: the base model c (no node axis).
+      keys: one key per leaf of x (its leaf order).
+      density: float32 scalar, the keep probability.
+      factor: float32 scalar, the rescale of the kept entries.
+      valid: (n,) bool rows that exist (the others come out NaN).
+    """
+
+    base: PyTree
+    centre: PyTree
+    keys: tuple[jax.Array, ...]
+    density: jax.Array
+    factor: jax.Array
+    valid: jax.Array
+
+
 def is_view(x: Any) -> bool:
     return isinstance(x, NodeView)
+
+
+def is_dropped(x: Any) -> bool:
+    return isinstance(x, DroppedRows)
 
 
 def base_of(x: PyTree | NodeView) -> PyTree:
@@ -119,8 +147,18 @@ def leaf_inputs(x: PyTree | NodeView) -> tuple[list, list, jax.Array | None, boo
     return leaves, centres, x.mixing, x.diagonal
 
 
-def materialize(x: PyTree | NodeView) -> PyTree:
+def materialize(x: PyTree | NodeView | DroppedRows) -> PyTree:
     """The rows of y as an ordinary stacked tree (one copy of the stack); invalid rows NaN."""
+    if is_dropped(x):
+        from kernels.dropout import dropped_rows
+
+        leaves = jax.tree_util.tree_leaves(x.base)
+        centres = jax.tree_util.tree_leaves(x.centre)
+        out = [
+            dropped_rows(v, c, k, x.density, x.factor, x.valid)
+            for v, c, k in zip(leaves, centres, x.keys, strict=True)
+        ]
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(x.base), out)
     if not is_view(x) or (x.mixing is None and x.valid is None):
         return base_of(x)
     from kernels import rows as row_kernels

@@ -7,6 +7,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from consensus.aggregators import view as views
+from consensus.aggregators._common import accepts_dropped
 from consensus.base import Aggregator
 from consensus.merging._common import (
     RuleState,
@@ -19,6 +21,7 @@ from consensus.merging._common import (
     require_base,
     require_valid_count,
 )
+from kernels.dropout import dropped_delta_sum
 from kernels.rows import tree_sum
 
 PyTree = Any
@@ -51,7 +54,8 @@ def task_arithmetic(scale: float = 1.0, weights: Any = None) -> Aggregator:
     the sum of the weights, i.e. the weighted mean of the nodes, then scales
     nothing). The paper tunes lambda on held-out data (0.3-0.4 for 8 tasks).
     V are the valid nodes (allowed by ``mask`` and finite); w are given here or
-    per call ``update(..., weights=w)``. One pass over the stack.
+    per call ``update(..., weights=w)``. One pass over the stack, also after
+    ``dare`` inside ``process`` (the drop is computed where each entry is read).
 
     Not robust: one node moves the output arbitrarily far. Compose with the
     votes, e.g. ``process(task_arithmetic(0.3), pre=[nnm(f)])``.
@@ -62,14 +66,27 @@ def task_arithmetic(scale: float = 1.0, weights: Any = None) -> Aggregator:
     lam = check_scale("task_arithmetic", scale)
     fixed = fixed_weights("task_arithmetic", weights)
 
+    @accepts_dropped
     def update(stacked, state, params=None, *, mask=None, weights=None, assume_finite=False, **extra):
         del state, extra
+        # After dare(...) inside process: the drop is fused into the sum (one read, no stack written).
+        dropped = stacked if views.is_dropped(stacked) else None
+        if dropped is not None:
+            stacked = dropped.base
+            mask = dropped.valid if mask is None else jnp.asarray(mask, bool) & dropped.valid
         stacked, n = require_base("task_arithmetic", stacked, params)
         w = node_weights("task_arithmetic", fixed, weights, n)
 
         def compute(valid):
             coeffs = jnp.where(valid, lam * w, 0.0)
-            return jax.tree.map(lambda x, b: delta_sum(x, b, coeffs), stacked, params)
+            if dropped is None:
+                return jax.tree.map(lambda x, b: delta_sum(x, b, coeffs), stacked, params)
+            xs, bases = jax.tree_util.tree_leaves(stacked), jax.tree_util.tree_leaves(params)
+            leaves = [
+                dropped_delta_sum(x, b, coeffs, k, dropped.density, dropped.factor)
+                for x, b, k in zip(xs, bases, dropped.keys, strict=True)
+            ]
+            return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), leaves)
 
         merged, valid = optimistic(stacked, mask, n, assume_finite, compute)
         require_valid_count("task_arithmetic", valid, n, 1)

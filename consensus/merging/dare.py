@@ -12,6 +12,10 @@ from consensus.aggregators import view as views
 from consensus.aggregators._common import allowed, check_stacked
 from consensus.base import PreAggregator
 from consensus.merging._common import check_density
+from kernels import dropout
+
+# Re-exported: the keyed bits live with the kernels that consume them.
+keyed_bits = dropout.keyed_bits
 
 PyTree = Any
 RESCALES = (True, False, "l1")
@@ -24,63 +28,21 @@ class DareState(NamedTuple):
     rounds: jax.Array
 
 
-def _fmix32(h: jax.Array) -> jax.Array:
-    """MurmurHash3's 32-bit finalizer: a bijection of uint32 with full avalanche."""
-    h = h ^ (h >> 16)
-    h = h * jnp.uint32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * jnp.uint32(0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def keyed_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """uint32 pseudo-random bits of ``shape`` (node axis first), a pure function of ``key``.
-
-    ``jax.random.bits`` (threefry) over a (16, 1e7) stack costs ~50 passes over
-    memory on XLA:CPU. Here jax.random draws two 32-bit seeds per row from the
-    key, and entry j of row i is ``fmix32(fmix32(j ^ s_i) + t_i)`` (a counter-based
-    hash, as in counter-based dropout): a few integer ops per entry fused into
-    the consumer. Statistically fine for dropout masks, not for cryptography.
-    """
-    n = shape[0]
-    seeds = jax.random.bits(key, (n, 2), jnp.uint32)
-    flat = (n, max(1, int(np_prod(shape[1:]))))
-    j = jax.lax.broadcasted_iota(jnp.uint32, flat, 1)
-    return _fmix32(_fmix32(j ^ seeds[:, 0:1]) + seeds[:, 1:2]).reshape(shape)
-
-
-def np_prod(shape: tuple[int, ...]) -> int:
-    out = 1
-    for s in shape:
-        out *= int(s)
-    return out
-
-
 @functools.partial(jax.jit, static_argnames=("rescale",))
-def _dare_leaf(x, base, key, density, valid, *, rescale):
+def _dare_l1_leaf(x, base, key, density, valid, *, rescale):
+    """mergekit's L1 rescale: each node's leaf keeps the L1 norm of its task vector (two reductions)."""
+    del rescale
     n = x.shape[0]
-    shape = (n,) + (1,) * (x.ndim - 1)
+    axes = tuple(range(1, x.ndim))
     b = base.astype(jnp.float32)
     d = x.astype(jnp.float32) - b[None]
-    # Bernoulli(density) from 32 random bits: keep when bits < density * 2^32 (exact to 2^-32).
-    bits = keyed_bits(key, x.shape)
-    cut = jnp.minimum(density * 4294967296.0, 4294967295.0).astype(jnp.uint32)
-    keep = (bits < cut) | (density >= 1.0)
-    # A dropped entry is d * 0: 0 for a finite d, NaN for a non-finite one, so a node holding
-    # NaN/Inf still holds it after the drop (and every rule downstream excludes it) without a
-    # separate finiteness pass over the stack.
-    kept = jnp.where(keep, d, d * 0.0)
-    if rescale == "l1":
-        axes = tuple(range(1, x.ndim))
-        before = jnp.sum(jnp.abs(d), axis=axes, keepdims=True)
-        after = jnp.sum(jnp.abs(kept), axis=axes, keepdims=True)
-        factor = jnp.where(after > 0, before / jnp.where(after > 0, after, 1.0), 1.0)
-    elif rescale:
-        factor = 1.0 / density
-    else:
-        factor = 1.0
+    keep = dropout.keep_mask(key, x.shape, density)
+    kept = jnp.where(keep, d, d * 0.0)  # NaN stays NaN (see kernels.dropout)
+    before = jnp.sum(jnp.abs(d), axis=axes, keepdims=True)
+    after = jnp.sum(jnp.abs(kept), axis=axes, keepdims=True)
+    factor = jnp.where(after > 0, before / jnp.where(after > 0, after, 1.0), 1.0)
     y = b[None] + kept * factor
-    return jnp.where(valid.reshape(shape), y, jnp.nan).astype(x.dtype)
+    return jnp.where(valid.reshape((n,) + (1,) * (x.ndim - 1)), y, jnp.nan).astype(x.dtype)
 
 
 def dare(density: float, rescale: bool | str = True, *, key: jax.Array | None = None) -> PreAggregator:
@@ -109,10 +71,16 @@ def dare(density: float, rescale: bool | str = True, *, key: jax.Array | None = 
     come out as NaN ("no value"), like the other pre-aggregators; a node
     holding NaN/Inf comes out holding NaN/Inf (a dropped entry is ``d * 0``,
     NaN where d is not finite), so the rule downstream, which excludes every
-    node with a non-finite entry, excludes it. One pass (random bits, drop
-    and rescale fused, no separate finiteness pass) writing a new stack: the
-    read and the write of the stack, ~2x one read; the bits are a keyed
-    counter-based hash (:func:`keyed_bits`), not threefry, for speed.
+    node with a non-finite entry, excludes it. The bits are a keyed
+    counter-based hash (:func:`kernels.dropout.keyed_bits`), not threefry, for speed.
+
+    Cost: called alone, one pass (bits, drop and rescale fused, no separate
+    finiteness pass) writing a new stack, ~2x one read at least (a copy of
+    the stack costs that). Inside ``process`` (``rescale`` not "l1") the
+    output stays lazy (:class:`~consensus.aggregators.view.DroppedRows`):
+    task arithmetic recomputes the mask where it reads each entry and sums
+    the dropped task vectors in one read of the stack (mergekit's
+    ``dare_linear``); every other rule gets the rows written out first.
 
     Precondition: density in (0, 1]. DP: DARE does not bound anything by
     itself; the rule after it decides.
@@ -127,7 +95,7 @@ def dare(density: float, rescale: bool | str = True, *, key: jax.Array | None = 
         return DareState(own_key, jnp.zeros((), jnp.int32))
 
     def update(stacked, state, params=None, *, mask=None, lazy=False, key=None, **extra):
-        del lazy, extra
+        del extra
         if params is None:
             raise ValueError("dare: needs the base model: update(stacked, state, params=base)")
         x = views.materialize(stacked) if views.is_view(stacked) else stacked
@@ -140,13 +108,19 @@ def dare(density: float, rescale: bool | str = True, *, key: jax.Array | None = 
             round_key = jax.random.fold_in(state.key, state.rounds)
         else:
             raise ValueError("dare: needs a random key: dare(p, key=k) or update(..., key=round_key)")
-        valid = allowed(mask, n)  # non-finite nodes stay non-finite (see _dare_leaf): one pass
+        valid = allowed(mask, n)  # non-finite nodes stay non-finite (kernels.dropout): one pass
         leaves, tdef = jax.tree_util.tree_flatten(x)
         bases = jax.tree_util.tree_leaves(params)
-        out = [
-            _dare_leaf(v, b, jax.random.fold_in(round_key, idx), jnp.float32(rho), valid, rescale=rescale)
-            for idx, (v, b) in enumerate(zip(leaves, bases, strict=True))
-        ]
-        return jax.tree_util.tree_unflatten(tdef, out), DareState(state.key, state.rounds + 1)
+        keys = tuple(jax.random.fold_in(round_key, idx) for idx in range(len(leaves)))
+        new_state = DareState(state.key, state.rounds + 1)
+        if rescale == "l1":
+            out = [
+                _dare_l1_leaf(v, b, k, jnp.float32(rho), valid, rescale=rescale)
+                for v, b, k in zip(leaves, bases, keys, strict=True)
+            ]
+            return jax.tree_util.tree_unflatten(tdef, out), new_state
+        factor = jnp.float32(1.0 / rho if rescale else 1.0)
+        rows = views.DroppedRows(x, params, keys, jnp.float32(rho), factor, valid)
+        return (rows if lazy else views.materialize(rows)), new_state
 
     return PreAggregator(init, update, "dare")

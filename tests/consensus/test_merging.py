@@ -468,6 +468,44 @@ def test_dare_keeps_a_non_finite_node_non_finite_and_the_merge_excludes_it():
     assert_tree_close(jitted(poisoned, base, key), want)
 
 
+def test_dare_linear_sums_the_dropped_task_vectors_without_writing_them():
+    """process(task_arithmetic, pre=[dare]) reads DARE's rows lazily (the drop recomputed where
+    each entry is read): equal to task arithmetic of DARE's written rows and to a float64
+    reference of the paper's formula, with the mask of kernels.dropout's keyed bits; a poisoned
+    and a masked node are excluded; the other rules still get the rows written out."""
+    from kernels.dropout import keep_mask
+
+    base = make_base()
+    stacked = make_nodes(base, 5)
+    key = jax.random.key(7)
+    density, scale = 0.4, 0.7
+    poisoned = jax.tree.map(lambda x: x.at[(3,) + (0,) * (x.ndim - 1)].set(jnp.nan), stacked)
+    allowed = np.arange(5) != 1
+    agg = consensus.process(consensus.task_arithmetic(scale), pre=[consensus.dare(density)])
+    merged, state = agg.update(poisoned, agg.init(base), base, key=key, mask=jnp.asarray(allowed))
+    assert list(np.asarray(consensus.get_info(state).valid)) == [True, False, True, False, True]
+    # float64 reference: base + scale * sum over the valid nodes of keep * (x - base) / density
+    valid = np.array([True, False, True, False, True])
+    want = []
+    for idx, (x, b) in enumerate(zip(leaves64(stacked), leaves64(base), strict=True)):
+        keep = np.asarray(keep_mask(jax.random.fold_in(key, idx), x.shape, jnp.float32(density)))
+        want.append(b + scale * np.sum((keep * (x - b[None]) / density)[valid], axis=0))
+    for got, w in zip(leaves64(merged), want, strict=True):
+        np.testing.assert_allclose(got, w, rtol=2e-5, atol=2e-5)
+    # The written rows, then task arithmetic: the same merge (sums in another order).
+    rows, _ = consensus.dare(density).update(poisoned, None, base, key=key, mask=jnp.asarray(allowed))
+    written, _ = consensus.task_arithmetic(scale).update(rows, None, base)
+    assert_tree_close(merged, leaves64(written))
+    jitted = jax.jit(lambda s, p, k, m: agg.update(s, agg.init(p), p, key=k, mask=m)[0])
+    assert_tree_close(jitted(poisoned, base, key, jnp.asarray(allowed)), leaves64(written))
+    # A rule that does not read lazy rows gets them written: the median of DARE's rows.
+    med = consensus.process(consensus.median(), pre=[consensus.dare(density)])
+    got, _ = med.update(stacked, med.init(base), base, key=key)
+    rows, _ = consensus.dare(density).update(stacked, None, base, key=key)
+    for g, r in zip(leaves64(got), leaves64(rows), strict=True):
+        np.testing.assert_allclose(g, np.median(r, axis=0), rtol=1e-6, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- properties
 
 
