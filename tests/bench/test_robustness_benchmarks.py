@@ -380,3 +380,30 @@ def test_robust_preset_on_another_task_reports_the_shipped_preset_without_select
     assert len(calls) == 3 * (1 + len(robust_preset.ATTACKS)) + 1  # three merges, one seed, the oracle
     md = (tmp_path / "robust_preset_fashion_mnist_quick.md").read_text()
     assert f"The preset: **{robust_preset.PRESET_CANDIDATE}**" in md and "gap (points)" in md
+
+
+def test_robust_preset_seeds_option_refuses_the_selection_seed_and_non_integers(capsys):
+    from benchmarks import robust_preset
+
+    for bad, why in (("100", "the selection seed"), ("0,x", "comma-separated integers")):
+        with pytest.raises(SystemExit) as e:  # argparse's one-line error, before any run
+            robust_preset.main(["--seeds", bad])
+        assert e.value.code == 2
+        assert why in capsys.readouterr().err
+
+
+def test_robust_preset_at_another_alpha_reports_the_shipped_preset_there(monkeypatch, tmp_path):
+    from benchmarks import quality_common, robust_preset
+
+    calls = []
+
+    def fake_run(sets):
+        calls.append(sets)
+        return 0.9, 0.85
+
+    monkeypatch.setattr(robust_preset, "run_once", fake_run)
+    monkeypatch.setattr(quality_common, "_task_name", "digits")
+    res = robust_preset.main(["--quick", "--alpha", "0.1", "--out", str(tmp_path)])
+    assert res["selection"] == {} and res["chosen"] == robust_preset.PRESET_CANDIDATE
+    assert calls and all("task.alpha=0.1" in sets for sets in calls)
+    assert "alpha = 0.1" in (tmp_path / "robust_preset_alpha0.1_quick.md").read_text()

@@ -20,6 +20,8 @@ def test_robust_preset_loads_as_documented():
     assert cfg.vote.rule == "dnc" and cfg.vote.pre == () and cfg.vote.f(cfg.nodes.count) == 4
     assert cfg.weights.objective == "quadratic" and cfg.weights.max_weight is None
     assert cfg.weights.lambda_reg == 0.1 and cfg.baseline_fedavg
+    assert cfg.vote.server_step == 0.25 and cfg.vote.root_size == 100  # the server step, on 100 root rows
+    assert cfg.weights.max_examples == 500
     # Every rule of the vote holds at n = 16, f = 4 (the registry's static preconditions).
     for name in (*cfg.vote.pre, cfg.vote.rule):
         spec = registry.RULES[name]
