@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -28,10 +27,9 @@ class DareState(NamedTuple):
     rounds: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("rescale",))
-def _dare_l1_leaf(x, base, key, density, valid, *, rescale):
+@jax.jit
+def _dare_l1_leaf(x, base, key, density, valid):
     """mergekit's L1 rescale: each node's leaf keeps the L1 norm of its task vector (two reductions)."""
-    del rescale
     n = x.shape[0]
     axes = tuple(range(1, x.ndim))
     b = base.astype(jnp.float32)
@@ -115,7 +113,7 @@ def dare(density: float, rescale: bool | str = True, *, key: jax.Array | None = 
         new_state = DareState(state.key, state.rounds + 1)
         if rescale == "l1":
             out = [
-                _dare_l1_leaf(v, b, k, jnp.float32(rho), valid, rescale=rescale)
+                _dare_l1_leaf(v, b, k, jnp.float32(rho), valid)
                 for v, b, k in zip(leaves, bases, keys, strict=True)
             ]
             return jax.tree_util.tree_unflatten(tdef, out), new_state
