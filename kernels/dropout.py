@@ -39,8 +39,12 @@ def row_seeds(key: jax.Array, n: int) -> jax.Array:
 
 
 def hashed_bits(seeds: jax.Array, j: jax.Array) -> jax.Array:
-    """uint32 bits of entries ``j`` (uint32 flat indices) of a row with ``seeds`` (2,)."""
-    return _fmix32(_fmix32(j ^ seeds[0]) + seeds[1])
+    """uint32 bits ``fmix32(fmix32(j ^ s) + t)`` of uint32 flat indices ``j``, ``(s, t) = seeds[..., :2]``.
+
+    ``seeds`` broadcasts against ``j``: one row's (2,) seeds with that row's indices, or the
+    (n, 1, 2) seeds of every row with (n, m) indices.
+    """
+    return _fmix32(_fmix32(j ^ seeds[..., 0]) + seeds[..., 1])
 
 
 def keyed_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -56,7 +60,7 @@ def keyed_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     seeds = row_seeds(key, n)
     flat = (n, max(1, _numel(shape[1:])))
     j = jax.lax.broadcasted_iota(jnp.uint32, flat, 1)
-    return _fmix32(_fmix32(j ^ seeds[:, 0:1]) + seeds[:, 1:2]).reshape(shape)
+    return hashed_bits(seeds[:, None, :], j).reshape(shape)
 
 
 def keep_threshold(density: jax.Array) -> jax.Array:
@@ -64,9 +68,13 @@ def keep_threshold(density: jax.Array) -> jax.Array:
     return jnp.minimum(density * 4294967296.0, 4294967295.0).astype(jnp.uint32)
 
 
+def _kept(bits: jax.Array, density: jax.Array) -> jax.Array:
+    return (bits < keep_threshold(density)) | (density >= 1.0)
+
+
 def keep_mask(key: jax.Array, shape: tuple[int, ...], density: jax.Array) -> jax.Array:
     """bool of ``shape``: the entries DARE keeps (every entry at density 1)."""
-    return (keyed_bits(key, shape) < keep_threshold(density)) | (density >= 1.0)
+    return _kept(keyed_bits(key, shape), density)
 
 
 def _drop(d: jax.Array, keep: jax.Array) -> jax.Array:
@@ -99,12 +107,10 @@ def dropped_delta_sum(
     """
     n = x.shape[0]
     b = base.astype(jnp.float32)
-    cut = keep_threshold(density)
     seeds = row_seeds(key, n)
     j = jax.lax.broadcasted_iota(jnp.uint32, (max(1, _numel(x.shape[1:])),), 0).reshape(x.shape[1:])
     terms = []
     for i in range(n):
-        keep = (hashed_bits(seeds[i], j) < cut) | (density >= 1.0)
-        d = _drop(x[i].astype(jnp.float32) - b, keep)
+        d = _drop(x[i].astype(jnp.float32) - b, _kept(hashed_bits(seeds[i], j), density))
         terms.append(jnp.where(coeffs[i] != 0, (coeffs[i] * factor) * d, 0.0))
     return (b + tree_sum(terms)).astype(x.dtype)
