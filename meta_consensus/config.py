@@ -199,8 +199,10 @@ class VoteConfig:
         ``num_byzantine // groups``), then ``top_rule`` votes over the group results.
       top_rule, top_num_byzantine, top_options: the rule over the group results, its f
         (groups that may be wholly Byzantine) and its parameters.
-      root_size: server-guided rules (``fltrust``, ``server_monna``): rows of the held-out
-        split the coordinator keeps as its root set (drawn from ``seed``; removed from the
+      root_size: server-guided rules (``fltrust``, ``server_monna``) and ``server_step``: the
+        coordinator's root set, as a number of held-out rows (an integer >= 1) or as a share of
+        the held-out rows (a number in (0, 1), rounded to the nearest row, so one config
+        scales with the task's held-out split) (drawn from ``seed``; removed from the
         held-out data the quality gate, the weights and evaluation use; see
         :mod:`meta_consensus.server`). Unused by other rules.
       server_steps: the coordinator's Adam steps on the root set per round (None:
@@ -222,7 +224,7 @@ class VoteConfig:
     top_rule: str = "median"
     top_num_byzantine: int = 0
     top_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    root_size: int = 100
+    root_size: int | float = 100
     server_steps: int | None = None
     server_step: float = 0.0
 
@@ -464,7 +466,12 @@ def _check_vote(cfg: Config) -> None:
         f"0, 1 or a divisor of nodes.count = {n}",
     )
     _check(v.top_num_byzantine >= 0, "vote.top_num_byzantine", v.top_num_byzantine, "need >= 0")
-    _check(v.root_size >= 1, "vote.root_size", v.root_size, "need >= 1 held-out rows")
+    _check(
+        v.root_size >= 1 if isinstance(v.root_size, int) else 0.0 < v.root_size < 1.0,
+        "vote.root_size",
+        v.root_size,
+        "an integer >= 1 (held-out rows) or a share of the held-out rows in (0, 1)",
+    )
     _check(v.server_steps is None or v.server_steps >= 1, "vote.server_steps", v.server_steps, "need >= 1")
     _check(
         isinstance(v.server_step, int | float)

@@ -4,7 +4,8 @@ FLTrust (Cao et al. 2021, NDSS) and the server-reference variant of MoNNA trust 
 coordinator's own update ``g`` on a small, clean *root set* (``update(...,
 server_update=g)``, see :mod:`consensus.aggregators.server`). The system builds it so:
 
-* **The root set** is ``vote.root_size`` rows split off the task's held-out split by a
+* **The root set** is ``vote.root_size`` rows (or that share of the held-out rows,
+  :func:`root_rows`) split off the task's held-out split by a
   permutation drawn from the run's seed (:func:`split_root`). Held-out data is never a
   node's training data (each node trains on its own shard, and the hierarchical
   strategy on the shared general pool), so the root set is never node data.
@@ -83,10 +84,15 @@ def server_step(merged: PyTree, server_update: PyTree, step: float) -> PyTree:
     return jax.tree.map(lambda m, g: (m + step * g.astype(m.dtype)).astype(m.dtype), merged, server_update)
 
 
+def root_rows(root_size: int | float, total: int) -> int:
+    """Rows of the root set: ``root_size`` itself (an int), or that share of ``total`` rows, rounded."""
+    return root_size if isinstance(root_size, int) else int(round(root_size * total))
+
+
 def split_root(
-    heldout: Mapping[str, np.ndarray], root_size: int, seed: int
+    heldout: Mapping[str, np.ndarray], root_size: int | float, seed: int
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """(root set, the rest): ``root_size`` held-out rows drawn without replacement from ``seed``.
+    """(root set, the rest): :func:`root_rows` held-out rows drawn without replacement from ``seed``.
 
     Both keep the held-out split's row order. Raises ConfigError when the held-out split
     is too small to leave rows for the quality gate, the weights and evaluation.
@@ -95,15 +101,17 @@ def split_root(
     if len(sizes) != 1:
         raise ValueError(f"held-out arrays disagree on their row count: {sorted(sizes)}")
     total = sizes.pop()
-    if not 1 <= root_size < total:
+    rows = root_rows(root_size, total)
+    if not 1 <= rows < total:
+        share = "" if isinstance(root_size, int) else f" (a share of {total} held-out rows: {rows} rows)"
         raise ConfigError(
-            f"vote.root_size = {root_size} is not valid: need 1 <= root_size < {total} "
+            f"vote.root_size = {root_size}{share} is not valid: need 1 <= rows < {total} "
             "(the held-out rows of this task; the rest stay held out)"
         )
     key = jax.random.fold_in(jax.random.key(seed), ROOT_STREAM)
     perm = np.asarray(jax.random.permutation(key, total))
     in_root = np.zeros(total, bool)
-    in_root[perm[:root_size]] = True
+    in_root[perm[:rows]] = True
     root = {k: np.asarray(v)[in_root] for k, v in heldout.items()}
     rest = {k: np.asarray(v)[~in_root] for k, v in heldout.items()}
     return root, rest

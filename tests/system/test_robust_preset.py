@@ -9,6 +9,9 @@ import pytest
 from consensus import registry
 from meta_consensus import config
 from meta_consensus.config import ConfigError
+from meta_consensus.server import root_rows
+from strategies.tasks.digits import DigitsTask
+from strategies.tasks.fashion_mnist import FashionMNISTTask
 
 PRESET = Path(__file__).resolve().parents[2] / "configs" / "robust.toml"
 
@@ -20,7 +23,11 @@ def test_robust_preset_loads_as_documented():
     assert cfg.vote.rule == "dnc" and cfg.vote.pre == () and cfg.vote.f(cfg.nodes.count) == 4
     assert cfg.weights.objective == "quadratic" and cfg.weights.max_weight is None
     assert cfg.weights.lambda_reg == 0.1 and cfg.baseline_fedavg
-    assert cfg.vote.server_step == 0.25 and cfg.vote.root_size == 100  # the server step, on 100 root rows
+    assert cfg.vote.server_step == 0.25 and cfg.vote.root_size == 0.556  # a share of the held-out rows
+    # ...which keeps the 100 root rows of the digits selection and scales on Fashion-MNIST (5,000 held out).
+    digits_heldout = len(DigitsTask().splits(16, seed=0, alpha=0.3).heldout["y"])
+    assert root_rows(cfg.vote.root_size, digits_heldout) == 100
+    assert root_rows(cfg.vote.root_size, FashionMNISTTask().heldout_size) == 2780
     assert cfg.weights.max_examples == 500
     # Every rule of the vote holds at n = 16, f = 4 (the registry's static preconditions).
     for name in (*cfg.vote.pre, cfg.vote.rule):

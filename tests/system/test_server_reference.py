@@ -8,7 +8,7 @@ import pytest
 
 from meta_consensus import config
 from meta_consensus.coordinator import Coordinator
-from meta_consensus.server import ServerReference, round_needs, split_root
+from meta_consensus.server import ServerReference, root_rows, round_needs, split_root
 from tests.robust_reference import fltrust as fltrust_reference
 
 TINY = [
@@ -56,12 +56,31 @@ def test_root_split_is_a_seeded_partition_of_heldout():
         split_root(held, 50, seed=1)
 
 
+def test_root_size_as_a_share_of_heldout_rounds_to_rows_and_draws_the_same_rows():
+    held = {"x": np.zeros((50, 2), np.float32), "y": np.arange(50)}
+    # 0.25 of 50 = 12.5 rows: Python rounds half to even, 12; 0.27 of 50 = 13.5: 14.
+    assert (root_rows(0.25, 50), root_rows(0.27, 50), root_rows(7, 50)) == (12, 14, 7)
+    share, _ = split_root(held, 0.25, seed=1)
+    count, _ = split_root(held, 12, seed=1)
+    np.testing.assert_array_equal(share["y"], count["y"])  # a share is the same draw as its row count
+    too_many = r"vote.root_size = 0.999 \(a share of 50 held-out rows: 50 rows\)"
+    with pytest.raises(config.ConfigError, match=too_many):
+        split_root(held, 0.999, seed=1)
+    with pytest.raises(config.ConfigError, match="vote.root_size = 0.005"):
+        split_root(held, 0.005, seed=1)  # rounds to 0 rows
+
+
 def test_config_accepts_server_rules_and_checks_their_options(tmp_path):
     cfg = tiny(tmp_path)
     assert round_needs(cfg) == {"server_update"}
     assert round_needs(tiny(tmp_path, "vote.rule=dnc", "vote.num_byzantine=1")) == {"key"}
     with pytest.raises(config.ConfigError, match="vote.root_size"):
         tiny(tmp_path, "vote.root_size=0")
+    for bad in ("1.0", "1.5", "-0.2", "0.0"):  # a share must lie in (0, 1); 1.0 is not the integer 1
+        with pytest.raises(config.ConfigError, match="vote.root_size"):
+            tiny(tmp_path, f"vote.root_size={bad}")
+    assert tiny(tmp_path, "vote.root_size=0.5").vote.root_size == 0.5
+    assert tiny(tmp_path, "vote.root_size=30").vote.root_size == 30
     with pytest.raises(config.ConfigError, match="vote.server_steps"):
         tiny(tmp_path, "vote.server_steps=0")
 
