@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from flower_helpers import flower_config
+from flower_helpers import APP_PYPROJECT, flower_config, free_port
 
 from consensus.io import load_safetensors
 from meta_consensus import config as config_lib
@@ -37,36 +36,6 @@ BIN = Path(sys.executable).parent
 HERE = Path(__file__).parent
 NODES = 3
 KILLED = 2
-APP_PYPROJECT = """\
-[build-system]
-requires = ["hatchling"]
-build-backend = "hatchling.build"
-
-[project]
-name = "meta-consensus-flower-test"
-version = "0.1.0"
-dependencies = []
-
-[tool.flwr.app]
-publisher = "meta-consensus"
-
-[tool.flwr.app.components]
-serverapp = "meta_consensus.flower.apps:server_app"
-clientapp = "meta_consensus.flower.apps:client_app"
-
-[tool.flwr.app.config]
-config = ""
-overrides = ""
-round-timeout = 600.0
-evaluate = true
-wait-for-nodes = 120.0
-"""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(tmp_path):
@@ -102,7 +71,7 @@ def test_loopback_deployment_with_a_node_killed_mid_round_equals_the_in_process_
     (app / "pyproject.toml").write_text(APP_PYPROJECT)
     home = tmp_path / "flwr_home"
     home.mkdir()
-    link = _free_port()
+    link = free_port()
     # flwr's own config (FLWR_HOME): the SuperLink connection "local", insecure, on loopback.
     connection = f'address = "127.0.0.1:{link}"\ninsecure = true\n'
     (home / "config.toml").write_text(f'[superlink]\ndefault = "local"\n\n[superlink.local]\n{connection}')
@@ -142,7 +111,7 @@ def test_loopback_deployment_with_a_node_killed_mid_round_equals_the_in_process_
                         "--host",
                         "127.0.0.1",
                         "--port",
-                        str(_free_port()),
+                        str(free_port()),
                         "--node-config",
                         f"partition-id={i} num-partitions={NODES}",
                     ],
