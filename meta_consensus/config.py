@@ -199,12 +199,12 @@ class VoteConfig:
         ``num_byzantine // groups``), then ``top_rule`` votes over the group results.
       top_rule, top_num_byzantine, top_options: the rule over the group results, its f
         (groups that may be wholly Byzantine) and its parameters.
-      root_size: server-guided rules (``fltrust``, ``server_monna``) and ``server_step``: the
-        coordinator's root set, as a number of held-out rows (an integer >= 1) or as a share of
-        the held-out rows (a number in (0, 1), rounded to the nearest row, so one config
-        scales with the task's held-out split) (drawn from ``seed``; removed from the
-        held-out data the quality gate, the weights and evaluation use; see
-        :mod:`meta_consensus.server`). Unused by other rules.
+      root_size: the coordinator's root set, for the server-guided rules (``fltrust``,
+        ``server_monna``) and ``server_step``; unused otherwise. An integer >= 1 is a number of
+        held-out rows; a number in (0, 1) is a share of the held-out rows, rounded to the
+        nearest row, so one config scales with the task's held-out split. The rows are drawn
+        from ``seed`` and removed from the held-out data the quality gate, the weights and
+        evaluation use (see :mod:`meta_consensus.server`).
       server_steps: the coordinator's Adam steps on the root set per round (None:
         ``nodes.local_steps``, a plain local node's budget).
       server_step: after the vote and the weights, the consensus moves by this multiple of
