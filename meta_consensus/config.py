@@ -202,7 +202,7 @@ class VoteConfig:
       root_size: the coordinator's root set, for the server-guided rules (``fltrust``,
         ``server_monna``) and ``server_step``; unused otherwise. An integer >= 1 is a number of
         held-out rows; a number in (0, 1) is a share of the held-out rows, rounded to the
-        nearest row, so one config scales with the task's held-out split. The rows are drawn
+        nearest row (halves up), so one config scales with the task's held-out split. The rows are drawn
         from ``seed`` and removed from the held-out data the quality gate, the weights and
         evaluation use (see :mod:`meta_consensus.server`).
       server_steps: the coordinator's Adam steps on the root set per round (None:

@@ -29,6 +29,7 @@ What it assumes: the root set is clean and roughly representative of the task
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -85,8 +86,11 @@ def server_step(merged: PyTree, server_update: PyTree, step: float) -> PyTree:
 
 
 def root_rows(root_size: int | float, total: int) -> int:
-    """Rows of the root set: ``root_size`` itself (an int), or that share of ``total`` rows, rounded."""
-    return root_size if isinstance(root_size, int) else int(round(root_size * total))
+    """Rows of the root set: ``root_size`` itself (an int), or that share of ``total`` rows, rounded.
+
+    Halves round up (0.25 of 50 rows is 13), not to even as Python's ``round`` does.
+    """
+    return root_size if isinstance(root_size, int) else math.floor(root_size * total + 0.5)
 
 
 def split_root(

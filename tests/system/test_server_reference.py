@@ -58,10 +58,12 @@ def test_root_split_is_a_seeded_partition_of_heldout():
 
 def test_root_size_as_a_share_of_heldout_rounds_to_rows_and_draws_the_same_rows():
     held = {"x": np.zeros((50, 2), np.float32), "y": np.arange(50)}
-    # 0.25 of 50 = 12.5 rows: Python rounds half to even, 12; 0.27 of 50 = 13.5: 14.
-    assert (root_rows(0.25, 50), root_rows(0.27, 50), root_rows(7, 50)) == (12, 14, 7)
+    # To the nearest row, halves up: 0.25 of 50 = 12.5 -> 13 (Python's round would give 12),
+    # 0.24 of 50 = 12 exactly, 0.2599 of 50 = 12.995 -> 13, 0.2498 of 50 = 12.49 -> 12.
+    assert [root_rows(s, 50) for s in (0.25, 0.24, 0.2599, 0.2498)] == [13, 12, 13, 12]
+    assert root_rows(7, 50) == 7  # an integer is a row count
     share, _ = split_root(held, 0.25, seed=1)
-    count, _ = split_root(held, 12, seed=1)
+    count, _ = split_root(held, 13, seed=1)
     np.testing.assert_array_equal(share["y"], count["y"])  # a share is the same draw as its row count
     too_many = r"vote.root_size = 0.999 \(a share of 50 held-out rows: 50 rows\)"
     with pytest.raises(config.ConfigError, match=too_many):
