@@ -201,8 +201,9 @@ def test_ties_count_election_resists_one_large_delta():
     np.testing.assert_allclose(np.asarray(by_count["w"]), 1.15, rtol=1e-6)  # the honest majority wins
 
 
-# 50_000 columns: several chunks of the counting and extraction passes plus a partial one, the
-# continuous rows found by the extraction pass, the tied rows (lanes over 3 entries) by the fallback.
+# 50_000 columns: a full chunk of the counting pass plus a partial one, several chunks of the
+# extraction pass, the continuous rows found by the extraction pass, the tied rows (lanes over 3
+# entries) by the fallback.
 @pytest.mark.parametrize("s", [1, 3, 100, 4099, 50_000])
 def test_kth_largest_magnitude_is_exact(s):
     rng = np.random.default_rng(s)
@@ -215,6 +216,32 @@ def test_kth_largest_magnitude_is_exact(s):
         got = np.asarray(kth_largest_magnitude(jnp.asarray(x), k))
         want = -np.sort(-np.abs(x), axis=1)[:, k - 1]
         np.testing.assert_array_equal(got, want)
+
+
+def test_pass_counts_go_past_255_per_lane_without_wrapping():
+    """The counts accumulate in uint8 lanes and are widened every NARROW_CHUNKS chunks."""
+    from consensus.merging import _select
+
+    rng = np.random.default_rng(3)
+    n, lanes = 3, 8
+    s = lanes * (2 * _select.NARROW_CHUNKS + 90) + 5  # three groups of chunks and a partial chunk
+    x = rng.standard_normal((n, s)).astype(np.float32)
+    base = np.zeros(s, np.float32)
+    valid = np.array([True, False, True])  # an invalid row reads as zeros
+    bits = np.where(valid[:, None], np.abs(x), 0.0).astype(np.float32).view(np.int32)
+    mid = np.median(bits, axis=1).astype(np.int32)
+    probes = np.stack([np.zeros(n, np.int32), mid, np.full(n, _select.TOP, np.int32)], axis=1)
+    args = (jnp.asarray(x), jnp.asarray(base), jnp.asarray(valid))
+    got = np.asarray(
+        jax.jit(_select._count_pass, static_argnames="lanes")(*args, jnp.asarray(probes), lanes=lanes)
+    )
+    np.testing.assert_array_equal(got, (bits[:, :, None] >= probes[:, None, :]).sum(axis=1))
+    assert got[0, 0] == s  # every entry counted: s / lanes > 255 per lane
+    c_lo, c_hi, _, _ = jax.jit(_select._extract_pass, static_argnames="lanes")(
+        *args, jnp.asarray(probes[:, 0]), jnp.asarray(mid), lanes=lanes
+    )
+    np.testing.assert_array_equal(np.asarray(c_lo), np.full(n, s))
+    np.testing.assert_array_equal(np.asarray(c_hi), (bits >= mid[:, None]).sum(axis=1))
 
 
 def test_kth_largest_takes_two_passes_on_continuous_rows_and_stays_exact_on_ties():
