@@ -2,7 +2,8 @@
 
 * :mod:`kernels.rows` - unrolled streaming sums, norms, finiteness, mixing;
 * :mod:`kernels.sorting` - sorting-network order statistics (median, trimmed mean, Bulyan);
-* :mod:`kernels.selection` - the same order statistics above 64 rows, by exact bitwise selection;
+* :mod:`kernels.selection` - the same order statistics above 128 rows (64 for traced positions),
+  by exact bitwise selection;
 * :mod:`kernels.gram` - streamed Gram matrices and pairwise distances;
 * :mod:`kernels.krum` - Krum scores and selections from distances;
 * :mod:`kernels.weiszfeld` - geometric median, centered clipping, NNM in Gram space.

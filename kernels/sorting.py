@@ -6,9 +6,11 @@ of consensus it is a chain of elementwise ops that XLA fuses into one loop over
 the coordinates, so it streams memory once and is exact; ``jnp.sort(x, 0)``
 and ``jnp.median(x, 0)`` are ~100x slower on XLA:CPU. Outputs that are not used
 (a median needs one or two positions) let XLA drop the comparators that only
-feed them. Above ``UNROLL_MAX`` rows (``WINDOW_NETWORK_MAX`` for the window
-rules, whose network cannot be pruned) the public kernels hand over to
-:mod:`kernels.selection` (exact bitwise selection, same semantics; issue 19).
+feed them. Above ``NETWORK_MAX`` rows (``WINDOW_NETWORK_MAX`` for the window
+rules, whose network cannot be pruned, and ``UNROLL_MAX`` where the positions
+read or the rows themselves make the network unprunable or too large; see
+:func:`network_fits`) the public kernels hand over to :mod:`kernels.selection`
+(exact bitwise selection, same semantics; issue 19).
 
 Every rule here is an *L-estimator*: a weighted sum of the order statistics
 ``sum_k c_k x_(k)`` with position weights c. Rows that must not take part
@@ -34,6 +36,29 @@ from kernels.rows import UNROLL_MAX, rows, tree_sum, view_rows
 # kept, time / one numpy pass; a loaded machine): network / selection 5.8 / 21 at n = 32,
 # 24 / 24 at n = 48, 27 / 27 at n = 56, 46 to 74 / 19 to 32 at n = 64.
 WINDOW_NETWORK_MAX = 48
+
+# The median, the trimmed mean and single order statistics read a few static positions (or one
+# static window) of the sorted column, so XLA prunes the network to what feeds them and fuses the
+# rest into one loop. Measured (n * d = 6.4e7, time / one numpy pass, exact selection in
+# brackets): median 1.03x (5.3x) at n = 80, 2.5-2.9x (5.8x) at 128, 3.3x at 160 and 3.8x at 192;
+# trimmed mean 1.1x (15.6x) at 80 and 2.8-3.0x (11.9x) at 128, but 25x at 160 and 68x at 192.
+# The median's network falls off a cliff between 192 and 224 rows (1400x at 224: the fused loop
+# no longer holds it), so the limit keeps a wide margin. A traced position (a count m that is
+# not static) reads every output through a chain of selects: at 128 rows the median then took
+# 85 s to compile and ran at 204x, so traced positions go to selection above ``UNROLL_MAX``.
+NETWORK_MAX = 128
+
+
+def network_fits(n: int, m, mixing: jax.Array | None = None, diagonal: bool = True) -> bool:
+    """Whether the sorting network serves n rows with m kept (else exact selection does).
+
+    Up to ``UNROLL_MAX`` rows always. Up to ``NETWORK_MAX`` when the kept count m is static
+    (every position read is a constant, so XLA prunes the network) and the rows are x itself or
+    a diagonal view of it (a dense view unrolls n^2 terms per coordinate).
+    """
+    if n <= UNROLL_MAX:
+        return True
+    return n <= NETWORK_MAX and _is_static(m) and (mixing is None or diagonal)
 
 
 @functools.cache
@@ -134,7 +159,7 @@ def _median_of_sorted(sorted_rows: list[jax.Array], m) -> jax.Array:
 
 
 def _sorted(r: list[jax.Array]) -> list[jax.Array]:
-    if len(r) <= UNROLL_MAX:
+    if len(r) <= NETWORK_MAX:
         return sort_rows(r)
     return rows(jnp.sort(jnp.stack(r), axis=0))
 
@@ -155,7 +180,7 @@ def median(
     ``poison``, a NaN or Inf in any kept row makes the result NaN at that
     coordinate, so a finite result certifies that every kept row was finite.
     """
-    if x.shape[0] > UNROLL_MAX:
+    if not network_fits(x.shape[0], count(keep, x.shape[0], m), mixing, diagonal):
         return selection.median(x, keep, m, mixing, centre, diagonal, poison)
     m = count(keep, x.shape[0], m)
     return _median_of_sorted(_sorted(exclude(x, keep, mixing, centre, diagonal, poison)), m)
@@ -177,7 +202,7 @@ def trimmed_mean(
     Needs m > 2f kept rows; with fewer the result is NaN (callers check first).
     ``poison`` as in :func:`median`.
     """
-    if x.shape[0] > UNROLL_MAX:
+    if not network_fits(x.shape[0], count(keep, x.shape[0], m), mixing, diagonal):
         return selection.trimmed_mean(x, f, keep, m, mixing, centre, diagonal, poison)
     m = count(keep, x.shape[0], m)
     s = _sorted(exclude(x, keep, mixing, centre, diagonal, poison))
@@ -191,7 +216,7 @@ def trimmed_mean(
 @functools.partial(jax.jit, static_argnames=("k",))
 def order_statistic(x: jax.Array, k: int, keep: jax.Array | None = None) -> jax.Array:
     """The k-th smallest value (0-based) over the kept rows, coordinate-wise (+inf if k >= m)."""
-    if x.shape[0] > UNROLL_MAX:
+    if not network_fits(x.shape[0], k):  # k is static: the one position read is a constant
         return selection.order_statistic(x, k, keep)
     return pick(_sorted(exclude(x, keep)), k)
 

@@ -13,7 +13,7 @@ import numpy_reference as ref
 import pytest
 import robust_reference as rref
 
-from kernels import robust, selection, sorting
+from kernels import robust, rows, selection, sorting
 
 # Compiling a kernel takes seconds on the shared 2-core machine: one size stays in the fast suite.
 SIZES = [65] + [pytest.param(n, marks=pytest.mark.slow) for n in (128, 257, 1024)]
@@ -39,12 +39,25 @@ def _kept(x, keep):
 
 @pytest.mark.parametrize("n", SIZES)
 def test_median_and_trimmed_mean_match_numpy(n):
+    """Both paths: the public kernel (a network up to NETWORK_MAX rows at a static m) and selection."""
     x, keep, m, f = _case(n)
     X = _kept(x, keep)
-    med = np.asarray(sorting.median(jnp.asarray(x), jnp.asarray(keep), m=m))
-    np.testing.assert_array_equal(med, np.median(X, axis=0))  # integers and half-integers: exact
-    tm = np.asarray(sorting.trimmed_mean(jnp.asarray(x), f, jnp.asarray(keep), m=m))
-    np.testing.assert_allclose(tm, ref.trimmed_mean(X, f, np.ones(m, bool)), rtol=0, atol=2e-6)
+    for kernels in (sorting, selection):
+        med = np.asarray(kernels.median(jnp.asarray(x), jnp.asarray(keep), m=m))
+        np.testing.assert_array_equal(med, np.median(X, axis=0))  # integers and half-integers: exact
+        tm = np.asarray(kernels.trimmed_mean(jnp.asarray(x), f, jnp.asarray(keep), m=m))
+        np.testing.assert_allclose(tm, ref.trimmed_mean(X, f, np.ones(m, bool)), rtol=0, atol=2e-6)
+
+
+def test_network_serves_static_positions_up_to_its_limit():
+    """Networks up to NETWORK_MAX rows for static positions; selection for traced ones and dense views."""
+    top = sorting.NETWORK_MAX
+    assert sorting.network_fits(top, top) and not sorting.network_fits(top + 1, top + 1)
+    assert sorting.network_fits(rows.UNROLL_MAX, jnp.int32(3))  # traced: networks to UNROLL_MAX only
+    assert not sorting.network_fits(rows.UNROLL_MAX + 1, jnp.int32(3))
+    dense = jnp.ones((top, top))
+    assert not sorting.network_fits(top, top, dense, diagonal=False)
+    assert sorting.network_fits(top, top, dense, diagonal=True)
 
 
 @pytest.mark.parametrize("n", [pytest.param(49, marks=pytest.mark.slow), 65])
