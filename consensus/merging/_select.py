@@ -177,17 +177,17 @@ def _extract_pass(x, base, valid, wlo, whi, lanes=EXTRACT_LANES):
 
     def step(acc, bits):
         mx, mn, sm = acc
-        above_lo = bits >= lo
         above_hi = bits >= hi
-        inw = above_lo & ~above_hi
-        return (above_lo, above_hi, inw), (
+        inw = (bits >= lo) & ~above_hi
+        return (above_hi, inw), (
             jnp.maximum(mx, jnp.where(inw, bits, -1)),
             jnp.minimum(mn, jnp.where(inw, bits, TOP)),
             sm + jnp.where(inw, bits, 0),
         )
 
     init = (jnp.full((n, c), -1, jnp.int32), jnp.full((n, c), TOP, jnp.int32), jnp.zeros((n, c), jnp.int32))
-    (c_lo, c_hi, cnt), (mx, mn, sm) = _stream(x, base, valid, lanes, 3, init, step)
+    (c_hi, cnt), (mx, mn, sm) = _stream(x, base, valid, lanes, 2, init, step)
+    c_lo = c_hi + cnt  # at or above wlo: above whi or inside the window
     entries = jnp.concatenate(
         [jnp.where(cnt >= 1, mx, -1), jnp.where(cnt >= 2, mn, -1), jnp.where(cnt == 3, sm - mx - mn, -1)],
         axis=1,
