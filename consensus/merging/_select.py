@@ -164,7 +164,7 @@ def _count_pass(x, base, valid, probes, lanes: int | None = None):
 
 
 def _extract_pass(x, base, valid, wlo, whi, lanes=EXTRACT_LANES):
-    """One read of x: counts of bits >= wlo and >= whi, and the entries of [wlo, whi) in lanes.
+    """One read of x: counts of bits >= wlo and >= whi (wlo < whi), and the entries of [wlo, whi) in lanes.
 
     Lane j of a row sees the columns j, j + c, j + 2c, ... (c = ``lanes``); it keeps the largest
     and the smallest in-window pattern, their number and their sum (int32, wrapping). A lane holding at most 3
