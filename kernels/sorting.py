@@ -180,10 +180,10 @@ def median(
     ``poison``, a NaN or Inf in any kept row makes the result NaN at that
     coordinate, so a finite result certifies that every kept row was finite.
     """
-    if not network_fits(x.shape[0], count(keep, x.shape[0], m), mixing, diagonal):
+    kept = count(keep, x.shape[0], m)
+    if not network_fits(x.shape[0], kept, mixing, diagonal):
         return selection.median(x, keep, m, mixing, centre, diagonal, poison)
-    m = count(keep, x.shape[0], m)
-    return _median_of_sorted(_sorted(exclude(x, keep, mixing, centre, diagonal, poison)), m)
+    return _median_of_sorted(_sorted(exclude(x, keep, mixing, centre, diagonal, poison)), kept)
 
 
 @functools.partial(jax.jit, static_argnames=("f", "m", "diagonal", "poison"))
@@ -202,12 +202,12 @@ def trimmed_mean(
     Needs m > 2f kept rows; with fewer the result is NaN (callers check first).
     ``poison`` as in :func:`median`.
     """
-    if not network_fits(x.shape[0], count(keep, x.shape[0], m), mixing, diagonal):
+    kept = count(keep, x.shape[0], m)
+    if not network_fits(x.shape[0], kept, mixing, diagonal):
         return selection.trimmed_mean(x, f, keep, m, mixing, centre, diagonal, poison)
-    m = count(keep, x.shape[0], m)
     s = _sorted(exclude(x, keep, mixing, centre, diagonal, poison))
-    total = window_sum(s, f, m - 2 * f)
-    denom = m - 2 * f
+    denom = kept - 2 * f
+    total = window_sum(s, f, denom)
     if _is_static(denom):
         return total / float(denom) if denom > 0 else jnp.full_like(total, jnp.nan)
     return jnp.where(denom > 0, total / jnp.maximum(denom, 1).astype(jnp.float32), jnp.nan)
