@@ -47,9 +47,10 @@ SAMPLE = 16384  # sampled entries per row for the first probes (their sort costs
 FIRST_PROBES = 8  # counts in the first pass (each probe costs ~0.08 of a pass)
 FIRST_SPREAD = 3.5  # the first probes span rank k +- this many sampling standard deviations
 WINDOW_SPREAD = 3.5  # the extraction window spans the interpolated rank +- this many count errors
-PASS_LANES = 32768  # lanes of a counting pass at n <= 16 (measured best at n = 16, d = 1e7)
-PASS_ENTRIES = 2**19  # n x lanes of a counting pass above 16 rows, never below 2048 lanes
-NARROW_CHUNKS = 255  # chunks a uint8 lane count takes before it is widened (one True per chunk)
+PASS_LANES = 16384  # lanes of a counting pass at n <= 16 (measured best at n = 16, d = 1e7)
+PASS_ENTRIES = 2**18  # n x lanes of a counting pass above 16 rows, never below 2048 lanes
+NARROW_CHUNKS = 255  # chunks a byte count takes before it is widened (one True per chunk)
+BYTES_PER_WORD = 4  # byte counts packed into one uint32 accumulator
 EXTRACT_LANES = 8192  # lanes of the extraction pass: more lanes, fewer of them over 3 entries
 RETRY_ENTRIES = EXTRACT_LANES // 8  # a second extraction pass only for windows this sparse
 PROBES = 16  # counts per pass: one variadic reduce of 16 compare masks still streams at memory speed
@@ -111,36 +112,61 @@ def _next_probes(lo, hi, c_lo, c_hi, k):
     return lo[:, None] + steps
 
 
+def _pack(masks) -> list[jax.Array]:
+    """Pack boolean masks four to a uint32: mask j of a group adds 1 to byte j (j = 0..3)."""
+    packed = []
+    for g in range(0, len(masks), BYTES_PER_WORD):
+        word = None
+        for j, m in enumerate(masks[g : g + BYTES_PER_WORD]):
+            term = jnp.where(m, jnp.uint32(1 << (8 * j)), jnp.uint32(0))
+            word = term if word is None else word + term
+        packed.append(word)
+    return packed
+
+
+def _unpack(words, num: int) -> list[jax.Array]:
+    """The ``num`` int32 byte counts of :func:`_pack`'s words (each byte at most 255)."""
+    return [
+        ((words[j // BYTES_PER_WORD] >> (8 * (j % BYTES_PER_WORD))) & 255).astype(jnp.int32) for j in range(num)
+    ]
+
+
 def _stream(x, base, valid, chunk, num_counts, init, step):
     """Fold ``step`` over the column chunks of the (n, s) bit patterns, one read of x.
 
     ``step(acc, bits) -> (masks, acc)`` gives ``num_counts`` boolean masks to count and the
     updated other accumulators. All accumulators are (n, c) arrays (c = min(chunk, s)) updated
     elementwise, so XLA fuses each chunk's patterns, compares and updates into one vectorized
-    loop; the caller reduces them once at the end. The counts accumulate in uint8 over at most
-    ``NARROW_CHUNKS`` chunks and are then widened into int32: a byte add covers 4x the lanes
-    of an int32 one (8 counts at 32768 lanes: 1.9-2.0 of a numpy pass, against 2.6-2.8 in
-    int32 at 2048 lanes). A last partial chunk is padded with -1, below every probe and window.
+    loop; the caller reduces them once at the end.
+
+    The counts are bytes packed four to a uint32 word (:func:`_pack`): XLA:CPU compiles every
+    accumulator of a loop body into its own loop, which recomputes the patterns, so one word
+    per four counts is one loop where separate byte counts were four (8 counts at n = 16,
+    d = 1e7: 1.3 of a numpy pass, against 2.0 as separate uint8 lanes and 2.7 in int32). A byte
+    takes at most ``NARROW_CHUNKS`` chunks (one True per chunk) before the words are unpacked
+    into int32 counts. A last partial chunk is padded with -1, below every probe and window.
     Returns ((n, c) int32 counts, the other accumulators).
     """
     n, s = x.shape
     c = min(chunk, s)
     steps = s // c
+    words = -(-num_counts // BYTES_PER_WORD)
 
     def chunk_body(i, carry):
         narrow, acc = carry
         xs = jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=1)
         bs = jax.lax.dynamic_slice_in_dim(base, i * c, c)
         masks, acc = step(acc, _bits(xs, bs, valid))
-        return tuple(a + m.astype(jnp.uint8) for a, m in zip(narrow, masks, strict=True)), acc
+        return tuple(a + w for a, w in zip(narrow, _pack(masks), strict=True)), acc
 
     def group_body(g, carry):
         wide, acc = carry
         start = g * NARROW_CHUNKS
-        narrow = tuple(jnp.zeros((n, c), jnp.uint8) for _ in range(num_counts))
+        narrow = tuple(jnp.zeros((n, c), jnp.uint32) for _ in range(words))
         stop = jnp.minimum(start + NARROW_CHUNKS, steps)
         narrow, acc = jax.lax.fori_loop(start, stop, chunk_body, (narrow, acc))
-        return tuple(w + a.astype(jnp.int32) for w, a in zip(wide, narrow, strict=True)), acc
+        counts = _unpack(narrow, num_counts)
+        return tuple(w + a for w, a in zip(wide, counts, strict=True)), acc
 
     wide = tuple(jnp.zeros((n, c), jnp.int32) for _ in range(num_counts))
     wide, acc = jax.lax.fori_loop(0, -(-steps // NARROW_CHUNKS), group_body, (wide, init))
