@@ -126,9 +126,8 @@ def _pack(masks) -> list[jax.Array]:
 
 def _unpack(words, num: int) -> list[jax.Array]:
     """The ``num`` int32 byte counts of :func:`_pack`'s words (each byte at most 255)."""
-    return [
-        ((words[j // BYTES_PER_WORD] >> (8 * (j % BYTES_PER_WORD))) & 255).astype(jnp.int32) for j in range(num)
-    ]
+    per = BYTES_PER_WORD
+    return [((words[j // per] >> (8 * (j % per))) & 255).astype(jnp.int32) for j in range(num)]
 
 
 def _stream(x, base, valid, chunk, num_counts, init, step):
