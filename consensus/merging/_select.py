@@ -51,6 +51,7 @@ PASS_LANES = 16384  # lanes of a counting pass at n <= 16 (measured best at n = 
 PASS_ENTRIES = 2**18  # n x lanes of a counting pass above 16 rows, never below 2048 lanes
 NARROW_CHUNKS = 255  # chunks a byte count takes before it is widened (one True per chunk)
 BYTES_PER_WORD = 4  # byte counts packed into one uint32 accumulator
+WINDOW_MAX_WIDTH = 2**16 // 3  # patterns in an extraction window: 3 offsets sum below 2^16
 EXTRACT_LANES = 8192  # lanes of the extraction pass: more lanes, fewer of them over 3 entries
 RETRY_ENTRIES = EXTRACT_LANES // 8  # a second extraction pass only for windows this sparse
 PROBES = 16  # counts per pass: one variadic reduce of 16 compare masks still streams at memory speed
@@ -113,7 +114,7 @@ def _next_probes(lo, hi, c_lo, c_hi, k):
 
 
 def _pack(masks) -> list[jax.Array]:
-    """Pack boolean masks four to a uint32: mask j of a group adds 1 to byte j (j = 0..3)."""
+    """Pack boolean masks four to a uint32 word: mask j of a group adds 1 to byte j (j = 0..3)."""
     packed = []
     for g in range(0, len(masks), BYTES_PER_WORD):
         word = None
@@ -124,56 +125,67 @@ def _pack(masks) -> list[jax.Array]:
     return packed
 
 
-def _unpack(words, num: int) -> list[jax.Array]:
-    """The ``num`` int32 byte counts of :func:`_pack`'s words (each byte at most 255)."""
-    per = BYTES_PER_WORD
-    return [((words[j // per] >> (8 * (j % per))) & 255).astype(jnp.int32) for j in range(num)]
+def _byte_layout(num: int) -> tuple[tuple[int, ...], ...]:
+    """The field widths of :func:`_pack`'s words for ``num`` masks."""
+    return tuple((8,) * min(BYTES_PER_WORD, num - g) for g in range(0, num, BYTES_PER_WORD))
 
 
-def _stream(x, base, valid, chunk, num_counts, init, step):
+def _unpack(words, layout) -> list[jax.Array]:
+    """The int32 fields of packed uint32 words, low bits first, word after word."""
+    out = []
+    for word, widths in zip(words, layout, strict=True):
+        shift = 0
+        for width in widths:
+            out.append(((word >> shift) & ((1 << width) - 1)).astype(jnp.int32))
+            shift += width
+    return out
+
+
+def _stream(x, base, valid, chunk, layout, init, step):
     """Fold ``step`` over the column chunks of the (n, s) bit patterns, one read of x.
 
-    ``step(acc, bits) -> (masks, acc)`` gives ``num_counts`` boolean masks to count and the
-    updated other accumulators. All accumulators are (n, c) arrays (c = min(chunk, s)) updated
-    elementwise, so XLA fuses each chunk's patterns, compares and updates into one vectorized
-    loop; the caller reduces them once at the end.
+    ``step(acc, bits) -> (words, acc)`` gives uint32 words of packed counters (their field
+    widths in ``layout``, low bits first) to add up, and the updated other accumulators. All
+    accumulators are (n, c) arrays (c = min(chunk, s)) updated elementwise, so XLA fuses each
+    chunk's patterns, compares and updates into one vectorized loop; the caller reduces them
+    once at the end.
 
-    The counts are bytes packed four to a uint32 word (:func:`_pack`): XLA:CPU compiles every
-    accumulator of a loop body into its own loop, which recomputes the patterns, so one word
-    per four counts is one loop where separate byte counts were four (8 counts at n = 16,
-    d = 1e7: 1.3 of a numpy pass, against 2.0 as separate uint8 lanes and 2.7 in int32). A byte
-    takes at most ``NARROW_CHUNKS`` chunks (one True per chunk) before the words are unpacked
-    into int32 counts. A last partial chunk is padded with -1, below every probe and window.
-    Returns ((n, c) int32 counts, the other accumulators).
+    Counters are packed into words because XLA:CPU compiles every accumulator of a loop body
+    into its own loop, which recomputes the patterns: one word of four byte counts is one loop
+    where four separate counts were four (8 counts at n = 16, d = 1e7: 1.3 of a numpy pass,
+    against 2.0 as separate uint8 lanes and 2.7 in int32). The words take ``NARROW_CHUNKS``
+    chunks at most (a count field gains at most 1 per chunk, so a byte never carries into its
+    neighbour; wider fields are the caller's to size) before they are unpacked into int32
+    totals. A last partial chunk is padded with -1, below every probe and window.
+    Returns (a list of (n, c) int32 totals, one per field, the other accumulators).
     """
     n, s = x.shape
     c = min(chunk, s)
     steps = s // c
-    words = -(-num_counts // BYTES_PER_WORD)
+    fields = sum(len(w) for w in layout)
 
     def chunk_body(i, carry):
         narrow, acc = carry
         xs = jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=1)
         bs = jax.lax.dynamic_slice_in_dim(base, i * c, c)
-        masks, acc = step(acc, _bits(xs, bs, valid))
-        return tuple(a + w for a, w in zip(narrow, _pack(masks), strict=True)), acc
+        words, acc = step(acc, _bits(xs, bs, valid))
+        return tuple(a + w for a, w in zip(narrow, words, strict=True)), acc
 
     def group_body(g, carry):
         wide, acc = carry
         start = g * NARROW_CHUNKS
-        narrow = tuple(jnp.zeros((n, c), jnp.uint32) for _ in range(words))
+        narrow = tuple(jnp.zeros((n, c), jnp.uint32) for _ in layout)
         stop = jnp.minimum(start + NARROW_CHUNKS, steps)
         narrow, acc = jax.lax.fori_loop(start, stop, chunk_body, (narrow, acc))
-        counts = _unpack(narrow, num_counts)
-        return tuple(w + a for w, a in zip(wide, counts, strict=True)), acc
+        return tuple(w + a for w, a in zip(wide, _unpack(narrow, layout), strict=True)), acc
 
-    wide = tuple(jnp.zeros((n, c), jnp.int32) for _ in range(num_counts))
+    wide = tuple(jnp.zeros((n, c), jnp.int32) for _ in range(fields))
     wide, acc = jax.lax.fori_loop(0, -(-steps // NARROW_CHUNKS), group_body, (wide, init))
     if s % c:
         tail = _bits(x[:, steps * c :], base[steps * c :], valid)
-        masks, acc = step(acc, jnp.pad(tail, ((0, 0), (0, c - tail.shape[1])), constant_values=-1))
-        wide = tuple(w + m.astype(jnp.int32) for w, m in zip(wide, masks, strict=True))
-    return wide, acc
+        words, acc = step(acc, jnp.pad(tail, ((0, 0), (0, c - tail.shape[1])), constant_values=-1))
+        wide = tuple(w + t for w, t in zip(wide, _unpack(words, layout), strict=True))
+    return list(wide), acc
 
 
 def _count_pass(x, base, valid, probes, lanes: int | None = None):
@@ -181,41 +193,41 @@ def _count_pass(x, base, valid, probes, lanes: int | None = None):
     num = probes.shape[1]
 
     def step(acc, bits):
-        return tuple(bits >= probes[:, j : j + 1] for j in range(num)), acc
+        return _pack([bits >= probes[:, j : j + 1] for j in range(num)]), acc
 
     lanes = lanes or min(PASS_LANES, max(2048, PASS_ENTRIES // x.shape[0]))
-    counts, _ = _stream(x, base, valid, lanes, num, (), step)
+    counts, _ = _stream(x, base, valid, lanes, _byte_layout(num), (), step)
     return jnp.stack([jnp.sum(a, axis=1) for a in counts], axis=1)
 
 
 def _extract_pass(x, base, valid, wlo, whi, lanes=EXTRACT_LANES):
-    """One read of x: counts of bits >= wlo and >= whi (wlo < whi), and the entries of [wlo, whi) in lanes.
+    """One read of x: counts of bits >= wlo and >= whi, and the entries of [wlo, whi) in lanes.
 
-    Lane j of a row sees the columns j, j + c, j + 2c, ... (c = ``lanes``); it keeps the largest
-    and the smallest in-window pattern, their number and their sum (int32, wrapping). A lane holding at most 3
-    in-window entries gives them all back exactly: max, min, and sum - max - min (exact modulo
-    2^32, and the patterns are below 2^31).
+    Requires wlo < whi <= wlo + WINDOW_MAX_WIDTH. Lane j of a row sees the columns j, j + c,
+    j + 2c, ... (c = ``lanes``); it keeps the largest and the smallest in-window pattern, their
+    number and the sum of their offsets from wlo. A lane holding at most 3 in-window entries
+    gives them all back exactly: max, min, and the sum less theirs. The two counts and the
+    offset sum share one packed word (bytes 0 and 1, and the high 16 bits: at most 3 offsets
+    below WINDOW_MAX_WIDTH fit there; a lane with more is flagged, whatever its sum reads).
     """
     n, s = x.shape
     c = min(lanes, s)
     lo, hi = wlo[:, None], whi[:, None]
 
     def step(acc, bits):
-        mx, mn, sm = acc
+        mx, mn = acc
         above_hi = bits >= hi
         inw = (bits >= lo) & ~above_hi
-        return (above_hi, inw), (
-            jnp.maximum(mx, jnp.where(inw, bits, -1)),
-            jnp.minimum(mn, jnp.where(inw, bits, TOP)),
-            sm + jnp.where(inw, bits, 0),
-        )
+        offset = jnp.left_shift((bits - lo).astype(jnp.uint32), 16) + jnp.uint32(1 << 8)
+        word = jnp.where(above_hi, jnp.uint32(1), jnp.where(inw, offset, jnp.uint32(0)))
+        return [word], (jnp.maximum(mx, jnp.where(inw, bits, -1)), jnp.minimum(mn, jnp.where(inw, bits, TOP)))
 
-    init = (jnp.full((n, c), -1, jnp.int32), jnp.full((n, c), TOP, jnp.int32), jnp.zeros((n, c), jnp.int32))
-    (c_hi, cnt), (mx, mn, sm) = _stream(x, base, valid, lanes, 2, init, step)
+    init = (jnp.full((n, c), -1, jnp.int32), jnp.full((n, c), TOP, jnp.int32))
+    (c_hi, cnt, offsets), (mx, mn) = _stream(x, base, valid, lanes, ((8, 8, 16),), init, step)
     c_lo = c_hi + cnt  # at or above wlo: above whi or inside the window
+    third = offsets - (mx - lo) - (mn - lo) + lo
     entries = jnp.concatenate(
-        [jnp.where(cnt >= 1, mx, -1), jnp.where(cnt >= 2, mn, -1), jnp.where(cnt == 3, sm - mx - mn, -1)],
-        axis=1,
+        [jnp.where(cnt >= 1, mx, -1), jnp.where(cnt >= 2, mn, -1), jnp.where(cnt == 3, third, -1)], axis=1
     )
     return jnp.sum(c_lo, axis=1), jnp.sum(c_hi, axis=1), entries, jnp.max(cnt, axis=1) <= 3
 
@@ -269,8 +281,15 @@ def _window(lo, hi, c_lo, c_hi, k, spread):
     entries = jnp.maximum((c_lo - c_hi).astype(jnp.float32), 1.0)
     frac = (c_lo - k).astype(jnp.float32) / entries
     err = (jnp.sqrt(entries * frac * (1.0 - frac)) + 1.0) / entries * width
-    a = jnp.clip(jnp.floor(frac * width - spread * err), 0.0, width).astype(jnp.int32)
-    b = jnp.clip(jnp.ceil(frac * width + spread * err) + 1.0, 0.0, width).astype(jnp.int32)
+    # At most WINDOW_MAX_WIDTH patterns (the extraction pass packs offsets in 16 bits): a wider
+    # window is cut around its centre; if the answer then falls outside, narrowing passes follow.
+    # Integer ends around an integer centre: float32 holds a bracket of ~1e9 patterns only to
+    # within ~64, which must not widen the window past the cap.
+    span = hi - lo
+    half = jnp.ceil(jnp.minimum(spread * err, WINDOW_MAX_WIDTH // 2 - 1)).astype(jnp.int32)
+    centre = jnp.clip(jnp.round(frac * width), 0.0, width).astype(jnp.int32)
+    a = jnp.clip(centre - half, 0, span)
+    b = jnp.clip(centre + half + 1, 0, span)
     return lo + a, lo + jnp.maximum(b, a + 1)
 
 

@@ -244,6 +244,56 @@ def test_pass_counts_go_past_255_per_lane_without_wrapping():
     np.testing.assert_array_equal(np.asarray(c_hi), (bits >= mid[:, None]).sum(axis=1))
 
 
+def test_extraction_reads_back_up_to_three_entries_per_lane_from_packed_counters():
+    """Counts and the offset sum share a word; offsets up to the widest window, across groups."""
+    from consensus.merging import _select
+
+    n, lanes = 2, 8
+    s = lanes * (2 * _select.NARROW_CHUNKS + 90) + 5  # three groups of chunks and a partial chunk
+    wlo = np.float32(1.0).view(np.int32)
+    width = _select.WINDOW_MAX_WIDTH
+    bits = np.full((n, s), wlo - 5000, np.int32)  # below the window
+    bits[:, 7::97] = wlo + width + 3  # above it
+    top = width - 1  # the largest offset a window holds
+    planted = {  # (row, lane): offsets from wlo, in chunks of different groups
+        (0, 0): [top, top, top - 1],
+        (0, 1): [0],
+        (0, 2): [top, 5],
+        (0, 3): [17, 0, 0],
+        (1, 4): [1, 2, 3, 4],  # over 3: row 1 does not fit
+    }
+    chunks = [3, 300, 560, 600]
+    for (row, lane), offs in planted.items():
+        for chunk, off in zip(chunks, offs, strict=False):  # chunks outnumber offsets
+            bits[row, chunk * lanes + lane] = wlo + off
+    x = bits.view(np.float32)
+    args = (jnp.asarray(x), jnp.zeros(s, jnp.float32), jnp.ones(n, bool))
+    lo, hi = jnp.full(n, wlo, jnp.int32), jnp.full(n, wlo + width, jnp.int32)
+    c_lo, c_hi, entries, fits = jax.jit(_select._extract_pass, static_argnames="lanes")(
+        *args, lo, hi, lanes=lanes
+    )
+    np.testing.assert_array_equal(np.asarray(c_lo), (bits >= wlo).sum(axis=1))
+    np.testing.assert_array_equal(np.asarray(c_hi), (bits >= wlo + width).sum(axis=1))
+    np.testing.assert_array_equal(np.asarray(fits), [True, False])
+    got = np.sort(np.asarray(entries)[0][np.asarray(entries)[0] >= 0])
+    want = np.sort([wlo + o for (row, _), offs in planted.items() if row == 0 for o in offs])
+    np.testing.assert_array_equal(got, want)
+
+
+def test_window_is_capped_to_what_the_extraction_packs():
+    from consensus.merging import _select
+
+    lo = jnp.zeros(3, jnp.int32)
+    hi = jnp.asarray([10**9, 10**6, 100], jnp.int32)
+    c_lo, c_hi, k = jnp.full(3, 10**6, jnp.int32), jnp.zeros(3, jnp.int32), jnp.int32(400_000)
+    wlo, whi = _select._window(lo, hi, c_lo, c_hi, k, _select.WINDOW_SPREAD)
+    width = np.asarray(whi - wlo)
+    assert np.all(width >= 1) and np.all(width <= _select.WINDOW_MAX_WIDTH)
+    assert width[0] == width.max() > _select.WINDOW_MAX_WIDTH - 4  # a wide bracket is cut, not shrunk
+    # The cut window still holds the interpolated answer (60% of the way down the bracket).
+    assert int(wlo[0]) < 0.6 * 10**9 < int(whi[0])
+
+
 def test_kth_largest_takes_two_passes_on_continuous_rows_and_stays_exact_on_ties():
     from consensus.merging._select import kth_largest_delta_bits
 
