@@ -3,6 +3,8 @@ Optimizing Model Poisoning Attacks and Defenses for Federated Learning")."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -79,7 +81,7 @@ def dnc(
         valid = allowed(mask, n) & jnp.isfinite(sq)
         m = static_count(valid)
         require_count("dnc", m, f, m is not None and m > 2 * f, f"n > 2f = {2 * f}")
-        total = sum(int(x[0].size) for x in jax.tree_util.tree_leaves(stacked))
+        total = sum(math.prod(x.shape[1:]) for x in jax.tree_util.tree_leaves(stacked))
         good = valid
         for k in jax.random.split(key, num_iters):
             cols = columns(stacked, params, sample_coordinates(k, total, subsample_dim))

@@ -3,6 +3,8 @@ through Collaborative Malicious Gradient Filtering")."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -106,7 +108,7 @@ def signguard(
         med = median_of_valid(norms, valid)
         ratio = norms / jnp.where(med > 0, med, 1.0)
         s1 = valid & jnp.where(med > 0, (ratio >= lower) & (ratio <= upper), True)
-        total = sum(int(x[0].size) for x in jax.tree_util.tree_leaves(stacked))
+        total = sum(math.prod(x.shape[1:]) for x in jax.tree_util.tree_leaves(stacked))
         cols = columns(stacked, params, sample_coordinates(key, total, subsample_dim))
         feats = sign_features(jnp.where(valid[:, None], cols, 0.0))
         s2 = largest_mean_shift_cluster(feats, valid, bandwidth_quantile)

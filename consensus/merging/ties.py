@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -39,7 +40,7 @@ def trim_thresholds(x: jax.Array, base: jax.Array, density: float, valid: jax.Ar
     (:mod:`consensus.merging._select`). Invalid rows read as zeros (they are excluded later anyway).
     """
     n = x.shape[0]
-    size = x[0].size
+    size = math.prod(x.shape[1:])  # not x[0].size: eagerly that slices out (copies) a row
     k = max(1, int(density * size))
     if k >= size:
         return jnp.zeros((n,), jnp.float32)
