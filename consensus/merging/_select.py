@@ -11,17 +11,16 @@ with ``count(bits >= lo) >= k > count(bits >= hi)``, in two streaming reads of t
   ``FIRST_PROBES`` probes at the sample's quantiles around rank k (+-3.5
   sampling standard deviations);
 * pass 1 counts the entries at or above each probe (the counts accumulate
-  elementwise in byte lanes, (16, 32768) at n = 16, over column chunks, and are
-  reduced once at the end, which XLA:CPU vectorizes: ~2 numpy passes for 8
-  probes, each probe a compare and a byte add), leaving a bracket of ~3e4
-  entries per row at d = 1e7;
+  elementwise in (16, 16384) lanes at n = 16 over column chunks, as bytes packed
+  four to a uint32 word, and are reduced once at the end: ~1.3 numpy passes for
+  8 probes), leaving a bracket of ~3e4 entries per row at d = 1e7;
 * pass 2 reads back the entries of a window around the linear interpolation
   of the count inside the bracket (+-3.5 expected interpolation errors, a few
-  hundred entries): each of 8192 lanes keeps the max, min, number and wrapping
-  int32 sum of its in-window patterns, which give back every entry of a lane
-  holding at most 3; with the counts at the window's ends the k-th value is
-  then a rank inside the window, found by a binary search over the small
-  (n, 3 x 8192) array of read-back entries.
+  hundred entries, at most ``WINDOW_MAX_WIDTH`` patterns): each of 8192 lanes
+  keeps the max, min, number and sum of offsets of its in-window patterns, which
+  give back every entry of a lane holding at most 3 (~1.4 numpy passes); with the
+  counts at the window's ends the k-th value is then a rank inside the window,
+  found by a binary search over the small (n, 3 x 8192) array of read-back entries.
 
 Where a lane holds more than 3 entries of a sparse window (continuous data: ~1.5% of
 rows at d = 1e7, ~20% of 16-row calls), the window is read back once more into 8191 lanes,
