@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels.compile_options import kernel_jit
 from kernels.rows import tree_sum
 
 
@@ -84,7 +85,7 @@ def _drop(d: jax.Array, keep: jax.Array) -> jax.Array:
     return jnp.where(keep, d, d * 0.0)
 
 
-@jax.jit
+@kernel_jit
 def dropped_rows(
     x: jax.Array, base: jax.Array, key: jax.Array, density: jax.Array, factor: jax.Array, valid: jax.Array
 ) -> jax.Array:
@@ -96,7 +97,7 @@ def dropped_rows(
     return jnp.where(valid.reshape((n,) + (1,) * (x.ndim - 1)), y, jnp.nan).astype(x.dtype)
 
 
-@jax.jit
+@kernel_jit
 def dropped_delta_sum(
     x: jax.Array, base: jax.Array, coeffs: jax.Array, key: jax.Array, density: jax.Array, factor: jax.Array
 ) -> jax.Array:

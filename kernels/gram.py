@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels.compile_options import kernel_jit
+
 HIGHEST = jax.lax.Precision.HIGHEST
 CHUNK_BYTES = 128 * 1024  # one chunk of the stack: n rows x chunk_columns(n) x 4 B
 MIN_CHUNK = 512
@@ -46,7 +48,7 @@ def _small_gram(x: jax.Array, ref: jax.Array | None) -> jax.Array:
     return jnp.dot(d, d.T, precision=HIGHEST)
 
 
-@jax.jit
+@kernel_jit
 def gram(x: jax.Array, ref: jax.Array | None = None) -> jax.Array:
     """G[i, j] = <x_i - ref, x_j - ref> over all trailing dimensions, float32 (n, n).
 
@@ -96,7 +98,7 @@ def _self_centred_gram(xs: jax.Array, weights: jax.Array) -> jax.Array:
     return _small_gram(xs, _working_centre(xs, weights))
 
 
-@jax.jit
+@kernel_jit
 def gram_self_centred(x: jax.Array, allowed: jax.Array) -> jax.Array:
     """Gram matrix of the rows centred on the mean of the allowed rows, in the same single pass.
 
@@ -140,7 +142,7 @@ def gram_self_centred(x: jax.Array, allowed: jax.Array) -> jax.Array:
     return acc
 
 
-@jax.jit
+@kernel_jit
 def sq_dists_from_gram(g: jax.Array) -> jax.Array:
     """Pairwise squared distances ||x_i - x_j||^2 = G_ii + G_jj - 2 G_ij, clamped at 0."""
     diag = jnp.diagonal(g)

@@ -12,10 +12,10 @@ Invalid nodes get score +inf and are never selected.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
+
+from kernels.compile_options import kernel_jit
 
 
 def num_neighbours(m, f: int):
@@ -23,7 +23,7 @@ def num_neighbours(m, f: int):
     return jnp.maximum(m - f - 2, 1)
 
 
-@functools.partial(jax.jit, static_argnames=("f",))
+@kernel_jit(static_argnames=("f",))
 def krum_scores(d2: jax.Array, f: int, valid: jax.Array) -> jax.Array:
     """score_i = sum of the k = m - f - 2 smallest d2[i, j], j valid, j != i; +inf for invalid i.
 
@@ -62,14 +62,14 @@ def pick_lowest_remaining(scores: jax.Array, remaining: jax.Array) -> jax.Array:
     return jax.nn.one_hot(_first_argmin(key), scores.shape[0], dtype=bool) & remaining
 
 
-@functools.partial(jax.jit, static_argnames=("f",))
+@kernel_jit(static_argnames=("f",))
 def krum_select(d2: jax.Array, f: int, valid: jax.Array) -> jax.Array:
     """(n,) bool one-hot mask of Krum's winner: the valid node with the lowest score (first on ties)."""
     scores = krum_scores(d2, f, valid)
     return jax.nn.one_hot(_first_argmin(scores), d2.shape[0], dtype=bool)
 
 
-@functools.partial(jax.jit, static_argnames=("f", "num_selected"))
+@kernel_jit(static_argnames=("f", "num_selected"))
 def multi_krum_select(d2: jax.Array, f: int, valid: jax.Array, num_selected: int) -> jax.Array:
     """(n,) bool mask of the ``num_selected`` valid nodes with the lowest Krum scores.
 
@@ -144,7 +144,7 @@ def iterated_picks(d2: jax.Array, f: int, valid: jax.Array, steps: int, limit=No
     return jax.lax.fori_loop(0, steps, body, init)[1]
 
 
-@functools.partial(jax.jit, static_argnames=("f", "num_selected"))
+@kernel_jit(static_argnames=("f", "num_selected"))
 def iterated_krum_select(d2: jax.Array, f: int, valid: jax.Array, num_selected: int) -> jax.Array:
     """(n,) bool mask chosen by applying Krum ``num_selected`` times, removing each winner.
 

@@ -10,13 +10,12 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from kernels import rows as row_kernels
 from kernels import selection
+from kernels.compile_options import kernel_jit
 from kernels.gram import HIGHEST, chunk_columns
 from kernels.sorting import WINDOW_NETWORK_MAX, count, exclude, pick, sort_rows, window_sum
 
@@ -30,7 +29,7 @@ def _block(xs: jax.Array, rs: jax.Array | None, es: jax.Array) -> jax.Array:
     return jnp.dot(z, z.T, precision=HIGHEST)
 
 
-@jax.jit
+@kernel_jit
 def gram_with_rows(x: jax.Array, ref: jax.Array | None, extra: jax.Array) -> jax.Array:
     """Gram matrix of the rows ``[x_1 - ref, ..., x_n - ref, e_1, ..., e_k]``, float32 (n + k, n + k).
 
@@ -65,7 +64,7 @@ def gram_with_rows(x: jax.Array, ref: jax.Array | None, extra: jax.Array) -> jax
     return acc
 
 
-@jax.jit
+@kernel_jit
 def take_columns(x: jax.Array, ref: jax.Array | None, index: jax.Array) -> jax.Array:
     """(n, b) float32: the flat coordinates ``index`` of every row of ``x - ref``."""
     n = x.shape[0]
@@ -75,7 +74,7 @@ def take_columns(x: jax.Array, ref: jax.Array | None, index: jax.Array) -> jax.A
     return cols - jnp.take(ref.reshape(-1), index).astype(jnp.float32)[None]
 
 
-@functools.partial(jax.jit, static_argnames=("f", "m", "diagonal", "poison"))
+@kernel_jit(static_argnames=("f", "m", "diagonal", "poison"))
 def meamed(
     x: jax.Array,
     f: int,

@@ -9,10 +9,10 @@ the generic formulation for larger n, where the fixed cost is amortized.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
+
+from kernels.compile_options import kernel_jit
 
 # Above this many rows the unrolled form compiles slowly and the generic
 # reduction is no longer dominated by its per-row overhead.
@@ -34,7 +34,7 @@ def tree_sum(terms: list[jax.Array]) -> jax.Array:
     return terms[0]
 
 
-@jax.jit
+@kernel_jit
 def weighted_sum(
     x: jax.Array, w: jax.Array, ref: jax.Array | None = None, ref_weight: jax.Array | float = 0.0
 ) -> jax.Array:
@@ -80,7 +80,7 @@ def _sq_lanes(x: jax.Array, ref: jax.Array | None) -> jax.Array:
     return jnp.square(d)
 
 
-@jax.jit
+@kernel_jit
 def row_sq_norms(x: jax.Array, ref: jax.Array | None = None) -> jax.Array:
     """||x[i] - ref||^2 for every row, float32, shape (n,).
 
@@ -114,7 +114,7 @@ def row_sq_norms(x: jax.Array, ref: jax.Array | None = None) -> jax.Array:
     return total
 
 
-@jax.jit
+@kernel_jit
 def finite_rows(x: jax.Array) -> jax.Array:
     """(n,) bool: True where every entry of row i is finite."""
     n = x.shape[0]
@@ -127,7 +127,7 @@ def finite_rows(x: jax.Array) -> jax.Array:
 MIX_CHUNK = 16384
 
 
-@jax.jit
+@kernel_jit
 def mix(x: jax.Array, mixing: jax.Array) -> jax.Array:
     """y_b = sum_j M[b, j] x_j for a (B, n) mixing M (B = n: a mixing of the rows), float32.
 
@@ -190,7 +190,7 @@ def view_rows(
     return out if c is None else [c + v for v in out]
 
 
-@functools.partial(jax.jit, static_argnames=("diagonal",))
+@kernel_jit(static_argnames=("diagonal",))
 def materialize_view(
     x: jax.Array, mixing: jax.Array, centre: jax.Array | None, valid: jax.Array | None, *, diagonal: bool
 ) -> jax.Array:

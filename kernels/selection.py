@@ -25,10 +25,10 @@ the same number, so the results are the same values a sort gives.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
+
+from kernels.compile_options import kernel_jit
 
 HIGHEST = jax.lax.Precision.HIGHEST
 INT_MIN = -(2**31)
@@ -264,7 +264,7 @@ def _divide(total: jax.Array, denom) -> jax.Array:
     return jnp.where(denom > 0, total / jnp.maximum(denom, 1).astype(jnp.float32), jnp.nan)
 
 
-@functools.partial(jax.jit, static_argnames=("m", "diagonal", "poison"))
+@kernel_jit(static_argnames=("m", "diagonal", "poison"))
 def median(
     x: jax.Array,
     keep: jax.Array | None = None,
@@ -288,7 +288,7 @@ def median(
     return blockwise(fn, x, centre, mixing, diagonal)
 
 
-@functools.partial(jax.jit, static_argnames=("f", "m", "diagonal", "poison"))
+@kernel_jit(static_argnames=("f", "m", "diagonal", "poison"))
 def trimmed_mean(
     x: jax.Array,
     f: int,
@@ -316,7 +316,7 @@ def trimmed_mean(
     return blockwise(fn, x, centre, mixing, diagonal)
 
 
-@functools.partial(jax.jit, static_argnames=("k",))
+@kernel_jit(static_argnames=("k",))
 def order_statistic(x: jax.Array, k: int, keep: jax.Array | None = None) -> jax.Array:
     """The k-th smallest value (0-based) over the kept rows, coordinate-wise (+inf if k >= m)."""
 
@@ -327,7 +327,7 @@ def order_statistic(x: jax.Array, k: int, keep: jax.Array | None = None) -> jax.
     return blockwise(fn, x, None, None, True)
 
 
-@functools.partial(jax.jit, static_argnames=("f", "m", "diagonal"))
+@kernel_jit(static_argnames=("f", "m", "diagonal"))
 def closest_to_median_mean(
     x: jax.Array,
     f: int,
@@ -344,7 +344,7 @@ def closest_to_median_mean(
     return nearest_to_median_mean(x, 2 * f, keep, m, mixing, centre, diagonal)
 
 
-@functools.partial(jax.jit, static_argnames=("trim", "m", "diagonal"))
+@kernel_jit(static_argnames=("trim", "m", "diagonal"))
 def nearest_to_median_mean(
     x: jax.Array,
     trim: int,

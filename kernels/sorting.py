@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels import selection
+from kernels.compile_options import kernel_jit
 from kernels.rows import UNROLL_MAX, rows, tree_sum, view_rows
 
 # The window rules (Bulyan's second stage, MeaMed) need the whole sorted column, not one or two
@@ -164,7 +165,7 @@ def _sorted(r: list[jax.Array]) -> list[jax.Array]:
     return rows(jnp.sort(jnp.stack(r), axis=0))
 
 
-@functools.partial(jax.jit, static_argnames=("m", "diagonal", "poison"))
+@kernel_jit(static_argnames=("m", "diagonal", "poison"))
 def median(
     x: jax.Array,
     keep: jax.Array | None = None,
@@ -186,7 +187,7 @@ def median(
     return _median_of_sorted(_sorted(exclude(x, keep, mixing, centre, diagonal, poison)), kept)
 
 
-@functools.partial(jax.jit, static_argnames=("f", "m", "diagonal", "poison"))
+@kernel_jit(static_argnames=("f", "m", "diagonal", "poison"))
 def trimmed_mean(
     x: jax.Array,
     f: int,
@@ -213,7 +214,7 @@ def trimmed_mean(
     return jnp.where(denom > 0, total / jnp.maximum(denom, 1).astype(jnp.float32), jnp.nan)
 
 
-@functools.partial(jax.jit, static_argnames=("k",))
+@kernel_jit(static_argnames=("k",))
 def order_statistic(x: jax.Array, k: int, keep: jax.Array | None = None) -> jax.Array:
     """The k-th smallest value (0-based) over the kept rows, coordinate-wise (+inf if k >= m)."""
     if not network_fits(x.shape[0], k):  # k is static: the one position read is a constant
@@ -221,7 +222,7 @@ def order_statistic(x: jax.Array, k: int, keep: jax.Array | None = None) -> jax.
     return pick(_sorted(exclude(x, keep)), k)
 
 
-@functools.partial(jax.jit, static_argnames=("f", "m", "diagonal"))
+@kernel_jit(static_argnames=("f", "m", "diagonal"))
 def closest_to_median_mean(
     x: jax.Array,
     f: int,

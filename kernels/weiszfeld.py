@@ -8,10 +8,10 @@ parameters are read once for G and once for the final weighted sum.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
+
+from kernels.compile_options import kernel_jit
 
 
 def _dists_to_combination(g: jax.Array, a: jax.Array) -> jax.Array:
@@ -20,7 +20,7 @@ def _dists_to_combination(g: jax.Array, a: jax.Array) -> jax.Array:
     return jnp.sqrt(jnp.maximum(d2, 0.0))
 
 
-@functools.partial(jax.jit, static_argnames=("max_iter",))
+@kernel_jit(static_argnames=("max_iter",))
 def geometric_median_weights(
     g: jax.Array,
     valid: jax.Array,
@@ -62,7 +62,7 @@ def geometric_median_weights(
     return a, it
 
 
-@functools.partial(jax.jit, static_argnames=("iterations",))
+@kernel_jit(static_argnames=("iterations",))
 def centered_clipping_coefficients(
     g: jax.Array, valid: jax.Array, tau: float, *, iterations: int = 1
 ) -> jax.Array:
@@ -88,14 +88,14 @@ def centered_clipping_coefficients(
     return jax.lax.fori_loop(0, iterations, step, jnp.zeros(n, jnp.float32))
 
 
-@jax.jit
+@kernel_jit
 def clip_factors(sq_norms: jax.Array, max_norm: float) -> jax.Array:
     """min(1, C / ||u_i||) per row from squared norms (1 for zero rows)."""
     norms = jnp.sqrt(jnp.maximum(sq_norms, 0.0))
     return jnp.where(norms > max_norm, max_norm / jnp.maximum(norms, 1e-30), 1.0)
 
 
-@functools.partial(jax.jit, static_argnames=("f",))
+@kernel_jit(static_argnames=("f",))
 def nnm_matrix(d2: jax.Array, f: int, valid: jax.Array) -> jax.Array:
     """Nearest-neighbour mixing matrix (Allouah et al. 2023, "Fixing by Mixing").
 

@@ -31,6 +31,7 @@ from consensus.aggregators._common import (
 )
 from consensus.aggregators._robust import nan_if, top_eigenpair
 from consensus.base import AggregationInfo, Aggregator, require
+from kernels.compile_options import kernel_jit
 
 # SMEA enumerates C(n, f) subsets; above this many the rule refuses (memory ~ C(n, f) n^2 floats).
 SMEA_MAX_SUBSETS = 20_000
@@ -42,7 +43,7 @@ def _centred_gram(g: jax.Array, w: jax.Array) -> jax.Array:
     return g - gw[:, None] - gw[None, :] + w @ gw
 
 
-@jax.jit
+@kernel_jit
 def caf_weights(g: jax.Array, valid: jax.Array, f: int | jax.Array) -> tuple[jax.Array, jax.Array]:
     """CAF's final weights (n,) and the smallest top eigenvalue seen, from the Gram matrix."""
     n = g.shape[0]
@@ -118,7 +119,7 @@ def smea_drop_sets(n: int, f: int) -> np.ndarray:
     return sets
 
 
-@jax.jit
+@kernel_jit
 def smea_choice(g: jax.Array, valid: jax.Array, drops: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(kept nodes (n,) bool, top eigenvalue) of the size m - f subset with the smallest top eigenvalue."""
     ok = ~jnp.any(drops & ~valid[None, :], axis=1)

@@ -37,10 +37,10 @@ takes (2 on continuous data).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
+
+from kernels.compile_options import kernel_jit
 
 SAMPLE = 16384  # sampled entries per row for the first probes (their sort costs ~0.15 of a pass)
 FIRST_PROBES = 8  # counts in the first pass (each probe costs ~0.08 of a pass)
@@ -292,7 +292,7 @@ def _window(lo, hi, c_lo, c_hi, k, spread):
     return lo + a, lo + jnp.maximum(b, a + 1)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "mask_only"))
+@kernel_jit(static_argnames=("k", "mask_only"))
 def kth_largest_delta_bits(
     x: jax.Array, base: jax.Array, valid: jax.Array, k: int, mask_only: bool = False
 ) -> tuple[jax.Array, jax.Array]:

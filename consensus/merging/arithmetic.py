@@ -21,13 +21,14 @@ from consensus.merging._common import (
     require_base,
     require_valid_count,
 )
+from kernels.compile_options import kernel_jit
 from kernels.dropout import dropped_delta_sum
 from kernels.rows import tree_sum
 
 PyTree = Any
 
 
-@jax.jit
+@kernel_jit
 def delta_sum(x: jax.Array, base: jax.Array, coeffs: jax.Array) -> jax.Array:
     """``base + sum_i c_i (x_i - base)`` in one fused pass; rows with c_i = 0 never enter (NaN-safe).
 

@@ -12,6 +12,7 @@ from consensus.aggregators._common import allowed, check_stacked
 from consensus.base import PreAggregator
 from consensus.merging._common import check_density
 from kernels import dropout
+from kernels.compile_options import kernel_jit
 
 # Re-exported: the keyed bits live with the kernels that consume them.
 keyed_bits = dropout.keyed_bits
@@ -27,7 +28,7 @@ class DareState(NamedTuple):
     rounds: jax.Array
 
 
-@jax.jit
+@kernel_jit
 def _dare_l1_leaf(x, base, key, density, valid):
     """mergekit's L1 rescale: each node's leaf keeps the L1 norm of its task vector (two reductions)."""
     n = x.shape[0]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 from consensus import tree
@@ -21,12 +20,13 @@ from consensus.merging._common import (
     require_valid_count,
     unflatten_like,
 )
+from kernels.compile_options import kernel_jit
 from kernels.rows import tree_sum
 
 PyTree = Any
 
 
-@jax.jit
+@kernel_jit
 def _fisher_leaf(x, base, fisher, w, valid, epsilon):
     b = base.astype(jnp.float32)
     num, den = [], []

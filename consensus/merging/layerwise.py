@@ -34,6 +34,7 @@ from consensus import tree
 from consensus.base import AggregationInfo, Aggregator, empty_info
 from consensus.convex.problems import DEFAULT_SOLVER, accepted_mask, cp, factor_psd, project_capped_simplex
 from kernels import gram as gram_kernels
+from kernels.compile_options import kernel_jit
 
 PyTree = Any
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -56,7 +57,7 @@ def group_names(params: PyTree, groups: str | Callable[[str], str] | None) -> li
     )
 
 
-@jax.jit
+@kernel_jit
 def _leaf_stats(x, ref, g, h):
     n = x.shape[0]
     d = x.astype(jnp.float32) - ref.astype(jnp.float32)[None]

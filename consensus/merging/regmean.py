@@ -21,12 +21,13 @@ from consensus.merging._common import (
     unflatten_like,
 )
 from kernels import rows as row_kernels
+from kernels.compile_options import kernel_jit
 
 PyTree = Any
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-@jax.jit
+@kernel_jit
 def _regmean_leaf(x, base, grams, valid, off_diagonal_scale, ridge):
     """base + (sum_i G~_i + r I)^{-1} sum_i G~_i (W_i - base) over the valid nodes, float32."""
     d_in = grams.shape[-1]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -22,6 +21,7 @@ from consensus.merging._common import (
 )
 from kernels import gram as gram_kernels
 from kernels import rows as row_kernels
+from kernels.compile_options import kernel_jit
 
 PyTree = Any
 ON = ("params", "deltas")
@@ -71,7 +71,7 @@ def slerp_coefficients(g: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array
     return s0, s1, omega
 
 
-@jax.jit
+@kernel_jit
 def _slerp_leaf(x, ref, t, valid):
     # The two valid rows, in node order.
     idx = jnp.nonzero(valid, size=2, fill_value=0)[0]
@@ -137,7 +137,7 @@ def slerp(t: float, *, on: str = "params") -> Aggregator:
     return Aggregator(_init, update, "slerp")
 
 
-@functools.partial(jax.jit, static_argnames=("max_iter",))
+@kernel_jit(static_argnames=("max_iter",))
 def _karcher_leaf(x, ref, w, valid, tol, *, max_iter: int):
     """Karcher mean on the unit sphere in the coefficient space of the rows (via the Gram matrix)."""
     g = gram_kernels.gram(x, ref).astype(jnp.float32)

@@ -18,6 +18,7 @@ from consensus.merging._common import (
     unflatten_like,
 )
 from kernels import gram as gram_kernels
+from kernels.compile_options import kernel_jit
 
 PyTree = Any
 
@@ -106,7 +107,7 @@ def _gram_and_sum(x: jax.Array, base: jax.Array, valid: jax.Array) -> tuple[jax.
     return acc, total
 
 
-@jax.jit
+@kernel_jit
 def _stock_leaf(x, base, valid):
     # Rows of invalid nodes may hold NaN: they only reach their own row and column of G,
     # which stock_ratio masks out, and add 0 to the sum.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -25,6 +24,7 @@ from consensus.merging._common import (
     unflatten_like,
 )
 from consensus.merging._select import kth_largest_delta_bits
+from kernels.compile_options import kernel_jit
 from kernels.rows import tree_sum
 
 PyTree = Any
@@ -47,7 +47,7 @@ def trim_thresholds(x: jax.Array, base: jax.Array, density: float, valid: jax.Ar
     return _thresholds(x, base, valid, k=k)
 
 
-@functools.partial(jax.jit, static_argnames=("k",))
+@kernel_jit(static_argnames=("k",))
 def _thresholds(x, base, valid, *, k: int):
     n = x.shape[0]
     # mask_only: a threshold keeping exactly the entries >= the k-th largest (never an extra pass).
@@ -55,7 +55,7 @@ def _thresholds(x, base, valid, *, k: int):
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("election",))
+@kernel_jit(static_argnames=("election",))
 def _ties_leaf(x, base, thresholds, w, valid, scale, *, election: str):
     """One fused pass over the rows: trim, weigh, elect, disjoint mean, add to the base."""
     b = base.astype(jnp.float32)
