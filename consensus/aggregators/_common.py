@@ -203,8 +203,8 @@ def all_finite(tree_: PyTree) -> jax.Array:
     return tree.is_finite(tree_)
 
 
-def unless_non_finite(value: tuple, fallback) -> tuple:
-    """``value`` when its first element (a tree) is finite, else ``fallback()``, in traced code.
+def unless_non_finite(value: tuple, fallback, check: int = 0) -> tuple:
+    """``value`` when its element ``check`` (a tree; the first by default) is finite, else ``fallback()``.
 
     ``value = (merged, ...)`` is the optimistic result of a rule, already computed. A
     ``lax.cond(all_finite(merged), lambda: value, fallback)`` would be the obvious form,
@@ -221,7 +221,7 @@ def unless_non_finite(value: tuple, fallback) -> tuple:
 
     def still_to_replace(carry):
         current, replaced = carry
-        return ~replaced & ~all_finite(current[0])
+        return ~replaced & ~all_finite(current[check])
 
     def replace(carry):
         current, replaced = carry

@@ -120,7 +120,13 @@ def unflatten_like(like: PyTree, leaves: list[jax.Array]) -> PyTree:
 
 
 def optimistic(
-    stacked: PyTree, mask: jax.Array | None, n: int, assume_finite: bool, compute, aux: bool = False
+    stacked: PyTree,
+    mask: jax.Array | None,
+    n: int,
+    assume_finite: bool,
+    compute,
+    aux: bool = False,
+    aux_proves: bool = False,
 ) -> tuple:
     """``compute(valid) -> merged`` with the finiteness pass only when it is needed.
 
@@ -135,6 +141,9 @@ def optimistic(
     With ``aux=True``, ``compute(valid)`` returns ``(merged, aux)`` (per-leaf
     diagnostics; it must be pure: under jit it is traced twice, once inside the
     loop) and the result is ``(merged, aux, valid)``; else ``(merged, valid)``.
+    With ``aux_proves=True`` a finite ``aux`` stands for a finite ``merged`` (the method
+    guarantees it: Model Stock's ratios are NaN whenever an allowed node is not finite), so the
+    check reads the small aux instead of the merged tree.
     """
     leaves = jax.tree_util.tree_leaves(stacked)
     concrete = all(is_concrete(x) for x in leaves) and (mask is None or is_concrete(mask))
@@ -146,8 +155,9 @@ def optimistic(
     if assume_finite:
         return run(allowed(mask, n))
     first = run(allowed(mask, n))
+    check = 1 if aux and aux_proves else 0
     if not concrete:
-        return unless_non_finite(first, lambda: run(valid_nodes(stacked, mask, n)))
-    if all(bool(jnp.isfinite(y).all()) for y in jax.tree_util.tree_leaves(first[0])):
+        return unless_non_finite(first, lambda: run(valid_nodes(stacked, mask, n)), check)
+    if all(bool(jnp.isfinite(y).all()) for y in jax.tree_util.tree_leaves(first[check])):
         return first
     return run(valid_nodes(stacked, mask, n))

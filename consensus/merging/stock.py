@@ -154,7 +154,10 @@ def model_stock() -> Aggregator:
                 ratios.append(t)
             return unflatten_like(params, outs), ratios
 
-        merged, ratios, valid = optimistic(stacked, mask, n, assume_finite, compute, aux=True)
+        # t is NaN when an allowed node is not finite (stock_ratio), so the ratios prove the merge.
+        merged, ratios, valid = optimistic(
+            stacked, mask, n, assume_finite, compute, aux=True, aux_proves=True
+        )
         require_valid_count("model_stock", valid, n, 2)
         return merged, StockState(
             info(valid, jnp.ones((n,), jnp.float32), False), unflatten_like(params, ratios)

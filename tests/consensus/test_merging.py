@@ -653,6 +653,23 @@ def test_non_finite_and_masked_nodes_take_no_part(name):
     assert_tree_close(run(name, poisoned, base, jit=True), leaves64(want), 1e-5, 1e-6)
 
 
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_model_stock_excludes_a_node_non_finite_in_one_entry_of_one_leaf(bad):
+    # Model Stock checks its per-leaf ratios, not the merged tree, for finiteness (a non-finite
+    # node makes its leaf's t NaN); one bad entry in one leaf must still exclude the node.
+    base = make_base()
+    stacked = make_nodes(base)
+    leaf = jax.tree_util.tree_leaves(stacked)[-1]
+    poisoned_leaf = leaf.at[(5,) + (0,) * (leaf.ndim - 1)].set(bad)
+    leaves, tdef = jax.tree_util.tree_flatten(stacked)
+    poisoned = jax.tree_util.tree_unflatten(tdef, leaves[:-1] + [poisoned_leaf])
+    want = run("model_stock", stacked, base, mask=jnp.arange(N) != 5)
+    for jit in (False, True):
+        out = run("model_stock", poisoned, base, jit=jit)
+        assert all(np.isfinite(x).all() for x in leaves64(out))
+        assert_tree_close(out, leaves64(want), 1e-5, 1e-6)
+
+
 @pytest.mark.parametrize("name", ["task_arithmetic", "ties_sum", "model_stock", "fisher_merge"])
 def test_every_node_at_the_base_gives_the_base(name):
     base = make_base()
