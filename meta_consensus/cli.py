@@ -272,9 +272,20 @@ def merge_cmd(args: argparse.Namespace) -> int:
 COMMANDS = {"run": run, "report": report_cmd, "merge": merge_cmd}
 
 
+def _check_environment() -> None:
+    """Environment settings the package reads later, checked up front (a bad one is the user's)."""
+    from kernels.compile_options import vector_width
+
+    try:
+        vector_width()
+    except ValueError as e:
+        raise UserError(str(e)) from e
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        _check_environment()
         return COMMANDS[args.command](args)
     except UserError as e:
         return _fail(str(e))

@@ -190,3 +190,11 @@ def test_a_run_in_which_no_round_succeeded_exits_1(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 1, err
     assert "no round succeeded (2 attempts" in err and "Traceback" not in err
+
+
+def test_a_bad_vector_width_setting_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("META_CONSENSUS_CPU_VECTOR_WIDTH", "99")
+    rc, err = _invoke(["run", "--quiet", *_sets(*SMALL, f"output_dir={tmp_path}")], capsys)
+    assert rc == 2
+    assert err.count("\n") == 1 and "META_CONSENSUS_CPU_VECTOR_WIDTH must be one of 256, 512, xla" in err
+    assert _snapshot(tmp_path) == {}
