@@ -74,7 +74,6 @@ def take_columns(x: jax.Array, ref: jax.Array | None, index: jax.Array) -> jax.A
     return cols - jnp.take(ref.reshape(-1), index).astype(jnp.float32)[None]
 
 
-@kernel_jit(static_argnames=("f", "m", "diagonal", "poison"))
 def meamed(
     x: jax.Array,
     f: int,
@@ -110,6 +109,11 @@ def meamed(
         if poison:
             raise ValueError("meamed: poison is for the sorting network (at most 48 rows)")
         return selection.nearest_to_median_mean(x, f, keep, m, mixing, centre, diagonal)
+    return _network_meamed(x, f, keep, m, mixing, centre, diagonal, poison)
+
+
+@kernel_jit(static_argnames=("f", "m", "diagonal", "poison"))
+def _network_meamed(x, f, keep, m, mixing, centre, diagonal, poison) -> jax.Array:
     m = count(keep, x.shape[0], m)
     s = sort_rows(exclude(x, keep, mixing, centre, diagonal, poison))
     med = 0.5 * (pick(s, (m - 1) // 2) + pick(s, m // 2))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels.columns import column_parallel
 from kernels.compile_options import kernel_jit
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -224,32 +225,48 @@ def _view_block(
     return y if cb is None else y + cb[None]
 
 
-def blockwise(fn, x: jax.Array, centre: jax.Array | None, mixing, diagonal: bool) -> jax.Array:
-    """Apply ``fn(block_rows) -> (B,)`` to every column block of x (n, ...); returns x.shape[1:] float32."""
+def blockwise(
+    fn,
+    x: jax.Array,
+    centre: jax.Array | None,
+    mixing,
+    diagonal: bool,
+    start: jax.Array | None = None,
+    width: int | None = None,
+) -> jax.Array:
+    """Apply ``fn(block_rows) -> (B,)`` to every column block of x (n, ...); returns x.shape[1:] float32.
+
+    With ``start`` (traced) and ``width`` (static), only the columns [start, start + width) of
+    ``x.reshape(n, -1)`` are computed, read in place, and the flat (width,) result is returned
+    (:mod:`kernels.columns` runs such ranges on separate cores).
+    """
     n = x.shape[0]
     shape = x.shape[1:]
     x2 = x.reshape(n, -1)
     c = None if centre is None else centre.reshape(-1)
-    d = x2.shape[1]
+    if start is None:
+        start, d = 0, x2.shape[1]
+    else:
+        d = int(width)
     b = block_columns(n)
-    k = d // b  # full blocks
 
-    def run(xb, cb):
+    def run(col, cols):
+        xb = jax.lax.dynamic_slice_in_dim(x2, col, cols, axis=1)
+        cb = None if c is None else jax.lax.dynamic_slice_in_dim(c, col, cols)
         return fn(_view_block(xb, cb, mixing, diagonal))
 
-    if k == 0:
-        return run(x2, c).reshape(shape)
+    if d < b:
+        out = run(start, d) if d < x2.shape[1] else fn(_view_block(x2, c, mixing, diagonal))
+    else:
 
-    def body(i, out):
-        # The last block ends at column d (overlapping its predecessor when b does not divide d):
-        # one traced block body instead of a second, separately compiled, tail.
-        start = jnp.minimum(i * b, d - b)
-        xb = jax.lax.dynamic_slice_in_dim(x2, start, b, axis=1)
-        cb = None if c is None else jax.lax.dynamic_slice_in_dim(c, start, b)
-        return jax.lax.dynamic_update_slice_in_dim(out, run(xb, cb), start, axis=0)
+        def body(i, out):
+            # The last block ends at column d (overlapping its predecessor when b does not divide
+            # d): one traced block body instead of a second, separately compiled, tail.
+            offset = jnp.minimum(i * b, d - b)
+            return jax.lax.dynamic_update_slice_in_dim(out, run(start + offset, b), offset, axis=0)
 
-    out = jax.lax.fori_loop(0, -(-d // b), body, jnp.zeros((d,), jnp.float32))
-    return out.reshape(shape)
+        out = jax.lax.fori_loop(0, -(-d // b), body, jnp.zeros((d,), jnp.float32))
+    return out.reshape(shape) if width is None else out
 
 
 def _kept_count(keep: jax.Array | None, n: int, m: int | None):
@@ -264,8 +281,8 @@ def _divide(total: jax.Array, denom) -> jax.Array:
     return jnp.where(denom > 0, total / jnp.maximum(denom, 1).astype(jnp.float32), jnp.nan)
 
 
-@kernel_jit(static_argnames=("m", "diagonal", "poison"))
-def median(
+@kernel_jit(static_argnames=("m", "diagonal", "poison", "width"))
+def _median(
     x: jax.Array,
     keep: jax.Array | None = None,
     m: int | None = None,
@@ -273,6 +290,8 @@ def median(
     centre: jax.Array | None = None,
     diagonal: bool = True,
     poison: bool = False,
+    start: jax.Array | None = None,
+    width: int | None = None,
 ) -> jax.Array:
     """Coordinate-wise median over the kept rows (mean of the two middle values when m is even).
 
@@ -285,11 +304,11 @@ def median(
         lo, hi = blk.median_values(m)
         return blk.finish(0.5 * (lo + hi))
 
-    return blockwise(fn, x, centre, mixing, diagonal)
+    return blockwise(fn, x, centre, mixing, diagonal, start, width)
 
 
-@kernel_jit(static_argnames=("f", "m", "diagonal", "poison"))
-def trimmed_mean(
+@kernel_jit(static_argnames=("f", "m", "diagonal", "poison", "width"))
+def _trimmed_mean(
     x: jax.Array,
     f: int,
     keep: jax.Array | None = None,
@@ -298,6 +317,8 @@ def trimmed_mean(
     centre: jax.Array | None = None,
     diagonal: bool = True,
     poison: bool = False,
+    start: jax.Array | None = None,
+    width: int | None = None,
 ) -> jax.Array:
     """Mean of the kept order statistics f .. m - f - 1 (f removed per side); NaN when m <= 2f.
 
@@ -313,21 +334,26 @@ def trimmed_mean(
         total = blk.window_sum(f, stop)
         return blk.finish(_divide(total, denom))
 
-    return blockwise(fn, x, centre, mixing, diagonal)
+    return blockwise(fn, x, centre, mixing, diagonal, start, width)
 
 
-@kernel_jit(static_argnames=("k",))
-def order_statistic(x: jax.Array, k: int, keep: jax.Array | None = None) -> jax.Array:
+@kernel_jit(static_argnames=("k", "width"))
+def _order_statistic(
+    x: jax.Array,
+    k: int,
+    keep: jax.Array | None = None,
+    start: jax.Array | None = None,
+    width: int | None = None,
+) -> jax.Array:
     """The k-th smallest value (0-based) over the kept rows, coordinate-wise (+inf if k >= m)."""
 
     def fn(y):
         blk = Block(y, keep, False)
         return blk.finish(key_values(blk.select([k])[0]))
 
-    return blockwise(fn, x, None, None, True)
+    return blockwise(fn, x, None, None, True, start, width)
 
 
-@kernel_jit(static_argnames=("f", "m", "diagonal"))
 def closest_to_median_mean(
     x: jax.Array,
     f: int,
@@ -344,8 +370,8 @@ def closest_to_median_mean(
     return nearest_to_median_mean(x, 2 * f, keep, m, mixing, centre, diagonal)
 
 
-@kernel_jit(static_argnames=("trim", "m", "diagonal"))
-def nearest_to_median_mean(
+@kernel_jit(static_argnames=("trim", "m", "diagonal", "width"))
+def _nearest_to_median_mean(
     x: jax.Array,
     trim: int,
     keep: jax.Array | None = None,
@@ -353,6 +379,8 @@ def nearest_to_median_mean(
     mixing: jax.Array | None = None,
     centre: jax.Array | None = None,
     diagonal: bool = True,
+    start: jax.Array | None = None,
+    width: int | None = None,
 ) -> jax.Array:
     """Per coordinate, the mean of the beta = m - trim kept values nearest their median.
 
@@ -398,4 +426,12 @@ def nearest_to_median_mean(
         total = total + jnp.where(take_high > 0, take_high * sum_high / jnp.maximum(n_high, 1.0), 0.0)
         return blk.finish(_divide(total, beta))
 
-    return blockwise(fn, x, centre, mixing, diagonal)
+    return blockwise(fn, x, centre, mixing, diagonal, start, width)
+
+
+# The public kernels: an eager call on a large stack runs its columns on every core
+# (kernels.columns); inside a trace, the kernel above, over every column.
+median = column_parallel(_median, block_columns)
+trimmed_mean = column_parallel(_trimmed_mean, block_columns)
+order_statistic = column_parallel(_order_statistic, block_columns)
+nearest_to_median_mean = column_parallel(_nearest_to_median_mean, block_columns)

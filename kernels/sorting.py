@@ -165,7 +165,17 @@ def _sorted(r: list[jax.Array]) -> list[jax.Array]:
     return rows(jnp.sort(jnp.stack(r), axis=0))
 
 
-@kernel_jit(static_argnames=("m", "diagonal", "poison"))
+def _static_count(keep: jax.Array | None, n: int, m: int | None):
+    """The kept count when it is static (a Python int), else None: what ``network_fits`` needs.
+
+    Decided before any compilation, so the public kernels below can hand a large stack to
+    :mod:`kernels.selection` eagerly (its columns then run on every core).
+    """
+    if m is not None:
+        return int(m)
+    return n if keep is None else None
+
+
 def median(
     x: jax.Array,
     keep: jax.Array | None = None,
@@ -181,13 +191,17 @@ def median(
     ``poison``, a NaN or Inf in any kept row makes the result NaN at that
     coordinate, so a finite result certifies that every kept row was finite.
     """
-    kept = count(keep, x.shape[0], m)
-    if not network_fits(x.shape[0], kept, mixing, diagonal):
+    if not network_fits(x.shape[0], _static_count(keep, x.shape[0], m), mixing, diagonal):
         return selection.median(x, keep, m, mixing, centre, diagonal, poison)
+    return _network_median(x, keep, m, mixing, centre, diagonal, poison)
+
+
+@kernel_jit(static_argnames=("m", "diagonal", "poison"))
+def _network_median(x, keep, m, mixing, centre, diagonal, poison) -> jax.Array:
+    kept = count(keep, x.shape[0], m)
     return _median_of_sorted(_sorted(exclude(x, keep, mixing, centre, diagonal, poison)), kept)
 
 
-@kernel_jit(static_argnames=("f", "m", "diagonal", "poison"))
 def trimmed_mean(
     x: jax.Array,
     f: int,
@@ -203,9 +217,14 @@ def trimmed_mean(
     Needs m > 2f kept rows; with fewer the result is NaN (callers check first).
     ``poison`` as in :func:`median`.
     """
-    kept = count(keep, x.shape[0], m)
-    if not network_fits(x.shape[0], kept, mixing, diagonal):
+    if not network_fits(x.shape[0], _static_count(keep, x.shape[0], m), mixing, diagonal):
         return selection.trimmed_mean(x, f, keep, m, mixing, centre, diagonal, poison)
+    return _network_trimmed_mean(x, f, keep, m, mixing, centre, diagonal, poison)
+
+
+@kernel_jit(static_argnames=("f", "m", "diagonal", "poison"))
+def _network_trimmed_mean(x, f, keep, m, mixing, centre, diagonal, poison) -> jax.Array:
+    kept = count(keep, x.shape[0], m)
     s = _sorted(exclude(x, keep, mixing, centre, diagonal, poison))
     denom = kept - 2 * f
     total = window_sum(s, f, denom)
@@ -214,15 +233,18 @@ def trimmed_mean(
     return jnp.where(denom > 0, total / jnp.maximum(denom, 1).astype(jnp.float32), jnp.nan)
 
 
-@kernel_jit(static_argnames=("k",))
 def order_statistic(x: jax.Array, k: int, keep: jax.Array | None = None) -> jax.Array:
     """The k-th smallest value (0-based) over the kept rows, coordinate-wise (+inf if k >= m)."""
     if not network_fits(x.shape[0], k):  # k is static: the one position read is a constant
         return selection.order_statistic(x, k, keep)
+    return _network_order_statistic(x, k, keep)
+
+
+@kernel_jit(static_argnames=("k",))
+def _network_order_statistic(x: jax.Array, k: int, keep: jax.Array | None) -> jax.Array:
     return pick(_sorted(exclude(x, keep)), k)
 
 
-@kernel_jit(static_argnames=("f", "m", "diagonal"))
 def closest_to_median_mean(
     x: jax.Array,
     f: int,
@@ -253,6 +275,11 @@ def closest_to_median_mean(
     """
     if x.shape[0] > WINDOW_NETWORK_MAX:
         return selection.closest_to_median_mean(x, f, keep, m, mixing, centre, diagonal)
+    return _network_closest_to_median_mean(x, f, keep, m, mixing, centre, diagonal)
+
+
+@kernel_jit(static_argnames=("f", "m", "diagonal"))
+def _network_closest_to_median_mean(x, f, keep, m, mixing, centre, diagonal) -> jax.Array:
     m = count(keep, x.shape[0], m)
     s = _sorted(exclude(x, keep, mixing, centre, diagonal))
     med = _median_of_sorted(s, m)

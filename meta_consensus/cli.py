@@ -274,10 +274,12 @@ COMMANDS = {"run": run, "report": report_cmd, "merge": merge_cmd}
 
 def _check_environment() -> None:
     """Environment settings the package reads later, checked up front (a bad one is the user's)."""
+    from kernels.columns import kernel_threads
     from kernels.compile_options import vector_width
 
     try:
         vector_width()
+        kernel_threads()
     except ValueError as e:
         raise UserError(str(e)) from e
 

@@ -192,9 +192,16 @@ def test_a_run_in_which_no_round_succeeded_exits_1(tmp_path, capsys):
     assert "no round succeeded (2 attempts" in err and "Traceback" not in err
 
 
-def test_a_bad_vector_width_setting_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("META_CONSENSUS_CPU_VECTOR_WIDTH", "99")
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("META_CONSENSUS_CPU_VECTOR_WIDTH", "99", "must be one of 256, 512, xla"),
+        ("META_CONSENSUS_KERNEL_THREADS", "0", "META_CONSENSUS_KERNEL_THREADS must be a positive integer"),
+    ],
+)
+def test_a_bad_kernel_setting_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, name, value, message):
+    monkeypatch.setenv(name, value)
     rc, err = _invoke(["run", "--quiet", *_sets(*SMALL, f"output_dir={tmp_path}")], capsys)
     assert rc == 2
-    assert err.count("\n") == 1 and "META_CONSENSUS_CPU_VECTOR_WIDTH must be one of 256, 512, xla" in err
+    assert err.count("\n") == 1 and message in err
     assert _snapshot(tmp_path) == {}
