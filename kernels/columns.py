@@ -127,7 +127,7 @@ def column_parallel(kernel: Callable, min_block: Callable[[int], int]) -> Callab
         def run(start: int) -> jax.Array:
             return kernel(x, *args, start=jnp.int32(start), width=width, **kwargs).block_until_ready()
 
-        pool = _executor(len(plan) - 1)
+        pool = _executor(kernel_threads() - 1)  # sized by the setting, so a short plan reuses it
         futures = [pool.submit(run, start) for start, _, _ in plan[1:]]
         outs = [run(plan[0][0])]
         outs += [f.result() for f in futures]

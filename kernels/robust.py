@@ -107,7 +107,7 @@ def meamed(
     """
     if x.shape[0] > WINDOW_NETWORK_MAX:
         if poison:
-            raise ValueError("meamed: poison is for the sorting network (at most 48 rows)")
+            raise ValueError(f"meamed: poison is for the sorting network (at most {WINDOW_NETWORK_MAX} rows)")
         return selection.nearest_to_median_mean(x, f, keep, m, mixing, centre, diagonal)
     return _network_meamed(x, f, keep, m, mixing, centre, diagonal, poison)
 

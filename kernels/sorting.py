@@ -33,10 +33,13 @@ from kernels.rows import UNROLL_MAX, rows, tree_sum, view_rows
 
 # The window rules (Bulyan's second stage, MeaMed) need the whole sorted column, not one or two
 # positions, so their network cannot be pruned and grows as n log^2 n comparators: above this
-# many rows exact selection is faster. Measured in one run (n * d = 6.4e7, Bulyan's theta-set
-# kept, time / one numpy pass; a loaded machine): network / selection 5.8 / 21 at n = 32,
-# 24 / 24 at n = 48, 27 / 27 at n = 56, 46 to 74 / 19 to 32 at n = 64.
-WINDOW_NETWORK_MAX = 48
+# many rows exact selection is faster. Measured in one scratch run on 4 + 2f rows (Bulyan's
+# beta = 4), d = 3.2e7 / rows, quiet 2-core AMD EPYC: the network took 8 / 33 / 99 / 159 / 312 ms
+# at 14 / 16 / 17 / 18 / 34 rows (a cliff past 16), selection 126 to 172 ms on one thread at 16
+# to 34 rows and 63 to 111 ms split over both cores (kernels.columns). So selection wins from 17
+# rows eagerly and from 18 under the user's jit. (The former limit, 48, was measured on a loaded
+# machine before the selection kernels had 512-bit vectors and threads.)
+WINDOW_NETWORK_MAX = 16
 
 # The median, the trimmed mean and single order statistics read a few static positions (or one
 # static window) of the sorted column, so XLA prunes the network to what feeds them and fuses the

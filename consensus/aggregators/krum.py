@@ -127,7 +127,7 @@ def bulyan(num_byzantine: int) -> Aggregator:
 
     Cost: one Gram pass; the selection sorts each distance row once and then
     takes O(n^2) per round (:func:`kernels.krum.iterated_picks`); the second
-    stage is one sorting-network pass over the masked stack up to theta = 48
+    stage is one sorting-network pass over the masked stack up to theta = 16
     rows and, above, an exact bisection selection over a gathered copy of the
     theta chosen rows (theta / n of the stack in extra memory).
     """

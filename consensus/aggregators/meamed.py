@@ -34,10 +34,10 @@ def meamed(num_byzantine: int) -> Aggregator:
     median, the lowest one first). Unlike the trimmed mean, which drops f
     values from *each* side, Meamed drops f values in all, from whichever side
     is farther. Precondition: m > 2f (ValueError otherwise; NaN under an
-    outer jit). Up to 48 rows one sorting-network pass in the common case (the
+    outer jit). Up to 16 rows one sorting-network pass in the common case (the
     kernel poisons the output with any NaN/Inf of a row, so a finite output
     proves every node finite, as the median's); otherwise, or when a node is
-    not finite, a finiteness pass first. Above 48 rows: exact selection.
+    not finite, a finiteness pass first. Above 16 rows: exact selection.
     DP sensitivity: as the coordinate-wise rules, 2C (any output in the
     C-ball around the last consensus).
     """

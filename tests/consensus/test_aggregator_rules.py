@@ -278,7 +278,7 @@ def test_coordinatewise_one_pass_path_excludes_a_lone_inf(make):
 def test_bulyan_with_repeated_attacker_vectors_matches_float64_reference(attack, options, n):
     """Issue 17: f = 3, the attackers send one vector f times; the second stage ties.
 
-    n = 60 keeps theta = 54 rows, above the window network's 48: the chosen rows are gathered
+    n = 60 keeps theta = 54 rows, above the window network's 16: the chosen rows are gathered
     and the second stage runs by selection.
     """
     from strategies import attacks
