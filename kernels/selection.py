@@ -1,7 +1,7 @@
 """Exact coordinate-wise order statistics of a tall stack by bitwise selection.
 
 Above ``kernels.sorting.NETWORK_MAX`` rows (128; 64 where a position is traced
-or the rows are a dense view, 48 for the window rules) a sorting network no
+or the rows are a dense view, 16 for the window rules) a sorting network no
 longer compiles to one fused loop, and XLA:CPU's ``jnp.sort`` over the node axis
 costs hundreds of passes over memory (issue 19). Here every order statistic is *selected*, never
 sorted. A float32 is mapped to a monotone int32 key (its bits, with the
