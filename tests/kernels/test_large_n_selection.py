@@ -78,6 +78,30 @@ def test_bulyan_second_stage_matches_numpy(n):
     np.testing.assert_allclose(out, ref.closest_to_median_mean(_kept(x, keep), m - 2 * f), rtol=0, atol=2e-6)
 
 
+def test_window_rule_without_ties_is_the_sum_within_the_window_and_ignores_its_block():
+    """Tie-free blocks skip the tie passes; a tied column in a block changes no other column's bits.
+
+    Bulyan's second stage above WINDOW_NETWORK_MAX rows on continuous floats (one value at the
+    window's edge distance per column) against float64, then the same stack with one column of
+    its first block replaced by small integers (ties at the edge distance): that column matches
+    the reference and every other column keeps its bits, whichever branch its block took.
+    """
+    n, f = 33, 5
+    b = selection.block_columns(n)
+    x = np.random.default_rng(11).standard_normal((n, 2 * b + 3)).astype(np.float32)
+    ref_clean = ref.closest_to_median_mean(x.astype(np.float64), n - 2 * f)
+    clean = np.asarray(sorting.closest_to_median_mean(jnp.asarray(x), f))
+    np.testing.assert_allclose(clean, ref_clean, rtol=0, atol=2e-6)
+    tied = x.copy()
+    tied[:, 1] = np.random.default_rng(12).integers(-2, 3, n)  # 33 values on 5 integers: edge ties
+    dist = np.abs(tied[:, 1] - np.median(tied[:, 1]))
+    assert (dist <= np.sort(dist)[n - 2 * f - 1]).sum() > n - 2 * f  # more values at the edge than room
+    out = np.asarray(sorting.closest_to_median_mean(jnp.asarray(tied), f))
+    want = ref.closest_to_median_mean(tied[:, 1:2].astype(np.float64), n - 2 * f)[0]
+    assert out[1] == pytest.approx(want, abs=1e-6)
+    np.testing.assert_array_equal(np.delete(out, 1), np.delete(clean, 1))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [65, 257])
 def test_traced_count_under_jit_equals_eager(n):
