@@ -179,6 +179,9 @@ class Block:
         """Order statistics (m - 1) // 2 and m // 2 (the same when m is odd), one selection."""
         lo_rank, hi_rank = (m - 1) // 2, m // 2
         lo = self.select([lo_rank])[0]
+        if isinstance(m, int) and m % 2 == 1:
+            # One middle value: the count and the fold below would only find lo again.
+            return key_values(lo), key_values(lo)
         # The upper middle is lo again when lo's ties reach past it, else the next key above.
         hi = jnp.where(self.count_at_most(lo) > hi_rank, lo, _next_key_above(self.keys, lo))
         return key_values(lo), key_values(hi)
