@@ -185,7 +185,24 @@ def single_logits(task: Task):
 
 # The result-file conventions are the harness's; re-exported for the quality scripts.
 __all__ = [
-    "class_probs", "command", "header", "iid_clients", "mean_std", "metrics", "mixture_metrics",
-    "plot_path", "pm", "pretrain", "pyplot", "save", "shared_pool", "single_logits", "stacked_metrics",
-    "stem", "subset", "trainer_for", "true_label_probs", "unstack",
+    "class_probs",
+    "command",
+    "header",
+    "iid_clients",
+    "mean_std",
+    "metrics",
+    "mixture_metrics",
+    "plot_path",
+    "pm",
+    "pretrain",
+    "pyplot",
+    "save",
+    "shared_pool",
+    "single_logits",
+    "stacked_metrics",
+    "stem",
+    "subset",
+    "trainer_for",
+    "true_label_probs",
+    "unstack",
 ]

@@ -202,9 +202,7 @@ class Block:
         return jnp.where(ka == kb, same, middle + n_a * a + n_b * b)
 
 
-def _view_block(
-    xb: jax.Array, cb: jax.Array | None, mixing: jax.Array | None, diagonal: bool
-) -> jax.Array:
+def _view_block(xb: jax.Array, cb: jax.Array | None, mixing: jax.Array | None, diagonal: bool) -> jax.Array:
     """Rows ``c + A (x - c)`` of one (n, B) block in float32 (see kernels.rows.view_rows).
 
     A diagonal A is exact per term (zero weights read NaN rows as 0). A dense A

@@ -110,6 +110,7 @@ print(f"nodes   mean test accuracy {node_acc.mean():.3f} (best {node_acc.max():.
 # `median`). For comparison the nodes also keep training alone on their own data for the same
 # number of steps.
 
+
 # %%
 def federated(agg, rounds):
     params, agg_state = global_params, agg.init(global_params)

@@ -97,6 +97,7 @@ for i, (name, kwargs) in enumerate(ATTACKS.items()):
 # norm of the received updates (robust to the `f` attackers). NNM (nearest-neighbour mixing)
 # followed by Krum is composed with `consensus.chain`, which keeps the mixing lazy.
 
+
 # %%
 def rules_for(stacked):
     update_norms = np.sqrt(np.asarray(consensus.sq_norms(stacked, global_params)))

@@ -100,6 +100,7 @@ uniform_merge = merge(uniform)
 # towards uniform when the quadratic model over-promises, so it is never worse than uniform on
 # the held-out set.
 
+
 # %%
 def logits_fn(params, x):  # one example -> (10,) logits
     return task.apply(params, x[None])[0]

@@ -107,6 +107,7 @@ plt.show()
 # device, a Gram rule (Krum) only needs the `n x n` Gram matrix summed across devices. The result
 # must equal the same rule on one device.
 
+
 # %%
 def merged_by(agg):
     return jax.jit(lambda stacked, params: agg.update(stacked, agg.init(params), params)[0])

@@ -141,6 +141,7 @@ def bulyan(num_byzantine: int) -> Aggregator:
         stats = gram_stats(stacked, params, mask)
         m = static_count(stats.valid)
         require_count("bulyan", m, f, m is not None and m >= 4 * f + 3, f"n >= 4f + 3 = {4 * f + 3}")
+
         def with_count(count: int):
             """Both stages with m = count valid nodes known statically (theta = m - 2f)."""
             theta = count - 2 * f
