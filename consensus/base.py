@@ -23,9 +23,12 @@ each node's weight in the merged result.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import jax
+
+if TYPE_CHECKING:
+    from consensus.specs import Spec
 
 PyTree = Any
 Array = jax.Array
@@ -90,23 +93,29 @@ class Aggregator(NamedTuple):
         returns the L2 sensitivity of the merged *update* to adding or removing one
         node whose update is clipped to ``clip_norm``, or None when this package has
         not worked out a bound for the rule (DP then refuses the rule).
+      spec: The declaration of the rule that built it (:class:`consensus.specs.Spec`:
+        capabilities such as reading lazy views), set by the declared factory; None for an
+        aggregator assembled by hand or by a pipeline.
     """
 
     init: InitFn
     update: UpdateFn
     name: str = "aggregator"
     sensitivity: Callable[[float, float], float] | None = None
+    spec: Spec | None = None
 
 
 class PreAggregator(NamedTuple):
     """A node-to-node transform (n -> n): clipping, nearest-neighbour mixing, ...
 
     ``update(stacked, state, params=None, *, mask=None, **extra) -> (stacked, state)``.
+    ``spec`` is its declaration (see :class:`Aggregator`), None when assembled by hand.
     """
 
     init: InitFn
     update: UpdateFn
     name: str = "pre_aggregator"
+    spec: Spec | None = None
 
 
 class ByzantineToleranceError(ValueError):

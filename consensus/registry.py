@@ -31,17 +31,19 @@ system's pipeline builder, the benchmarks and the property-table tests all read
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 import re
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Generic, Literal, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 from consensus import aggregators as agg
 from consensus.aggregators.bucketing import bucket_requirement
 from consensus.aggregators.filters import SMEA_MAX_SUBSETS
-from consensus.base import Aggregator, ByzantineToleranceError, PreAggregator
+from consensus.base import Aggregator, PreAggregator
+from consensus.specs import DEFAULT_SENSITIVITY, RULES, Registry, RegistryError, Spec, at_least
+
+__all__ = ["RULES", "Registry", "RegistryError", "RuleSpec", "Spec", "make", "register"]
 from consensus.merging import (
     dare,
     fisher_merge,
@@ -54,112 +56,7 @@ from consensus.merging import (
 )
 
 Kind = Literal["coordinatewise", "vector", "pre", "merge"]
-T = TypeVar("T")
-
-
-class RegistryError(ValueError):
-    """An unknown name, or a parameter the registered factory does not take."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RuleSpec:
-    """One registered aggregation rule, pre-aggregator or merge method (see the module docstring)."""
-
-    name: str
-    factory: Callable[..., Aggregator | PreAggregator]
-    kind: Kind
-    takes_f: bool = False
-    precondition: Callable[[int, int], str | None] = lambda n, f: None if n >= 1 else "n >= 1"
-    sensitivity: str = "2C (any output in the C-ball around the last consensus)"
-    needs: frozenset[str] = frozenset()
-    summary: str = ""
-    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    order_matters: bool = False
-    elementwise: bool = False
-
-    @property
-    def permutation_invariant(self) -> bool:
-        """Whether permuting the nodes leaves the output unchanged (not for keyed draws per node position)."""
-        return not self.order_matters and "key" not in self.needs
-
-    @property
-    def params(self) -> dict[str, inspect.Parameter]:
-        """The factory's parameters other than ``num_byzantine`` (name -> inspect.Parameter)."""
-        sig = inspect.signature(self.factory).parameters
-        return {k: p for k, p in sig.items() if not (self.takes_f and k == "num_byzantine")}
-
-    @property
-    def required(self) -> tuple[str, ...]:
-        """Parameters without a default (besides f): the caller must give them."""
-        return tuple(k for k, p in self.params.items() if p.default is inspect.Parameter.empty)
-
-    def requirement(self, n: int, f: int) -> str | None:
-        """None when the rule runs on n valid nodes with f Byzantine ones, else what it needs."""
-        return self.precondition(n, f)
-
-    def check(self, n: int, f: int) -> None:
-        """Raise ByzantineToleranceError naming the rule, n, f and what it needs."""
-        need = self.precondition(n, f)
-        if need is not None:
-            raise ByzantineToleranceError(
-                f"{self.name}: cannot tolerate f={f} Byzantine nodes with n={n} valid nodes; needs {need}."
-            )
-
-    def check_params(self, params: Mapping[str, Any]) -> None:
-        """Unknown parameter names raise a RegistryError that lists the valid ones."""
-        valid = list(self.params)
-        unknown = sorted(set(params) - set(valid))
-        if unknown:
-            raise RegistryError(f"{self.name} takes no parameter(s) {unknown}; valid parameters: {valid}")
-
-    def build(self, f: int | None = None, **params: Any) -> Aggregator | PreAggregator:
-        """The rule with f (when it takes one) and the given parameters (over ``defaults``), checked first."""
-        self.check_params(params)
-        params = {**self.defaults, **params}
-        if self.takes_f:
-            if f is None:
-                raise RegistryError(f"{self.name} needs num_byzantine (f)")
-            return self.factory(f, **params)
-        return self.factory(**params)
-
-
-class Registry(Generic[T]):
-    """Name -> spec, with errors that list the valid names. Iteration is in registration order."""
-
-    def __init__(self, family: str):
-        self.family = family
-        self._specs: dict[str, T] = {}
-
-    def register(self, name: str, spec: T, *, replace: bool = False) -> T:
-        if name in self._specs and not replace:
-            raise RegistryError(f"{self.family} {name!r} is already registered")
-        self._specs[name] = spec
-        return spec
-
-    def __getitem__(self, name: str) -> T:
-        try:
-            return self._specs[name]
-        except KeyError:
-            valid = sorted(self._specs)
-            raise RegistryError(f"unknown {self.family} {name!r}; valid choices: {valid}") from None
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._specs
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._specs)
-
-    def __len__(self) -> int:
-        return len(self._specs)
-
-    def names(self, predicate: Callable[[T], bool] | None = None) -> list[str]:
-        return [k for k, s in self._specs.items() if predicate is None or predicate(s)]
-
-    def items(self):
-        return self._specs.items()
-
-
-RULES: Registry[RuleSpec] = Registry("aggregation rule")
+RuleSpec = Spec  # the rule family's specs are plain specs
 
 
 def register(
@@ -176,20 +73,22 @@ def register(
     order_matters: bool = False,
     elementwise: bool = False,
     replace: bool = False,
-) -> RuleSpec:
-    """Register a rule under ``name`` (see :class:`RuleSpec` for the fields)."""
-    spec = RuleSpec(
+) -> Spec:
+    """Register an existing factory under ``name`` (prefer ``@RULES.declare`` beside the factory)."""
+    spec = Spec(
         name=name,
+        family=RULES.family,
         factory=factory,
         kind=kind,
         takes_f=takes_f,
-        precondition=precondition or (lambda n, f: None if n >= 1 else "n >= 1"),
-        sensitivity=sensitivity or RuleSpec.sensitivity,
+        precondition=precondition or at_least(1),
+        sensitivity=sensitivity or DEFAULT_SENSITIVITY,
         needs=frozenset(needs),
         summary=summary or (inspect.getdoc(factory) or "").split("\n", 1)[0],
         defaults=dict(defaults or {}),
         order_matters=order_matters,
         elementwise=elementwise,
+        module=getattr(factory, "__module__", ""),
     )
     return RULES.register(name, spec, replace=replace)
 
