@@ -15,6 +15,8 @@ This is the one place where the coordinator (``consensus``) and the node side
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from meta_consensus._version import __version__
+
 if TYPE_CHECKING:
     from meta_consensus.config import Config, ConfigError, load
     from meta_consensus.coordinator import Coordinator, CoordinatorState, RoundInfo
@@ -50,5 +52,6 @@ __all__ = [
     "MetaConsensus",
     "RoundInfo",
     "RunResult",
+    "__version__",
     "load",
 ]

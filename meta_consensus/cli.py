@@ -26,6 +26,8 @@ import os
 import sys
 from pathlib import Path
 
+from meta_consensus._version import __version__
+
 EXIT_NO_ROUND = 1
 EXIT_PROCESS_LOST = 1
 EXIT_USAGE = 2
@@ -51,6 +53,7 @@ def _fail(message: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="meta-consensus", description="Model merging by consensus on JAX.")
+    ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the rounds of a config (default: the embedded demo)")
     run.add_argument("--config", help="TOML config file (default: the embedded default)")
