@@ -3,10 +3,9 @@
 XLA:CPU vectorizes for 256-bit registers by default, also on CPUs with AVX-512 (a choice made
 for older Xeons, whose clocks dropped under 512-bit code). The streaming kernels here (the
 selection and counting loops, the sorting networks, TIES's threshold search) are bound by
-integer compares and adds, not by memory, and run 12-27% faster with 512-bit vectors on such a
-CPU (eagerly, ``python -m benchmarks.aggregators --n-sweep`` and ``benchmarks.merging_speed``
-before and after: the median at n = 256, 9.40x to 7.43x one numpy pass; the trimmed mean 15.5x
-to 11.4x; TIES at n = 16, d = 1e7, 3.68x to 3.25x). ``kernel_jit`` passes
+integer compares and adds, not by memory, and run faster with 512-bit vectors on such a CPU
+(compare ``python -m benchmarks aggregators --n-sweep`` and ``python -m benchmarks merging_speed``
+with ``META_CONSENSUS_CPU_VECTOR_WIDTH=256`` and without). ``kernel_jit`` passes
 ``xla_cpu_prefer_vector_width = 512`` to the compiler for the package's own jitted kernels when
 the CPU has AVX-512 (``avx512f`` and ``avx512bw`` in ``/proc/cpuinfo``), and nothing on other
 CPUs or backends.

@@ -5,7 +5,7 @@ over memory, and ``x - ref`` materializes a full copy before the product. Here
 the columns are streamed in cache-sized chunks inside a ``fori_loop``: each
 chunk is centred and multiplied while it is in cache, and the (n, n) partial
 products are accumulated with Kahan compensation (the accumulator is tiny, the
-compensation is free). See benchmarks/aggregators.py for its cost against one numpy pass.
+compensation is free). ``python -m benchmarks aggregators`` times it against one numpy pass.
 """
 
 from __future__ import annotations
@@ -26,11 +26,9 @@ def chunk_columns(n: int) -> int:
 
     Up to 64 rows the Gram pass is bound by memory and cache: a chunk of about
     128 KiB (n x 32768 / n columns) stays in cache while it is centred and
-    multiplied. Measured on a quiet 2-core x86_64 machine at n * d = 1.6e8
-    (ratio to one numpy pass): n = 16 takes 1.53x at 2048 columns against 2.0x
-    at 32768; n = 32 2.06x at 1024 against 2.5x; n = 64 2.9x at 512 against
-    3.55x. Above 64 rows the product is bound by arithmetic and larger chunks
-    amortize the loop better (n = 128: 3.4x at 8192 against 4.3-5.2x at 256-1024).
+    multiplied; larger chunks spill out of it. Above 64 rows the product is bound
+    by arithmetic and larger chunks amortize the loop better. The sizes were chosen
+    by ``python -m benchmarks aggregators --n-sweep`` (the Gram-based rules).
     """
     if n > 64:
         return LARGE_N_CHUNK
@@ -87,8 +85,8 @@ def gram(x: jax.Array, ref: jax.Array | None = None) -> jax.Array:
 def _working_centre(xs: jax.Array, weights: jax.Array) -> jax.Array:
     """sum_i w_i xs_i over a chunk in cache (rows with w_i = 0 read as 0, even NaN).
 
-    A (1, n) x (n, chunk) product: measured ~8x faster on XLA:CPU than a sum
-    over the short leading axis, unrolled or not, inside the chunk loop.
+    A (1, n) x (n, chunk) product: XLA:CPU vectorizes it, where a sum over the
+    short leading axis, unrolled or not, is several times slower inside the chunk loop.
     """
     xs = jnp.where((weights != 0)[:, None], xs.astype(jnp.float32), 0.0)
     return jnp.dot(weights, xs, precision=HIGHEST)

@@ -3,7 +3,7 @@
 Above ``kernels.sorting.NETWORK_MAX`` rows (128; 64 where a position is traced
 or the rows are a dense view, 16 for the window rules) a sorting network no
 longer compiles to one fused loop, and XLA:CPU's ``jnp.sort`` over the node axis
-costs hundreds of passes over memory (issue 19). Here every order statistic is *selected*, never
+costs hundreds of passes over memory. Here every order statistic is *selected*, never
 sorted. A float32 is mapped to a monotone int32 key (its bits, with the
 magnitude bits flipped for negatives), so the k-th smallest value (0-based) is
 the largest key t with ``count(key < t) <= k``; 32 bisection steps, one per bit
@@ -36,7 +36,7 @@ INT_MIN = -(2**31)
 SIGN_FLIP = 0x7FFFFFFF
 INF_KEY = 0x7F800000  # the key (and bits) of +inf
 # Row counts are summed by halving over contiguous row slices down to this many rows, then
-# unrolled: measured ~2x faster than a reduce over the node axis at n = 128 and n = 1024.
+# unrolled, which XLA:CPU vectorizes better than a reduce over the node axis.
 FOLD_ROWS = 16
 COUNT_GROUP = 128  # rows whose count fits a uint8 (see count_rows)
 
@@ -44,9 +44,9 @@ COUNT_GROUP = 128  # rows whose count fits a uint8 (see count_rows)
 def block_columns(n: int) -> int:
     """Columns per block: n x B float32 within ~256 KiB (L2), B in [64, 512].
 
-    Measured through the median rule (n * d = 6.4e7, ratio to the floor; n = 1024 needs the
-    64-column floor: 11.7x there against 29x at 128 columns; at n <= 512 the 256 KiB rule beat
-    128 KiB blocks, e.g. 9.4x against 11x at n = 256).
+    A block that stays in L2 through the 32 bisection passes is read from memory once; the
+    64-column minimum keeps the vector loops long at n = 1024. Chosen through the median rule
+    by ``python -m benchmarks aggregators --n-sweep``.
     """
     b = 512
     while b > 64 and n * b > 65536:
@@ -88,7 +88,7 @@ def count_rows(mask: jax.Array) -> jax.Array:
     Counting is the inner loop of every bisection step, so the counts accumulate
     in uint8 over groups of ``COUNT_GROUP`` rows (at most 128 < 256: no wrap) and
     only the per-group totals are widened: 32 lanes per AVX2 add instead of 8.
-    Measured 3.4x faster than int32 accumulation for a whole median at n = 256.
+    This makes a whole median several times faster than int32 accumulation.
     """
     n = mask.shape[0]
     parts = [
@@ -102,9 +102,9 @@ def sum_rows(v: jax.Array) -> jax.Array:
     """(n, B) float32 -> (B,) sum over the rows, as a product with a ones vector.
 
     Outside the bisection loop a single reduction over a block's rows is cheapest as a
-    matrix-vector product: measured at n = 514 (Bulyan's second stage at n = 1024), 1.7x the
-    floor against 6.8x for :func:`fold_rows` and 2.7x for ``jnp.sum(axis=0)``. (Inside the loop
-    the uint8 :func:`count_rows` wins: there the product measured 30x.)
+    matrix-vector product, ahead of :func:`fold_rows` and ``jnp.sum(axis=0)``. (Inside the loop
+    the uint8 :func:`count_rows` wins by far.) Compared by ``python -m benchmarks aggregators
+    --n-sweep`` on Bulyan's second stage.
     """
     ones = jnp.ones((v.shape[0],), jnp.float32)
     return jnp.dot(ones, v.astype(jnp.float32), precision=HIGHEST)
@@ -147,9 +147,9 @@ class Block:
 
     def __init__(self, y: jax.Array, keep: jax.Array | None, poison: bool, count=count_rows):
         # ``count`` for the counts at the selected keys: the uint8 fold is faster for the median
-        # and the trimmed mean (12.9x against 17.4x the floor for the trimmed mean at n = 256),
-        # the product with ones for the window rules (58x against 39x for Bulyan's second stage
-        # at n = 1024); measured, not derived: XLA fuses the two differently per consumer.
+        # and the trimmed mean, the product with ones for the window rules. This is an empirical
+        # choice (``python -m benchmarks aggregators --n-sweep``), not a derived one: XLA fuses
+        # the two differently per consumer.
         self.count = count
         if poison:
             y = jnp.where(jnp.isinf(y), jnp.nan, y)
@@ -438,8 +438,8 @@ def _nearest_to_median_mean(
             return jnp.where(n_within == beta, total, tied_total)
 
         # Continuous data has one value at distance D per column, so the window is exactly the
-        # values within D and the tie passes are skipped for the whole block (measured at n = 256:
-        # they cost as much as a selection). A column without ties gets the same sum in either
+        # values within D and the tie passes, which cost about as much as a selection, are
+        # skipped for the whole block. A column without ties gets the same sum in either
         # branch, so its result does not depend on the other columns of its block.
         total = jax.lax.cond(jnp.all(n_within == beta), lambda t: t, with_ties, total)
         return blk.finish(_divide(total, beta))

@@ -10,7 +10,7 @@ feed them. Above ``NETWORK_MAX`` rows (``WINDOW_NETWORK_MAX`` for the window
 rules, whose network cannot be pruned, and ``UNROLL_MAX`` where the positions
 read or the rows themselves make the network unprunable or too large; see
 :func:`network_fits`) the public kernels hand over to :mod:`kernels.selection`
-(exact bitwise selection, same semantics; issue 19).
+(exact bitwise selection, same semantics).
 
 Every rule here is an *L-estimator*: a weighted sum of the order statistics
 ``sum_k c_k x_(k)`` with position weights c. Rows that must not take part
@@ -33,23 +33,20 @@ from kernels.rows import UNROLL_MAX, rows, tree_sum, view_rows
 
 # The window rules (Bulyan's second stage, MeaMed) need the whole sorted column, not one or two
 # positions, so their network cannot be pruned and grows as n log^2 n comparators: above this
-# many rows exact selection is faster. Measured in one scratch run on 4 + 2f rows (Bulyan's
-# beta = 4), d = 3.2e7 / rows, quiet 2-core AMD EPYC: the network took 8 / 33 / 99 / 159 / 312 ms
-# at 14 / 16 / 17 / 18 / 34 rows (a cliff past 16), selection 126 to 172 ms on one thread at 16
-# to 34 rows and 63 to 111 ms split over both cores (kernels.columns). So selection wins from 17
-# rows eagerly and from 18 under the user's jit. (The former limit, 48, was measured on a loaded
-# machine before the selection kernels had 512-bit vectors and threads.)
+# many rows exact selection is faster. The unpruned network's cost jumps just past 16 rows while
+# selection's grows slowly with n (and splits over the cores, kernels.columns), so selection wins
+# from 17 rows. Chosen by ``python -m benchmarks aggregators --n-sweep``, which times Bulyan's
+# second stage alone on 4 + 2f rows.
 WINDOW_NETWORK_MAX = 16
 
 # The median, the trimmed mean and single order statistics read a few static positions (or one
 # static window) of the sorted column, so XLA prunes the network to what feeds them and fuses the
-# rest into one loop. Measured (n * d = 6.4e7, time / one numpy pass, exact selection in
-# brackets): median 1.03x (5.3x) at n = 80, 2.5-2.9x (5.8x) at 128, 3.3x at 160 and 3.8x at 192;
-# trimmed mean 1.1x (15.6x) at 80 and 2.8-3.0x (11.9x) at 128, but 25x at 160 and 68x at 192.
-# The median's network falls off a cliff between 192 and 224 rows (1400x at 224: the fused loop
-# no longer holds it), so the limit keeps a wide margin. A traced position (a count m that is
-# not static) reads every output through a chain of selects: at 128 rows the median then took
-# 85 s to compile and ran at 204x, so traced positions go to selection above ``UNROLL_MAX``.
+# rest into one loop. Up to here the pruned network beats exact selection for both rules; past it
+# the trimmed mean's network falls behind, and a little above 192 rows the median's network no
+# longer fits the fused loop and its cost explodes, so the limit keeps a wide margin. A traced
+# position (a count m that is not static) reads every output through a chain of selects, which
+# compiles for minutes and runs far slower than selection at 128 rows, so traced positions go to
+# selection above ``UNROLL_MAX``. Chosen by ``python -m benchmarks aggregators --n-sweep``.
 NETWORK_MAX = 128
 
 
@@ -272,9 +269,9 @@ def closest_to_median_mean(
     Tie rule: when the value entering is exactly as far from the median as the
     one leaving, the window stays, so the smaller value is kept: the window
     holds the first beta values in the order (distance to the median, value).
-    Comparing the farther ends only (an earlier version) left several windows
-    tied when attackers send one vector f times, and kept the first, which
-    could be the attackers' copies (issue 17).
+    Comparing the farther ends only would leave several windows tied when
+    attackers send one vector f times, and keeping the first of them could keep
+    the attackers' copies.
     """
     if x.shape[0] > WINDOW_NETWORK_MAX:
         return selection.closest_to_median_mean(x, f, keep, m, mixing, centre, diagonal)
