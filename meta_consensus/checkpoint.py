@@ -161,9 +161,9 @@ class RunCheckpoints:
                 max_to_keep=cfg.keep_checkpoints, enable_async_checkpointing=asynchronous, create=True
             ),
         )
-        # Even orbax's asynchronous save blocks its caller for ~13 ms on a digits state (the
-        # metadata, the history's JSON, the device-to-host copy, orbax's bookkeeping): a quarter
-        # of a whole digits round. In a single process the save call runs on one worker
+        # Even orbax's asynchronous save blocks its caller (the metadata, the history's JSON,
+        # the device-to-host copy, orbax's bookkeeping) for a large share of a whole digits
+        # round. In a single process the save call runs on one worker
         # thread instead, so the round loop only hands it the (immutable) arrays. One worker
         # keeps saves in order; every other method first waits for the save in flight and
         # re-raises its error. Several processes save synchronously: orbax's multi-process

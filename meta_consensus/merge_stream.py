@@ -34,10 +34,9 @@ import numpy as np
 ALIGN = 64
 
 # Bytes of one chunk of stacked rows (n x columns, at least 4 bytes per value as merged).
-# Measured through merge_checkpoints on 8 x 1 GB inputs (2 cores, inputs in the page cache,
-# two workers), median / task arithmetic: 1.73 / 1.81 s at 16 MB, 1.61 / 1.64 s at 32 MB,
-# 1.83 / 1.94 s at 64 MB; 2.9 s (median) at 4 MB and 4.4 s at 2 MB, where the ~0.3 ms of
-# Python and dispatch per chunk dominates. Whole leaves of up to 128 MB took 2.4 s.
+# Smaller chunks let Python and dispatch per chunk dominate; larger ones (or whole leaves) fall
+# out of cache. Chosen with ``python -m benchmarks merge_io`` (8 x 1 GB inputs, median and task
+# arithmetic) run at several chunk sizes.
 CHUNK_BYTES = 32 << 20
 MIN_COLUMNS = 128  # the narrowest chunk: small leaves are padded up to a power of two >= this
 

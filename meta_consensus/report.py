@@ -178,7 +178,7 @@ class RunLog:
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self._tb = None
-        # TensorBoard's scalars cost ~2 ms a round (protobufs for ~20 values), 4% of a digits
+        # TensorBoard's scalars (protobufs for ~20 values) are a visible share of a digits
         # round: they are written on one worker thread, in order; close() waits for them and
         # re-raises the first failure. metrics.jsonl is still written before log() returns.
         self._tb_worker: concurrent.futures.ThreadPoolExecutor | None = None

@@ -239,8 +239,8 @@ def _mixture_newton(pt, acc, lb, ub, lam, u, solver, cache, solver_options, tol,
         lin = g - h @ w
         # The step's QP is solved by a primal active-set method from the current iterate,
         # accepted only with its KKT conditions verified (_kkt_step); only when that cannot
-        # certify an optimum does the step go to the cvxpy solver: one cvxpy solve costs
-        # ~2.5 ms, a third of a digits round's coordinator work.
+        # certify an optimum does the step go to the cvxpy solver, whose every solve costs a
+        # sizeable share of a digits round's coordinator work.
         direct = _kkt_step(h, lin, w, lb, ub)
         if direct is not None:
             d = direct - w

@@ -157,8 +157,8 @@ DEFAULT_CACHE = ProblemCache()
 
 @functools.lru_cache(maxsize=1)
 def _installed_solvers() -> tuple[str, ...]:
-    # cp.installed_solvers() tries to import every solver module: ~1 ms per call,
-    # as much as a whole small re-solve, so ask once per process.
+    # cp.installed_solvers() tries to import every solver module, which costs as much as a
+    # whole small re-solve, so ask once per process.
     return tuple(cp.installed_solvers())
 
 

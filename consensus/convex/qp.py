@@ -41,8 +41,8 @@ def single_threaded_blas(fn):
 
     The host-side algebra here is on n x n matrices (n <= a few hundred). With
     OpenBLAS's default pool, an eigh of a 64 x 64 matrix right after a solver
-    call measured 10 ms instead of 0.4 ms on a busy 2-core machine (threads
-    spinning against each other); one thread is the fastest at these sizes.
+    call can be an order of magnitude slower on a busy machine (threads spinning
+    against each other); one thread is the fastest at these sizes.
     """
 
     @functools.wraps(fn)

@@ -167,9 +167,9 @@ class DirectFile:
 
     Writing a large file through the page cache costs a fresh page per 4 KiB, and on a
     virtual machine whose memory the host backs lazily the first touch of each page is
-    what dominates: measured here, 2.3-2.5 s per GB of buffered writes into fresh memory,
-    0.4 s into recycled page cache, and 0.6 s per GB with ``O_DIRECT`` (which also leaves
-    the page cache to the inputs a merge is reading). Bytes are staged in an aligned
+    what dominates: buffered writes into fresh memory then cost several times what
+    ``O_DIRECT`` costs (which also leaves the page cache to the inputs a merge is reading;
+    ``python -m benchmarks merge_io`` times whole merges that write this way). Bytes are staged in an aligned
     buffer and written in aligned blocks; :meth:`close` writes the padded last block and
     truncates the file to its true length. Where the file system refuses ``O_DIRECT``
     (tmpfs, some network file systems), the file is written the ordinary way.
