@@ -1,6 +1,7 @@
-"""The one harness of the benchmark scripts: arguments, timing, settings record, result files.
+"""The one harness of the benchmarks: arguments, timing, settings record, result files, shared tasks.
 
-Every script in ``benchmarks/`` follows the same conventions through this module:
+Every benchmark (``benchmarks/speed``, ``benchmarks/quality``, ``benchmarks/tuning``; run one with
+``python -m benchmarks NAME``) follows the same conventions through this module:
 
 * ``parser(doc, quick_help)`` gives an ``argparse`` parser with ``--quick`` (a small run that
   finishes in about a minute) and ``--out`` (the results folder, default ``benchmarks/results``);
@@ -12,11 +13,16 @@ Every script in ``benchmarks/`` follows the same conventions through this module
   ``argv``, the machine, the settings record and the results, with non-finite floats as strings
   (strict JSON). :func:`plot_path` names the PNG beside them.
 * :func:`header` starts a markdown report with title, command, machine and settings.
+* The quality benchmarks share the task (``--task``, :func:`make_task`), the data splits
+  (:func:`shared_pool`, :func:`iid_clients`, :class:`ManyClientDigits`), training
+  (:func:`trainer_for`, :func:`pretrain`) and evaluation (:func:`metrics`, :func:`class_probs`, ...).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import math
 import os
@@ -29,7 +35,17 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+
+from strategies import NodeData, NodeTrainer, TaskData
+from strategies.tasks import Task, pad_index_table
+from strategies.tasks.base import dominant_groups, pad_stack
+from strategies.tasks.digits import NUM_CLASSES, DigitsTask
+
+PyTree = Any
+Batch = Mapping[str, Any]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -46,7 +62,7 @@ def parser(doc: str | None, quick_help: str = "a small run of about a minute") -
 
 
 _out: Path | None = None  # the --out of the script running in this process (None: RESULTS)
-_script: str | None = None  # the module run from the command line (None: called with an argv list)
+_script: str | None = None  # the benchmark run from the command line (None: called with an argv list)
 _extra: list[str] = []  # its arguments other than --quick and --out, for the recorded command
 
 
@@ -61,7 +77,10 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argp
     args = p.parse_args(argv)
     _out = args.out
     raw = list(sys.argv[1:] if argv is None else argv)
-    _script = Path(sys.argv[0]).stem if argv is None and sys.argv[0].endswith(".py") else None
+    if argv is None and sys.argv[0].endswith(".py"):  # python -m benchmarks.speed.NAME
+        _script = Path(sys.argv[0]).stem
+    elif _entry is None:
+        _script = None
     _extra, skip = [], False
     for a in raw:
         if skip or a == "--quick" or a.startswith("--out="):
@@ -72,6 +91,15 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argp
             continue
         _extra.append(a)
     return args
+
+
+_entry: str | None = None  # the NAME of ``python -m benchmarks NAME``, set before its main runs
+
+
+def run_as(name: str) -> None:
+    """Record that ``python -m benchmarks NAME`` runs: the command :func:`command` writes names it."""
+    global _script, _entry
+    _script = _entry = name
 
 
 def results_folder(out: Path | str | None = None) -> Path:
@@ -126,11 +154,11 @@ def machine() -> dict[str, Any]:
 
 
 def command(name: str, quick: bool) -> str:
-    """The command that ran: the script's module (``name`` when unknown), --quick and its other arguments."""
+    """The command that ran: ``python -m benchmarks NAME`` (``name`` if unknown), --quick, other arguments."""
     import shlex
 
     extra = "".join(f" {shlex.quote(a)}" for a in _extra)
-    return f"python -m benchmarks.{_script or name}" + (" --quick" if quick else "") + extra
+    return f"python -m benchmarks {_script or name}" + (" --quick" if quick else "") + extra
 
 
 def stem(name: str, quick: bool) -> str:
@@ -246,3 +274,209 @@ def pyplot():
 def plot_path(name: str, quick: bool, suffix: str = "", out: Path | str | None = None) -> Path:
     """``<out>/<name>[_quick]<suffix>.png``, the folder created."""
     return results_folder(out) / f"{stem(name, quick)}{suffix}.png"
+
+
+# ----------------------------------------------------------------------------- the task (--task)
+
+QUALITY_TASKS = ("digits", "fashion_mnist")
+_task_name = "digits"  # the --task of the script running in this process (one script per process)
+
+
+def add_task_option(parser: Any) -> None:
+    """``--task digits|fashion_mnist`` (Fashion-MNIST reads the IDX files of ``make data``)."""
+    parser.add_argument(
+        "--task", default="digits", choices=QUALITY_TASKS, help="dataset (fashion_mnist needs `make data`)"
+    )
+
+
+def use_task(name: str, result_name: str) -> str:
+    """Select the task :func:`make_task` builds; the results' name (``result_name[_<task>]``)."""
+    global _task_name
+    if name not in QUALITY_TASKS:
+        raise ValueError(f"--task must be one of {QUALITY_TASKS}, got {name!r}")
+    _task_name = name
+    return result_name if name == "digits" else f"{result_name}_{name}"
+
+
+def make_task(**options: Any) -> Task:
+    """The selected task with the script's model options (``hidden`` = the MLP's hidden widths)."""
+    from strategies.registry import resolve_task
+
+    if _task_name == "digits":
+        return DigitsTask(**options)
+    return resolve_task(_task_name, options)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def shared_pool(data: TaskData, num_nodes: int) -> NodeData:
+    """Every one of ``num_nodes`` nodes draws from the whole general (training) pool.
+
+    ``TaskData.everything`` has one row per *hosted* node of the split; this gives any
+    node count, for fine-tuning many copies of one model on the same data.
+    """
+    n_g = len(data.general_groups)
+    index = np.broadcast_to(np.arange(n_g, dtype=np.int32), (num_nodes, n_g)).copy()
+    return NodeData(dict(data.general), index, np.full((num_nodes,), n_g, np.int32), shared=True)
+
+
+def iid_clients(data: TaskData, num_clients: int, rng: np.random.Generator) -> NodeData:
+    """The general pool cut into ``num_clients`` disjoint random shards of (almost) equal size.
+
+    Each client may only draw its own rows (a shared pool plus an index table, so the
+    pixels are stored once however many clients there are).
+    """
+    n_g = len(data.general_groups)
+    if num_clients > n_g:
+        raise ValueError(f"{num_clients} clients but only {n_g} training examples")
+    parts = np.array_split(rng.permutation(n_g), num_clients)
+    index, count = pad_index_table(parts)
+    return NodeData(dict(data.general), index, count, shared=True, name="clients")
+
+
+def subset(batch: Batch, rows: np.ndarray) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v)[rows] for k, v in batch.items()}
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@functools.lru_cache(maxsize=16)
+def trainer_for(task: Task, optimizer: str, batch_size: int, **defaults: float) -> NodeTrainer:
+    """One NodeTrainer per (task, optimizer, batch size), so repeated runs reuse its compiled steps.
+
+    ``optimizer`` names an optax factory ("adam", "adamw", "sgd"); hyperparameters that vary
+    between runs go to ``fit(..., hyperparams=...)`` (they are arguments, not constants).
+    """
+    return NodeTrainer(task, getattr(optax, optimizer), dict(defaults) or {"learning_rate": 1e-3}, batch_size)
+
+
+def pretrain(
+    task: Task, data: NodeData, key: jax.Array, steps: int, learning_rate: float, batch_size: int = 32
+) -> PyTree:
+    """One model trained from a fresh init with Adam on ``data`` (a one-node NodeData)."""
+    trainer = trainer_for(task, "adam", batch_size)
+    k_init, k_train = jax.random.split(key)
+    state = trainer.init(k_train, task.init(k_init), 1)
+    state, _ = trainer.fit(state, data, steps, hyperparams={"learning_rate": learning_rate})
+    return unstack(state.params)[0]
+
+
+def unstack(stacked: PyTree) -> list[PyTree]:
+    """The n single trees of a stacked tree."""
+    n = int(jax.tree_util.tree_leaves(stacked)[0].shape[0])
+    return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+@functools.lru_cache(maxsize=16)
+def _metrics_jit(task: Task):
+    return jax.jit(task.metrics)
+
+
+def metrics(task: Task, params: PyTree, batch: Batch) -> dict[str, float]:
+    """``task.metrics`` of one params tree on one batch, as Python floats."""
+    out = _metrics_jit(task)(params, {k: jnp.asarray(v) for k, v in batch.items()})
+    return {k: float(v) for k, v in out.items()}
+
+
+@functools.lru_cache(maxsize=16)
+def _stacked_metrics_jit(task: Task):
+    return jax.jit(jax.vmap(task.metrics, in_axes=(0, None)))
+
+
+def stacked_metrics(task: Task, stacked: PyTree, batch: Batch) -> dict[str, np.ndarray]:
+    """``task.metrics`` of every node of a stacked tree on one batch: ``{metric: (n,) float64}``."""
+    out = _stacked_metrics_jit(task)(stacked, {k: jnp.asarray(v) for k, v in batch.items()})
+    return {k: np.asarray(v, np.float64) for k, v in out.items()}
+
+
+@functools.lru_cache(maxsize=16)
+def _class_probs_jit(task: Task):
+    def probs(stacked, x):
+        return jax.vmap(lambda p: jax.nn.softmax(task.apply(p, x).astype(jnp.float32), axis=-1))(stacked)
+
+    return jax.jit(probs)
+
+
+def class_probs(task: Task, stacked: PyTree, x: Any) -> np.ndarray:
+    """(n, m, C) float64 predictive distribution of every node on the inputs ``x``."""
+    return np.asarray(_class_probs_jit(task)(stacked, jnp.asarray(x)), np.float64)
+
+
+def true_label_probs(probs: np.ndarray, y: Any) -> np.ndarray:
+    """(n, m): each node's probability of the true label (the mixture-NLL weights' input)."""
+    y = np.asarray(y)
+    return probs[:, np.arange(len(y)), y]
+
+
+def mixture_metrics(weights: np.ndarray, probs: np.ndarray, y: Any) -> dict[str, float]:
+    """Loss and accuracy of the mixture of the nodes' predictions, ``sum_i w_i p_i(. | x)``."""
+    y = np.asarray(y)
+    mix = np.tensordot(np.asarray(weights, np.float64), probs, axes=1)
+    loss = -np.mean(np.log(np.maximum(mix[np.arange(len(y)), y], 1e-12)))
+    return {"loss": float(loss), "accuracy": float(np.mean(mix.argmax(-1) == y))}
+
+
+@functools.lru_cache(maxsize=16)
+def single_logits(task: Task):
+    """``logits_fn(params, x) -> (C,)`` for one input, one object per task (a static jit argument)."""
+
+    def logits_fn(params, x):
+        return task.apply(params, x[None])[0]
+
+    return logits_fn
+
+
+# ----------------------------------------------------------------------------- cross-device clients
+
+# The digits task's own split gives every node a Dirichlet shard of at least 8 examples, so it
+# cannot make more than ~150 nodes out of its 1,257 training examples; the client-sampling
+# benchmarks (rounds --cross-device, privacy_sampled, robustness_sampled) need thousands of
+# clients of a few examples, as the privacy benchmark's 400 clients (:func:`iid_clients`), as a
+# task the system trains on (``MetaConsensus(cfg, task=ManyClientDigits(...))``).
+
+
+@dataclasses.dataclass(frozen=True)
+class ManyClientDigits(DigitsTask):
+    """Digits cut into ``num_nodes`` disjoint IID random shards of the training split (about
+    1257 / n examples each, at least one; ``seed`` draws the shards)."""
+
+    name: str = "digits_many_clients"
+
+    def splits(
+        self,
+        num_nodes: int,
+        *,
+        seed: int = 0,
+        alpha: float = 0.5,
+        process_index: int = 0,
+        process_count: int = 1,
+    ) -> TaskData:
+        del alpha  # IID shards: the client's few examples are a random draw of the training split
+        if process_count != 1:
+            raise ValueError("ManyClientDigits runs in one process")
+        whole = DigitsTask.splits(self, 1, seed=seed)
+        x, y = whole.general["x"], whole.general["y"]
+        if num_nodes > len(y):
+            raise ValueError(f"{num_nodes} clients but only {len(y)} training examples")
+        parts = np.array_split(np.random.default_rng(seed).permutation(len(y)), num_nodes)
+        size = max(len(p) for p in parts)
+        counts = np.array([len(p) for p in parts], np.int32)
+        train_groups = pad_stack([y[p].astype(np.int32) for p in parts], size)
+        for i, c in enumerate(counts):
+            train_groups[i, c:] = -1
+        groups = np.stack([dominant_groups(y[p], NUM_CLASSES, mass=self.dominant_mass) for p in parts])
+        return dataclasses.replace(
+            whole,
+            num_nodes=num_nodes,
+            node_ids=np.arange(num_nodes),
+            train={"x": pad_stack([x[p] for p in parts], size), "y": pad_stack([y[p] for p in parts], size)},
+            train_count=counts,
+            train_groups=train_groups,
+            node_groups=groups,
+            meta={},
+        )

@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/ beside tests/
 
-from benchmarks import ablations  # noqa: E402
+from benchmarks.quality import ablations  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

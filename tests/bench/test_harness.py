@@ -24,7 +24,7 @@ def test_parser_has_quick_and_out_and_save_writes_there(tmp_path):
     assert harness.plot_path("demo", True) == tmp_path / "demo_quick.png"
     # Strict JSON: a reader that rejects NaN/Infinity tokens accepts the file.
     record = json.loads(jpath.read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON token {c}"))
-    assert record["command"] == "python -m benchmarks.demo --quick"
+    assert record["command"] == "python -m benchmarks demo --quick"
     assert record["settings"] == {"rounds": 3}
     assert record["value"] == "nan" and record["worst"] == "-inf"
     assert record["array"] == [0, 1, 2] and record["n"] == 4
@@ -38,9 +38,9 @@ def test_recorded_command_keeps_the_scripts_own_arguments(tmp_path):
     p = harness.parser(None)
     p.add_argument("--rules")
     harness.parse(p, ["--rules", "a,b c", "--quick", f"--out={tmp_path}"])
-    assert harness.command("demo", True) == "python -m benchmarks.demo --quick --rules 'a,b c'"
+    assert harness.command("demo", True) == "python -m benchmarks demo --quick --rules 'a,b c'"
     harness.parse(harness.parser(None), [])
-    assert harness.command("demo", False) == "python -m benchmarks.demo"
+    assert harness.command("demo", False) == "python -m benchmarks demo"
 
 
 def test_best_time_is_the_minimum_and_ratio_checks_its_floor():

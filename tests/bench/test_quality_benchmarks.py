@@ -22,7 +22,8 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from benchmarks import convex_quality, privacy_quality, quality_common, soups  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from benchmarks.quality import convex_quality, privacy_quality, soups  # noqa: E402
 from consensus.dp import effective_sampling_rate  # noqa: E402
 from consensus.privacy import PrivacyBudgetExceeded, rdp_epsilon  # noqa: E402
 from strategies import DigitsTask  # noqa: E402
@@ -59,7 +60,7 @@ def _np_metrics(params: dict, batch: dict) -> tuple[float, float]:
 
 
 def _np_nodes(stacked) -> list[dict]:
-    return [_np_tree(p) for p in quality_common.unstack(stacked)]
+    return [_np_tree(p) for p in harness.unstack(stacked)]
 
 
 def _np_merge(nodes: list[dict], w: np.ndarray) -> dict:
@@ -103,7 +104,7 @@ def test_soups_greedy_is_at_least_the_best_ingredient_on_heldout_and_convex_weig
 
     # Greedy soups start from the best ingredient and never get worse on held-out (by construction,
     # in the benchmark's own metric).
-    own = quality_common.stacked_metrics(ing.task, ing.stacked, ing.data.heldout)
+    own = harness.stacked_metrics(ing.task, ing.stacked, ing.data.heldout)
     assert rows["greedy soup (held-out accuracy)"]["heldout_acc"] >= own["accuracy"].max() - 1e-7
     assert rows["greedy soup (held-out loss)"]["heldout_loss"] <= own["loss"].min() + 1e-6
     greedy = rows["greedy soup (held-out accuracy)"]["kept"]
@@ -204,7 +205,7 @@ def test_noise_calibration_and_the_two_accountants():
 
 def test_iid_clients_partition_the_training_split():
     data = DigitsTask(hidden=()).splits(1, seed=0)
-    pool = quality_common.iid_clients(data, 37, np.random.default_rng(3))
+    pool = harness.iid_clients(data, 37, np.random.default_rng(3))
     rows = np.concatenate([pool.index[i, : pool.count[i]] for i in range(37)])
     assert np.array_equal(np.sort(rows), np.arange(len(data.general_groups)))  # disjoint and covering
     assert pool.count.max() - pool.count.min() <= 1

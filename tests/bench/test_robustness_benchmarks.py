@@ -24,8 +24,8 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from benchmarks import meta_consensus, robustness  # noqa: E402
-from benchmarks.quality_common import trainer_for  # noqa: E402
+from benchmarks.harness import trainer_for  # noqa: E402
+from benchmarks.quality import meta_consensus, robustness  # noqa: E402
 from consensus import get_info  # noqa: E402
 from meta_consensus import RoundInfo  # noqa: E402
 from strategies import DigitsTask, attacks  # noqa: E402
@@ -334,7 +334,7 @@ def test_robust_preset_candidates_are_valid_configs_of_the_preset():
     """Every candidate of the preset's selection loads on configs/robust.toml and is the vote
     ("pre+rule"), the weights ("+objective", none: the vote's output) and the server step
     ("+server_<step>", none: 0) it names."""
-    from benchmarks import robust_preset
+    from benchmarks.tuning import robust_preset
     from meta_consensus import config
     from meta_consensus.objectives import OBJECTIVES
 
@@ -361,7 +361,8 @@ def test_robust_preset_candidates_are_valid_configs_of_the_preset():
 def test_robust_preset_on_another_task_reports_the_shipped_preset_without_selection(monkeypatch, tmp_path):
     """--task fashion_mnist: no selection runs; the shipped preset, FedAvg, DnC and the oracle run on
     that task (every run gets task.name), and the results go to robust_preset_fashion_mnist_quick.*."""
-    from benchmarks import quality_common, robust_preset
+    from benchmarks import harness
+    from benchmarks.tuning import robust_preset
 
     calls = []
 
@@ -371,7 +372,7 @@ def test_robust_preset_on_another_task_reports_the_shipped_preset_without_select
         return (0.80 if attacked else 0.90), 0.85
 
     monkeypatch.setattr(robust_preset, "run_once", fake_run)
-    monkeypatch.setattr(quality_common, "_task_name", "digits")  # use_task sets it; put it back after
+    monkeypatch.setattr(harness, "_task_name", "digits")  # use_task sets it; put it back after
     res = robust_preset.main(["--quick", "--task", "fashion_mnist", "--out", str(tmp_path)])
     assert res["selection"] == {} and res["chosen"] == robust_preset.PRESET_CANDIDATE
     assert set(res["report"]) == {robust_preset.PRESET_CANDIDATE, "mean", "dnc"}
@@ -383,7 +384,7 @@ def test_robust_preset_on_another_task_reports_the_shipped_preset_without_select
 
 
 def test_robust_preset_seeds_option_refuses_the_selection_seed_and_non_integers(capsys):
-    from benchmarks import robust_preset
+    from benchmarks.tuning import robust_preset
 
     for bad, why in (("100", "the selection seed"), ("0,x", "comma-separated integers")):
         with pytest.raises(SystemExit) as e:  # argparse's one-line error, before any run
@@ -393,7 +394,8 @@ def test_robust_preset_seeds_option_refuses_the_selection_seed_and_non_integers(
 
 
 def test_robust_preset_at_another_alpha_reports_the_shipped_preset_there(monkeypatch, tmp_path):
-    from benchmarks import quality_common, robust_preset
+    from benchmarks import harness
+    from benchmarks.tuning import robust_preset
 
     calls = []
 
@@ -402,7 +404,7 @@ def test_robust_preset_at_another_alpha_reports_the_shipped_preset_there(monkeyp
         return 0.9, 0.85
 
     monkeypatch.setattr(robust_preset, "run_once", fake_run)
-    monkeypatch.setattr(quality_common, "_task_name", "digits")
+    monkeypatch.setattr(harness, "_task_name", "digits")
     res = robust_preset.main(["--quick", "--alpha", "0.1", "--out", str(tmp_path)])
     assert res["selection"] == {} and res["chosen"] == robust_preset.PRESET_CANDIDATE
     assert calls and all("task.alpha=0.1" in sets for sets in calls)

@@ -1,6 +1,6 @@
 """Speed of the server-guided and adaptive robust rules against the memory-bandwidth floor.
 
-Run ``python -m benchmarks.robust_speed [--quick]``. Writes benchmarks/results/robust_speed.json and
+Run ``python -m benchmarks robust_speed [--quick]``. Writes benchmarks/results/robust_speed.json and
 robust_speed.md (``robust_speed_quick.*`` with --quick: d = 1e6 instead of 1e7).
 
 The floor is one numpy pass over the (n, d) float32 stack (``x.sum(axis=0)``), measured in the

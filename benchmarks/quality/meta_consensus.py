@@ -1,6 +1,6 @@
 """The full meta-consensus system against plain FedAvg and the best single node, with and without attackers.
 
-Run ``python -m benchmarks.meta_consensus [--quick] [--task fashion_mnist]``. Writes
+Run ``python -m benchmarks meta_consensus [--quick] [--task fashion_mnist]``. Writes
 benchmarks/results/meta_consensus.json, meta_consensus.md and meta_consensus.png
 (``meta_consensus_quick.*`` with --quick; ``meta_consensus_fashion_mnist*`` with
 ``--task fashion_mnist``, the same config on Fashion-MNIST, which needs ``make data``).
@@ -37,8 +37,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import harness
-from benchmarks.harness import markdown_table
-from benchmarks.quality_common import header, mean_std, plot_path, pm, pyplot, save
+from benchmarks.harness import header, markdown_table, mean_std, plot_path, pm, pyplot, save
 from meta_consensus import MetaConsensus, RoundInfo, config
 
 NAME = "meta_consensus"

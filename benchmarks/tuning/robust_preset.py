@@ -1,13 +1,13 @@
 """The robust preset's vote and weights, chosen through the system itself (``configs/robust.toml``).
 
-Run ``python -m benchmarks.robust_preset [--quick] [--task fashion_mnist] [--alpha A] [--seeds 0,1]``. Writes
+Run ``python -m benchmarks robust_preset [--quick] [--task fashion_mnist] [--alpha A] [--seeds 0,1]``. Writes
 benchmarks/results/robust_preset.json and robust_preset.md (``robust_preset_quick.*`` with
 ``--quick``: four candidates, one reported seed). With ``--task fashion_mnist`` nothing is selected:
 the preset as shipped (``PRESET_CANDIDATE``), plain FedAvg, the vote-only DnC and the oracle are
 reported on Fashion-MNIST (``robust_preset_fashion_mnist.*``); with ``--alpha A``, the same at another
 Dirichlet alpha (``robust_preset_alpha<A>.*``).
 
-``benchmarks.robustness`` compares the rules inside its own FedAvg loop (plain SGD nodes). The
+``benchmarks.quality.robustness`` compares the rules inside its own FedAvg loop (plain SGD nodes). The
 preset, however, runs through ``meta-consensus run`` (Adam nodes, the system's round), where a rule
 can behave differently: FLTrust, the benchmark's choice, rescales every update to the server's
 norm, which costs several points even without attackers in the system. So the preset is chosen
@@ -32,8 +32,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import harness
-from benchmarks.harness import markdown_table
-from benchmarks.quality_common import add_task_option, use_task
+from benchmarks.harness import add_task_option, markdown_table, use_task
 
 PRESET = "configs/robust.toml"
 ATTACKS = [

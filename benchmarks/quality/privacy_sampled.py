@@ -1,9 +1,9 @@
 """The privacy benchmark's 400-client DP-FedAvg through the system, with Poisson client sampling.
 
-Run ``python -m benchmarks.privacy_sampled [--quick]``. Writes
+Run ``python -m benchmarks privacy_sampled [--quick]``. Writes
 benchmarks/results/privacy_sampled.json and .md (``privacy_sampled_quick.*`` with --quick).
 
-The setting of ``benchmarks.privacy_quality`` (digits, softmax regression d = 650, 400 IID
+The setting of ``benchmarks.quality.privacy_quality`` (digits, softmax regression d = 650, 400 IID
 clients of about 3 examples, q = 0.1, 200 rounds, 10 local SGD steps at learning rate 0.3,
 delta = 1e-5, target epsilon 8), run twice per seed:
 
@@ -13,7 +13,7 @@ delta = 1e-5, target epsilon 8), run twice per seed:
   train), ``vote.rule = "mean"``, ``weights.objective = "vote"`` (plain DP-FedAvg, denominator
   q n), ``dp.epsilon = 8`` (the system calibrates z itself at the sampler's exact q) and
   ``nodes.optimizer = "sgd"``; the clients are the same shards
-  (``benchmarks.cross_device.ManyClientDigits`` cuts them as ``iid_clients`` does, same seed)
+  (``benchmarks.harness.ManyClientDigits`` cuts them as ``iid_clients`` does, same seed)
   and the initial model is the same.
 
 Both use the same server step, plain SGD with learning rate 1 (the system's DP-FedAvg server step),
@@ -31,10 +31,8 @@ from typing import Any
 import jax
 
 from benchmarks import harness
-from benchmarks.cross_device import ManyClientDigits
-from benchmarks.harness import markdown_table
-from benchmarks.privacy_quality import DELTA, train_dp
-from benchmarks.quality_common import mean_std
+from benchmarks.harness import ManyClientDigits, markdown_table, mean_std
+from benchmarks.quality.privacy_quality import DELTA, train_dp
 from consensus.dp import effective_sampling_rate
 from consensus.privacy import calibrate_noise, rdp_epsilon
 from meta_consensus import MetaConsensus, config
@@ -162,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{sum(r['seconds'] for r in system) / len(seeds):.0f}",
         ],
     ]
-    cmd = "python -m benchmarks.privacy_sampled" + (" --quick" if args.quick else "")
+    cmd = "python -m benchmarks privacy_sampled" + (" --quick" if args.quick else "")
     md = "\n".join(
         [
             "# DP-FedAvg with Poisson client sampling: the system against the standalone loop",

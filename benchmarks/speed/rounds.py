@@ -1,6 +1,6 @@
 """Where a round's time goes: node fit against the coordinator's own work.
 
-Run ``python -m benchmarks.rounds [--quick]``. Writes benchmarks/results/rounds.json and
+Run ``python -m benchmarks rounds [--quick]``. Writes benchmarks/results/rounds.json and
 rounds.md (``rounds_quick.*`` with --quick).
 
 For each setting, one round of the system is split into:
@@ -26,7 +26,7 @@ runs alongside is switched off here: it is a second fleet, not part of the round
 Warm-up rounds (compilation) are excluded; the remaining rounds are averaged.
 
 ``--cross-device`` (writes ``rounds_cross_device[_quick].*``): client sampling, N = 1000 digits
-clients of 1-2 examples each (IID shards, ``benchmarks.cross_device.ManyClientDigits``), m in
+clients of 1-2 examples each (IID shards, ``benchmarks.harness.ManyClientDigits``), m in
 {10, 100, 500} sampled uniformly per round (``nodes.sampling = "uniform"``), fitted 100 at a
 time (``nodes.chunk``), with two merges: the default pipeline (Multi-Krum at fault_tolerance
 0.25, mixture-NLL weights) and Multi-Krum alone (``weights.objective = "vote"``); no DP, no
@@ -156,7 +156,7 @@ def measure(overrides: list[str], rounds: int, warmup: int, out_dir: Path, task=
 
 def _cross_device_one(m: int, objective: str, rounds: int, warmup: int) -> dict:
     """One m in this (fresh) process: the round split and the process's peak RSS."""
-    from benchmarks.cross_device import ManyClientDigits
+    from benchmarks.harness import ManyClientDigits
 
     with tempfile.TemporaryDirectory() as tmp:
         task = ManyClientDigits(hidden=(32,))
@@ -189,7 +189,7 @@ def cross_device(quick: bool) -> None:
                 f"{r['peak_rss_mb'] - r['rss_after_init_mb']:.0f}",
             ]
         )
-    cmd = "python -m benchmarks.rounds --cross-device" + (" --quick" if quick else "")
+    cmd = "python -m benchmarks rounds --cross-device" + (" --quick" if quick else "")
     md = "\n".join(
         [
             "# Where a round's time goes: cross-device client sampling",
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
             + [f"{TARGET_SHARE[name]:.0%}"]
             + ["yes" if r["coordinator_share"] <= TARGET_SHARE[name] else "**no**"]
         )
-    cmd = "python -m benchmarks.rounds" + (" --quick" if args.quick else "")
+    cmd = "python -m benchmarks rounds" + (" --quick" if args.quick else "")
     md = "\n".join(
         [
             "# Where a round's time goes",

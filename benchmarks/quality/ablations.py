@@ -1,6 +1,6 @@
 """Ablations: what each part of meta-consensus buys (node strategies, merge pipeline, baselines).
 
-Run ``python -m benchmarks.ablations [--quick] [--task digits|fashion_mnist|text] [--seeds 0,1,2]``.
+Run ``python -m benchmarks ablations [--quick] [--task digits|fashion_mnist|text] [--seeds 0,1,2]``.
 Writes benchmarks/results/ablations_<task>.json, .md and .png (``ablations_<task>_quick.*`` with
 --quick). Fashion-MNIST needs ``make data``; the text task reads the interpreter's stdlib.
 
@@ -48,14 +48,15 @@ import numpy as np
 import optax
 
 from benchmarks import harness
-from benchmarks.harness import markdown_table, mean_std
+from benchmarks.harness import mean_std
+from benchmarks.quality.ablations_report import markdown, plot
 from meta_consensus import MetaConsensus, config
 from meta_consensus.fleet import make_task
 from strategies.convexity import anchor_barriers, pairwise_barriers
 from strategies.tasks.base import Task
 
 NAME = "ablations"
-PRIVATE_TOML = Path(__file__).resolve().parents[1] / "configs" / "private.toml"
+PRIVATE_TOML = Path(__file__).resolve().parents[2] / "configs" / "private.toml"
 PyTree = Any
 
 # --task -> overrides of the embedded default. The text setting is the rounds benchmark's: 4 nodes
@@ -505,282 +506,6 @@ def summarize(res: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-# ----------------------------------------------------------------------------- report
-
-
-def _pm(ms: Sequence[float], digits: int = 3, scale: float = 1.0) -> str:
-    m, s = ms
-    if not math.isfinite(m):
-        return "n/a"
-    return f"{scale * m:.{digits}f}" if s == 0 else f"{scale * m:.{digits}f} ± {scale * s:.{digits}f}"
-
-
-def markdown(res: Mapping[str, Any]) -> str:
-    st, sm = res["settings"], res["summary"]
-    text = st["task"] == "text"
-    lines = harness.header(
-        f"Ablations on {st['task']}: what each part of meta-consensus buys", st["name"], st["quick"], st
-    )
-    if "command" in st:  # the header's generic command names the result file, not this script's options
-        lines = [f"Command: `{st['command']}`" if x.startswith("Command:") else x for x in lines]
-    seeds = f"mean ± std over seeds {st['seeds']}" if len(st["seeds"]) > 1 else f"seed {st['seeds'][0]}"
-    planned = st.get("seeds_planned", st["seeds"])
-    if list(planned) != list(st["seeds"]):
-        lines.append(
-            f"**Partial:** seeds {st['seeds']} of {list(planned)} had finished when this was written "
-            "(the files are rewritten after every seed)."
-        )
-        lines.append("")
-    lines.append(
-        f"Every run: {st['nodes']} nodes, {st['rounds']} rounds x {st['local_steps']} local steps, "
-        f"{seeds}; 'attack' = the default's attackers (nodes {st['byzantine_nodes']}, "
-        f"{st['attack']}); vote {st['vote']}, weights {st['weights']} unless the row says otherwise. "
-        "The machine was shared (2 cores, other jobs running): the seconds are not comparable."
-    )
-    lines.append("")
-    metric = "next-byte accuracy / perplexity" if text else "test accuracy"
-    lines.append(f"## Node strategies: the consensus's {metric}")
-    lines.append("")
-    head = ["strategy of every node"]
-    for alpha in st["alphas"]:
-        for threat in st["threats"]:
-            head.append(threat if text else f"a={alpha:g} {threat}")
-    rows = []
-    for mix in st["mixes"]:
-        row = [mix]
-        for alpha in st["alphas"]:
-            for threat in st["threats"]:
-                s = sm["strategies"][f"{mix} | alpha={alpha:g} | {threat}"]
-                cell = _pm(s["consensus_accuracy"])
-                if text:
-                    cell += f" / {_pm(s['consensus_perplexity'], 2)}"
-                row.append(cell)
-        rows.append(row)
-    lines.append(markdown_table(head, rows))
-    lines.append("## Node strategies: the honest nodes (no attacker)")
-    lines.append("")
-    lines.append(
-        "Per alpha: the honest nodes' test accuracy after the last round's training (mean over the "
-        "nodes), its spread (std over the nodes of one run) and the best node, each mean ± std over seeds."
-    )
-    lines.append("")
-    head = ["strategy"]
-    for alpha in st["alphas"]:
-        a = "" if text else f" a={alpha:g}"
-        head += [f"node acc{a}", f"spread{a}", f"best node{a}"]
-    rows = []
-    for mix in st["mixes"]:
-        row = [mix]
-        for alpha in st["alphas"]:
-            s = sm["strategies"][f"{mix} | alpha={alpha:g} | clean"]
-            row += [_pm(s[f]) for f in ("node_accuracy_mean", "node_accuracy_spread", "node_accuracy_best")]
-        rows.append(row)
-    lines.append(markdown_table(head, rows))
-    lines.append("## Mergeability: loss barriers (no attacker)")
-    lines.append("")
-    lines.append(
-        "On held-out data (nats; `strategies.convexity.pairwise_barriers` / `anchor_barriers`, 9 points "
-        "per line): 'barrier' is the largest loss above the chord (0 when the loss is convex along the "
-        "line), mean over pairs of honest nodes; 'midpoint' the loss at the midpoint minus the chord's "
-        "(negative: the average of two nodes beats their mean loss); 'dist' the mean L2 distance between "
-        "two nodes; 'to consensus' the barrier on the line from the final consensus to each node. "
-        "'nodes alone' are the independently trained nodes of the baselines (to consensus: to their "
-        "plain average)."
-    )
-    lines.append("")
-    head = ["strategy"]
-    for alpha in st["alphas"]:
-        a = "" if text else f" a={alpha:g}"
-        head += [f"barrier{a}", f"midpoint{a}", f"dist{a}", f"to consensus{a}"]
-    rows = []
-    fields = (
-        "pairwise_barrier_mean",
-        "pairwise_midpoint_gap",
-        "pairwise_distance",
-        "to_consensus_barrier_mean",
-    )
-    for mix in st["mixes"]:
-        row = [mix]
-        for alpha in st["alphas"]:
-            s = sm["strategies"][f"{mix} | alpha={alpha:g} | clean"]
-            row += [_pm(s[f], 2 if f == "pairwise_distance" else 4) for f in fields]
-        rows.append(row)
-    if sm["baselines"]:
-        row = ["nodes alone (no rounds)"]
-        for alpha in st["alphas"]:
-            s = sm["baselines"][f"alpha={alpha:g}"]
-            row += [
-                _pm(s["pairwise_mean"], 4),
-                _pm(s["pairwise_midpoint_gap"], 4),
-                _pm(s["pairwise_distance"], 2),
-                _pm(s["to_consensus_mean"], 4),
-            ]
-        rows.append(row)
-    lines.append(markdown_table(head, rows))
-    lines.append(
-        "Within the default mix (no attacker): each strategy's nodes, barrier to the consensus / "
-        "test accuracy:"
-    )
-    lines.append("")
-    strategies = sorted(
-        {s for r in res["strategy_runs"] if r["mix"] == "default mix" for s in r["node_strategies"]}
-    )
-    rows = []
-    for alpha in st["alphas"]:
-        d = sm["by_node_strategy"][f"alpha={alpha:g} | clean"]
-        rows.append(
-            [f"alpha = {alpha:g}"]
-            + [f"{_pm(d[s], 4)} / {_pm(d[f'{s} accuracy'])}" if s in d else "" for s in strategies]
-        )
-    lines.append(markdown_table(["setting", *strategies], rows))
-
-    lines.append(
-        "## Merge pipeline (default strategy mix"
-        + ("" if text else f", alpha = {st['default_alpha']:g}")
-        + ")"
-    )
-    lines.append("")
-    head = [
-        "merge",
-        f"{metric} clean",
-        f"{metric} attack",
-        "byz weight (attack)",
-        "vs default, clean (points)",
-        "epsilon",
-        "failed rounds",
-    ]
-    ref = (
-        sm["merges"]
-        .get("vote + mixture NLL (default) | clean", {})
-        .get("consensus_accuracy", (math.nan, 0))[0]
-    )
-    rows = []
-    for merge in st["merges"]:
-        c, a = sm["merges"][f"{merge} | clean"], sm["merges"][f"{merge} | attack"]
-        cells = []
-        for s in (c, a):
-            cell = _pm(s["consensus_accuracy"])
-            if text:
-                cell += f" / {_pm(s['consensus_perplexity'], 2)}"
-            cells.append(cell)
-        eps = c["epsilon"][0]
-        rows.append(
-            [
-                merge,
-                *cells,
-                _pm(a["byzantine_weight"], 3),
-                f"{100 * (c['consensus_accuracy'][0] - ref):+.1f}",
-                "∞" if not math.isfinite(eps) else f"{eps:.3g}",
-                c["failed_rounds"] + a["failed_rounds"],
-            ]
-        )
-    lines.append(markdown_table(head, rows))
-    lines.append(
-        "'byz weight': the attackers' total weight in the consensus, mean over rounds and seeds (a plain "
-        f"mean gives them {len(st['byzantine_nodes'])}/{st['nodes']}). 'failed rounds': rounds that failed "
-        "after their retries (the consensus carried over), summed over seeds and both threats. The "
-        "private.toml rows run that file (its own strategies, batch, learning rate and alpha) at this "
-        "budget: compare them with each other, not with the rows above."
-    )
-    lines.append("")
-    lines.append("## Baselines that never train from the consensus")
-    lines.append("")
-    head = [
-        "setting",
-        "nodes alone: mean",
-        "alone: best honest",
-        "alone, averaged",
-        "centralised: all nodes",
-        "centralised: honest nodes",
-        "system: default mix, clean",
-        "system: default mix, attack",
-        "system: best node (clean)",
-    ]
-    rows = []
-    for alpha in st["alphas"]:
-        b = sm["baselines"][f"alpha={alpha:g}"]
-        c = sm["strategies"][f"default mix | alpha={alpha:g} | clean"]
-        a = sm["strategies"][f"default mix | alpha={alpha:g} | attack"]
-        rows.append(
-            [
-                "text" if text else f"alpha = {alpha:g}",
-                _pm(b["alone_mean"]),
-                _pm(b["alone_honest_best"]),
-                _pm(b["alone_average"]),
-                _pm(b["central_all"]),
-                _pm(b["central_honest"]),
-                _pm(c["consensus_accuracy"]),
-                _pm(a["consensus_accuracy"]),
-                _pm(c["node_accuracy_best"]),
-            ]
-        )
-    lines.append(markdown_table(head, rows))
-    lines.append(
-        f"Each node alone: Adam on its own shard for {st['rounds']} x {st['local_steps']} steps, the "
-        "system's whole budget, from the system's initial model; centralised: the same steps on the "
-        "union of the shards with a batch of n x the nodes' batch in each step (the honest nodes of "
-        "the attack setting, or all); 'alone, averaged': the plain average of the independently trained "
-        "nodes' parameters (one merge at the end, no rounds). The system's best node is trained "
-        "from the consensus in the last round, so it inherits it: the comparison that separates "
-        "them is 'nodes alone'."
-    )
-    if text:
-        lines.append("")
-        b = sm["baselines"]["alpha=0.5"]
-        lines.append(
-            f"Text perplexity: nodes alone {_pm(b['alone_mean_perplexity'], 2)} (mean over nodes), "
-            f"centralised {_pm(b['central_all_perplexity'], 2)}."
-        )
-    lines.append("")
-    if st.get("parts"):
-        lines.append(
-            "Combined (`--combine`) from runs in separate processes: "
-            + "; ".join(f"`{p['command']}` (seeds {p['seeds']}, {p['total_s']:.0f} s)" for p in st["parts"])
-            + "."
-        )
-        lines.append("")
-    lines.append(f"Plot: `{res['plot']}`. Total time {res['total_s']:.0f} s.")
-    return "\n".join(lines) + "\n"
-
-
-def plot(res: Mapping[str, Any]) -> str:
-    """Consensus accuracy and pairwise barrier per strategy mix over alpha; the merge variants."""
-    plt = harness.pyplot()
-    st, sm = res["settings"], res["summary"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    x = np.arange(len(st["alphas"]))
-    for mix in st["mixes"]:
-        for threat, style in (("clean", "-"), ("attack", "--")):
-            m = [
-                sm["strategies"][f"{mix} | alpha={a:g} | {threat}"]["consensus_accuracy"][0]
-                for a in st["alphas"]
-            ]
-            axes[0].plot(x, m, style, marker="o", label=f"{mix} ({threat})")
-        b = [
-            sm["strategies"][f"{mix} | alpha={a:g} | clean"]["pairwise_barrier_mean"][0] for a in st["alphas"]
-        ]
-        axes[1].plot(x, b, marker="o", label=mix)
-    for ax, title in ((axes[0], "consensus test accuracy"), (axes[1], "mean pairwise loss barrier (clean)")):
-        ax.set_xticks(x, [f"alpha={a:g}" for a in st["alphas"]])
-        ax.set_title(title, fontsize=10)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=6)
-    axes[1].legend(fontsize=7)
-    merges = st["merges"]
-    y = np.arange(len(merges))
-    for k, threat in enumerate(("clean", "attack")):
-        v = [sm["merges"][f"{m} | {threat}"]["consensus_accuracy"][0] for m in merges]
-        axes[2].barh(y + 0.4 * k, v, height=0.4, label=threat)
-    axes[2].set_yticks(y + 0.2, merges, fontsize=6)
-    axes[2].set_title("merge pipeline: consensus test accuracy", fontsize=10)
-    axes[2].legend(fontsize=7)
-    fig.tight_layout()
-    path = harness.plot_path(st["name"], st["quick"])
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
-
-
 # ----------------------------------------------------------------------------- main
 
 
@@ -825,7 +550,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     name = f"{NAME}_{args.task}"
     settings = {
         "name": name,
-        "command": " ".join(["python -m benchmarks.ablations", *(sys.argv[1:] if argv is None else argv)]),
+        "command": " ".join(["python -m benchmarks ablations", *(sys.argv[1:] if argv is None else argv)]),
         "task": args.task,
         "quick": args.quick,
         "seeds": seeds,
@@ -939,7 +664,7 @@ def combine(paths: Sequence[Path], task: str, quick: bool, parser: Any) -> dict[
         for part in parts
     ]
     settings = {**ref, "seeds": sorted(seeds), "parts": pieces}
-    settings["command"] = " ".join(["python -m benchmarks.ablations", *sys.argv[1:]])
+    settings["command"] = " ".join(["python -m benchmarks ablations", *sys.argv[1:]])
     res = report(
         settings,
         [r for part in parts for r in part["strategy_runs"]],

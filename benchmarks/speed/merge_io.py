@@ -23,7 +23,7 @@ start-up cost and the RSS floor of a jax process. The inputs stay in the page ca
 between runs (they were just written; the machine is not asked to drop caches), so
 every run reads from memory: the floor is the cost of one pass over the bytes.
 
-    python -m benchmarks.merge_io [--quick] [--models 8] [--gb 1.0] [--workdir /tmp/merge_io]
+    python -m benchmarks merge_io [--quick] [--models 8] [--gb 1.0] [--workdir /tmp/merge_io]
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def run_child(argv: list[str]) -> dict[str, Any]:
 
 
 def _me(*args: str) -> list[str]:
-    return [sys.executable, "-m", "benchmarks.merge_io", *args]
+    return [sys.executable, "-m", "benchmarks.speed.merge_io", *args]
 
 
 # ----------------------------------------------------------------------------- main

@@ -1,6 +1,6 @@
 """Convex merge weights on non-IID digits nodes: merged-model quality of every objective.
 
-Run ``python -m benchmarks.convex_quality [--quick]``. Writes
+Run ``python -m benchmarks convex_quality [--quick]``. Writes
 benchmarks/results/convex_quality.json, convex_quality.md and convex_quality.png
 (``convex_quality_quick.*`` with --quick).
 
@@ -39,12 +39,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
-from benchmarks.harness import markdown_table
-from benchmarks.quality_common import (
+from benchmarks.harness import (
     add_task_option,
     class_probs,
     header,
     make_task,
+    markdown_table,
     metrics,
     mixture_metrics,
     plot_path,

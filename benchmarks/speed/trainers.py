@@ -1,6 +1,6 @@
 """Node trainer throughput: n vmapped nodes against hand-written single-model Flax + optax loops.
 
-Run ``python -m benchmarks.trainers [--quick]``. Writes benchmarks/results/trainers.json
+Run ``python -m benchmarks trainers [--quick]``. Writes benchmarks/results/trainers.json
 and trainers.md (``trainers_quick.*`` with ``--quick``, fewer steps, under a minute).
 
 For each task (digits MLP, byte-level text transformer), all in one process:
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     mach = results["machine"]
     md = [
         "# Node trainer throughput\n",
-        f"`python -m benchmarks.trainers{' --quick' if args.quick else ''}` on {mach['processor']}, "
+        f"`python -m benchmarks trainers{' --quick' if args.quick else ''}` on {mach['processor']}, "
         f"{mach['cpu_count']} CPUs, backend {mach['backend']}. "
         "Samples/s = nodes x batch x steps / best wall time. `vs n seq` = time of n sequential "
         "hand-written single-model runs / time of the n-node trainer (>= 1: vmapping pays).\n",

@@ -15,10 +15,10 @@ output) divided by the size of the stack. ``clip`` alone is an n -> n map that
 writes a clipped copy of the stack; inside a pipeline (``clip+mean``, as DP and
 robust pipelines use it) it stays a lazy view and writes nothing.
 
-    python -m benchmarks.aggregators            # n in {8, 16, 32}, d in {1e5, 1e6, 1e7}
-    python -m benchmarks.aggregators --quick    # n = 16, d in {1e6, 1e7}
-    python -m benchmarks.aggregators --nodes 16 --sizes 1e7   # the README's table
-    python -m benchmarks.aggregators --n-sweep  # n in 8..1024 at n * d = 6.4e7 (--quick: 4e6)
+    python -m benchmarks aggregators            # n in {8, 16, 32}, d in {1e5, 1e6, 1e7}
+    python -m benchmarks aggregators --quick    # n = 16, d in {1e6, 1e7}
+    python -m benchmarks aggregators --nodes 16 --sizes 1e7   # the README's table
+    python -m benchmarks aggregators --n-sweep  # n in 8..1024 at n * d = 6.4e7 (--quick: 4e6)
 """
 
 from __future__ import annotations
@@ -308,7 +308,7 @@ def _write_sweep(args, argv: list[str], total: int, results: list[dict]) -> str:
         ]
         for r in results
     ]
-    command = "python -m benchmarks.aggregators" + (" " + " ".join(argv) if argv else "")
+    command = "python -m benchmarks aggregators" + (" " + " ".join(argv) if argv else "")
     md = (
         "# Aggregators from 8 to 1024 nodes at a fixed n * d (time / one numpy pass over the stack)\n\n"
         f"Command: `{command}`. n * d = {total:.1e}. "
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> dict:
         ]
         for r in results
     ]
-    command = "python -m benchmarks.aggregators" + (" " + " ".join(argv) if argv else "")
+    command = "python -m benchmarks aggregators" + (" " + " ".join(argv) if argv else "")
     md = (
         "# Aggregator speed (time / one numpy pass over the stack)\n\n"
         f"Command: `{command}`. "

@@ -1,6 +1,6 @@
 """Flower's robust strategies and this package's rules on the same replies: outputs and time.
 
-Run ``python -m benchmarks.flower_side_by_side [--quick]`` (needs the ``flower`` extra). Writes
+Run ``python -m benchmarks flower_side_by_side [--quick]`` (needs the ``flower`` extra). Writes
 benchmarks/results/flower_side_by_side.json and .md (``*_quick.*`` with --quick: d = 1e5
 instead of 1e6).
 

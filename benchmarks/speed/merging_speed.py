@@ -1,6 +1,6 @@
 """Speed of the merge methods (consensus.merging) against the memory-bandwidth floor.
 
-Run ``python -m benchmarks.merging_speed [--quick]``. Writes benchmarks/results/merging_speed.json
+Run ``python -m benchmarks merging_speed [--quick]``. Writes benchmarks/results/merging_speed.json
 and merging_speed.md (``merging_speed_quick.*`` with --quick: d = 1e6 instead of 1e7).
 
 The floor is one numpy pass over the (n, d) float32 stack (``x.sum(axis=0)``), measured in the

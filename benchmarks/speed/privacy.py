@@ -1,6 +1,6 @@
 """Privacy accountants and the DP-FedAvg mechanism: speed, calibration, epsilon table.
 
-Run ``python -m benchmarks.privacy [--quick]``. Writes benchmarks/results/privacy.json and
+Run ``python -m benchmarks privacy [--quick]``. Writes benchmarks/results/privacy.json and
 privacy.md (``privacy_quick.*`` with --quick).
 
 1. Accountant speed at q = 0.01, z = 1, delta = 1e-5 for 1, 100, 1,000 and 10,000 rounds:

@@ -7,7 +7,7 @@ and the consensus becomes the mean of the nodes weighted by shard size
 training split for the same number of examples seen. Test accuracy on the
 official 10,000 test images. Needs the IDX files (``make data``).
 
-    python -m benchmarks.fashion_mnist [--quick] [--model mlp|cnn]
+    python -m benchmarks fashion_mnist [--quick] [--model mlp|cnn]
 """
 
 from __future__ import annotations

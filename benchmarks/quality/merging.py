@@ -1,6 +1,6 @@
 """Multi-task model merging: every merge method on 8 fine-tunes of one base, clean and with 2 poisoned.
 
-Run ``python -m benchmarks.merging [--quick] [--task digits|fashion_mnist] [--limit N]``. Writes
+Run ``python -m benchmarks merging [--quick] [--task digits|fashion_mnist] [--limit N]``. Writes
 benchmarks/results/merging.{json,md,png} for digits, ``merging_<task>.*`` for another task
 (``..._quick.*`` with --quick). ``--report-from benchmarks/results/merging.json`` rewrites the
 markdown and PNG beside a results JSON from its stored runs, without training.
@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     total = time.perf_counter() - t0
     clean, robust = summarize(runs, "clean"), summarize(runs, "robust")
     name = NAME if args.task == "digits" else f"{NAME}_{args.task}"
-    cmd = "python -m benchmarks.merging" + (" --quick" if args.quick else "")
+    cmd = "python -m benchmarks merging" + (" --quick" if args.quick else "")
     if args.task != "digits":
         cmd += f" --task {args.task}" + (f" --limit {args.limit}" if args.task == "fashion_mnist" else "")
     if args.seeds is not None:

@@ -1,6 +1,6 @@
 """Byzantine robustness on digits: every rule against every attack, over heterogeneity and f.
 
-Run ``python -m benchmarks.robustness [--quick] [--task fashion_mnist] [--rules A,B] [--attacks X,Y]``
+Run ``python -m benchmarks robustness [--quick] [--task fashion_mnist] [--rules A,B] [--attacks X,Y]``
 (a subset of the rules, plain FedAvg always among them, and of the attacks). Writes
 benchmarks/results/robustness.json, robustness.md and robustness.png (``robustness_quick.*``
 with --quick, ``robustness_<task>*`` with another task).
@@ -54,11 +54,11 @@ import jax
 import numpy as np
 
 from benchmarks import harness
-from benchmarks.harness import markdown_table
-from benchmarks.quality_common import (
+from benchmarks.harness import (
     add_task_option,
     header,
     make_task,
+    markdown_table,
     mean_std,
     metrics,
     plot_path,

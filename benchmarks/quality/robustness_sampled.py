@@ -1,10 +1,10 @@
 """Byzantine robustness with client sampling: 25% of the clients Byzantine, m = 50 sampled per round.
 
-Run ``python -m benchmarks.robustness_sampled [--quick]``. Writes
+Run ``python -m benchmarks robustness_sampled [--quick]``. Writes
 benchmarks/results/robustness_sampled.json and .md (``robustness_sampled_quick.*`` with --quick).
 
 The whole system (``MetaConsensus``) on N = 200 digits clients (IID shards of about 6 examples,
-``benchmarks.cross_device.ManyClientDigits``, an MLP with 32 hidden units), every 4th client
+``benchmarks.harness.ManyClientDigits``, an MLP with 32 hidden units), every 4th client
 Byzantine (50 of 200), ``nodes.sampling = "uniform"`` with m = 50 per round. The vote's f is
 ``floor(fault_tolerance * answered)`` over the sample: ``fault_tolerance = 0.3`` gives f = 15 of 50,
 above the expected 12.5 Byzantine clients of a sample, since the count is hypergeometric (sd about
@@ -27,8 +27,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import harness
-from benchmarks.cross_device import ManyClientDigits
-from benchmarks.harness import markdown_table
+from benchmarks.harness import ManyClientDigits, markdown_table
 from meta_consensus import MetaConsensus, config
 
 N, M, BYZANTINE_EVERY, FAULT_TOLERANCE = 200, 50, 4, 0.3
@@ -126,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     byz_mean = float(np.mean([r["byzantine_in_sample_mean"] for r in runs]))
     byz_max = max(r["byzantine_in_sample_max"] for r in runs)
     f = math.floor(FAULT_TOLERANCE * M)
-    cmd = "python -m benchmarks.robustness_sampled" + (" --quick" if args.quick else "")
+    cmd = "python -m benchmarks robustness_sampled" + (" --quick" if args.quick else "")
     md = "\n".join(
         [
             "# Robustness with client sampling: 25% Byzantine clients, m = 50 per round",

@@ -1,6 +1,6 @@
 """DP-FedAvg on digits: test accuracy against epsilon in {1, 3, 8, inf}, both accountants.
 
-Run ``python -m benchmarks.privacy_quality [--quick]``. Writes
+Run ``python -m benchmarks privacy_quality [--quick]``. Writes
 benchmarks/results/privacy_quality.json, privacy_quality.md and privacy_quality.png
 (``privacy_quality_quick.*`` with --quick).
 
@@ -57,12 +57,12 @@ import numpy as np
 import optax
 
 from benchmarks import harness
-from benchmarks.harness import markdown_table
-from benchmarks.quality_common import (
+from benchmarks.harness import (
     add_task_option,
     header,
     iid_clients,
     make_task,
+    markdown_table,
     mean_std,
     metrics,
     plot_path,
@@ -430,7 +430,7 @@ def example_markdown(res: dict[str, Any]) -> str:
     st = res["settings"]
     lines = [
         "# Example-level DP-SGD vs node-level DP-FedAvg\n\n",
-        f"`python -m benchmarks.privacy_quality --example{' --quick' if st['quick'] else ''}`: {st['task']}, "
+        f"`python -m benchmarks privacy_quality --example{' --quick' if st['quick'] else ''}`: {st['task']}, "
         f"16 nodes, Dirichlet alpha = 1, softmax regression,"
         f" {st['rounds']} rounds x {st['local_steps']} local "
         f"steps, batch 256 (expected), delta = {DELTA:g}, seeds {st['seeds']}. "

@@ -1,6 +1,6 @@
 """Model soups on digits: best ingredient, uniform soup, greedy soup, convex (mixture NLL) weights.
 
-Run ``python -m benchmarks.soups [--quick]``. Writes benchmarks/results/soups.json, soups.md
+Run ``python -m benchmarks soups [--quick]``. Writes benchmarks/results/soups.json, soups.md
 and soups.png (``soups_quick.*`` with --quick).
 
 Setting (Wortsman et al. 2022, scaled down): one MLP is pretrained with Adam on the shared
@@ -32,10 +32,10 @@ import jax
 import numpy as np
 
 from benchmarks import harness
-from benchmarks.harness import markdown_table
-from benchmarks.quality_common import (
+from benchmarks.harness import (
     class_probs,
     header,
+    markdown_table,
     mean_std,
     metrics,
     mixture_metrics,

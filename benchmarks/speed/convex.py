@@ -1,6 +1,6 @@
 """Convex merge weights: solve times (cvxpy vs scipy SLSQP) and merge quality on digits.
 
-Run ``python -m benchmarks.convex [--quick]``. Writes benchmarks/results/convex.json
+Run ``python -m benchmarks convex [--quick]``. Writes benchmarks/results/convex.json
 and convex.md.
 
 Part 1, solve time. For each objective and n (and held-out size m for the
