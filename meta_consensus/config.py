@@ -18,12 +18,14 @@ section); the embedded default is ``meta_consensus/default.toml``::
     fault_tolerance = 0.25
 
 Every key is checked: an unknown key or a value outside its choices raises
-:class:`ConfigError` naming the key and listing what is valid. The choices are
-read from the registries (:mod:`consensus.registry` for vote rules,
-:mod:`strategies.registry` for tasks and attacks, :mod:`strategies.node` for node
+:class:`ConfigError` naming the key and listing what is valid. The choices, the
+options and the preconditions are read from the declared specs (:mod:`consensus.specs`:
+``RULES`` for vote rules, ``strategies.registry`` for tasks, attacks and node
 strategies, :mod:`meta_consensus.objectives` for weight objectives), so a newly
-registered entry is a valid value at once. A rule's precondition on (n, f) is
-checked here, before any training. ``--set section.key=value`` overrides
+declared entry is a valid value at once. The modules named by ``plugins = [...]``
+(and the installed ``meta_consensus.plugins`` entry points) are imported first, so
+their entries are valid too. A rule's precondition on (n, f) is checked here,
+before any training. ``--set section.key=value`` overrides
 (:func:`apply_overrides`) parse ``value`` as a TOML value (``3``, ``0.5``,
 ``"alie"``, ``[6, 7]``, ``true``); a bare word is taken as a string.
 """
@@ -43,8 +45,10 @@ from typing import Any, Literal
 import tomli_w
 
 from consensus import registry as rules
+from consensus.plugins import PluginError, load_entry_points, load_plugins
 from consensus.registry import RegistryError
 from meta_consensus.objectives import OBJECTIVES
+from strategies import attacks
 from strategies import node as node_lib
 from strategies import registry as node_registry
 
@@ -151,7 +155,7 @@ class NodesConfig:
     def build_strategies(self) -> tuple[node_lib.NodeStrategy, ...]:
         """One strategy object per node (nodes that share a name share the object)."""
         built = {
-            name: node_lib.STRATEGIES[name].build(**dict(self.options.get(name, {})))
+            name: node_registry.build_strategy(name, self.options.get(name, {}))
             for name in set(self.strategy_of())
         }
         return tuple(built[name] for name in self.strategy_of())
@@ -354,6 +358,9 @@ class Config:
         jax.distributed declares a process lost (see docs/operations.md).
       init_from: a safetensors checkpoint (file or sharded folder) to start from instead of
         the task's init; its keys, shapes and dtypes must match the task's parameters.
+      plugins: modules imported before the config is checked (the current directory is
+        importable); their declared rules, attacks, node strategies, weight objectives and
+        tasks are then valid values (see :mod:`consensus.plugins`).
     """
 
     name: str = "run"
@@ -371,6 +378,7 @@ class Config:
     eval_every: int = 1
     heartbeat_timeout_s: int = 100
     init_from: str | None = None
+    plugins: tuple[str, ...] = ()
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
     nodes: NodesConfig = dataclasses.field(default_factory=NodesConfig)
     byzantine: ByzantineConfig = dataclasses.field(default_factory=ByzantineConfig)
@@ -544,8 +552,35 @@ def _check_sampling(cfg: Config) -> None:
     )
 
 
+_entry_points_loaded = False
+
+
+def load_config_plugins(cfg: Config) -> None:
+    """Import the installed plug-ins (once per process) and the config's ``plugins``.
+
+    Every process that builds a config from its text (a resumed run, a Flower ClientApp,
+    each jax.distributed process) reaches this before the names are checked, so the
+    entries the plug-ins declare are valid there too.
+    """
+    global _entry_points_loaded
+    _check(
+        isinstance(cfg.plugins, tuple | list) and all(isinstance(m, str) and m.strip() for m in cfg.plugins),
+        "plugins",
+        cfg.plugins,
+        "a list of module names",
+    )
+    try:
+        if not _entry_points_loaded:
+            load_entry_points()
+            _entry_points_loaded = True
+        load_plugins(cfg.plugins)
+    except PluginError as e:
+        raise ConfigError(f"plugins: {e}") from None
+
+
 def validate(cfg: Config) -> None:
     """Check every value of a config (ConfigError names the key and what is valid)."""
+    load_config_plugins(cfg)
     n = cfg.nodes.count
     _check(
         isinstance(cfg.name, str) and cfg.name.strip() != "" and "/" not in cfg.name,
@@ -579,13 +614,12 @@ def validate(cfg: Config) -> None:
     if ":" not in t.name:
         _choices("task.name", t.name, node_registry.TASKS.names())
         spec = node_registry.TASKS[t.name]
-        if not any(p.kind is p.VAR_KEYWORD for p in spec.params.values()):
-            unknown = sorted(set(t.options) - set(spec.params))
-            if unknown:
-                raise ConfigError(
-                    f"task.options {unknown} are not options of the {t.name!r} task; "
-                    f"valid options: {list(spec.params)}"
-                )
+        unknown = sorted(set(t.options) - set(spec.params))
+        if unknown and not spec.takes_any_option:
+            raise ConfigError(
+                f"task.options {unknown} are not options of the {t.name!r} task; "
+                f"valid options: {list(spec.params)}"
+            )
     _check(t.alpha > 0, "task.alpha", t.alpha, "need > 0")
     # nodes
     _check(n >= 2, "nodes.count", n, "need at least 2 nodes")
@@ -597,13 +631,13 @@ def validate(cfg: Config) -> None:
         f"one name or {n} names (one per node)",
     )
     for s in strategies:
-        _choices("nodes.strategies", s, node_lib.STRATEGIES.names())
+        _choices("nodes.strategies", s, node_registry.STRATEGIES.names())
     _check(cfg.nodes.local_steps >= 1, "nodes.local_steps", cfg.nodes.local_steps, "need >= 1")
     _check(cfg.nodes.batch_size >= 1, "nodes.batch_size", cfg.nodes.batch_size, "need >= 1")
     _check(cfg.nodes.learning_rate > 0, "nodes.learning_rate", cfg.nodes.learning_rate, "need > 0")
     _check_sampling(cfg)
     for name, opts in cfg.nodes.options.items():
-        _choices("nodes.options", name, node_lib.STRATEGIES.names())
+        _choices("nodes.options", name, node_registry.STRATEGIES.names())
         _check(isinstance(opts, Mapping), f"nodes.options.{name}", opts, "a table of the strategy's options")
     built = _registered("nodes.options", cfg.nodes.build_strategies)
     for s in {s.name: s for s in built}.values():
@@ -611,7 +645,7 @@ def validate(cfg: Config) -> None:
     # byzantine
     byz = cfg.byzantine
     _choices("byzantine.attack", byz.attack, node_registry.ATTACKS.names())
-    _registered("byzantine.options", lambda: node_registry.ATTACKS[byz.attack].check_options(byz.options))
+    _registered("byzantine.options", lambda: attacks.check_options(byz.attack, byz.options))
     _check(
         all(0 <= i < n for i in byz.nodes) and len(set(byz.nodes)) == len(byz.nodes),
         "byzantine.nodes",
@@ -744,13 +778,29 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
-def from_dict(data: Mapping[str, Any]) -> Config:
-    """A validated :class:`Config` from nested dicts (TOML tables)."""
-    return _build(Config, data)
+def with_plugins(data: Mapping[str, Any], plugins: Sequence[str]) -> dict[str, Any]:
+    """``data`` with ``plugins`` appended to its ``plugins`` list (each module once, in order)."""
+    out = dict(data)
+    if plugins:
+        listed = out.get("plugins", [])
+        listed = list(listed) if isinstance(listed, list | tuple) else [listed]
+        out["plugins"] = listed + [m for m in plugins if m not in listed]
+    return out
 
 
-def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """The config of a file (None: the embedded default) with ``key=value`` overrides applied."""
+def from_dict(data: Mapping[str, Any], plugins: Sequence[str] = ()) -> Config:
+    """A validated :class:`Config` from nested dicts (TOML tables); ``plugins`` adds plug-in modules.
+
+    The plug-ins are imported before any name is checked and stay listed in the config, so
+    its TOML text (:func:`dumps`) loads them again wherever it is read.
+    """
+    return _build(Config, with_plugins(data, plugins))
+
+
+def load(
+    path: str | Path | None = None, overrides: Sequence[str] = (), plugins: Sequence[str] = ()
+) -> Config:
+    """The config of a file (None: the embedded default) with ``key=value`` overrides and plug-ins."""
     if path is None:
         data = tomllib.loads(default_text())
     else:
@@ -761,7 +811,7 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Confi
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from e
-    return from_dict(apply_overrides(data, overrides))
+    return from_dict(apply_overrides(data, overrides), plugins)
 
 
 def _deep_copy(d: Any) -> Any:

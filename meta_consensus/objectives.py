@@ -1,4 +1,4 @@
-"""Registry of weight objectives: how the system weighs the nodes its vote accepted.
+"""Weight objectives: how the system weighs the nodes its vote accepted.
 
 Each entry builds a :class:`~consensus.convex.merge.Weigher` (or None: keep the vote's
 own output) from the ``[weights]`` section, the task and the coordinator's held-out
@@ -6,12 +6,14 @@ data, for :func:`consensus.convex.convex_merge` to run after the vote. The held-
 data is the coordinator's own, never node data.
 
 Adding an objective is one function ``build(weights_cfg, task, heldout) -> Weigher``
-and one :func:`register_objective` call.
+declared with ``@OBJECTIVES.declare("name")`` (the docstring's first line is its
+summary); ``traits={"classification": True}`` says it needs per-class logits, which
+the pipeline checks against the task's ``kind``. A user's module declares one the same
+way and names itself as a plug-in (:mod:`consensus.plugins`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -28,34 +30,24 @@ from consensus.convex.problems import ProblemCache
 from consensus.convex.qp import ConvexWeights
 from consensus.convex.weights import anchor_weights, trust_region_quadratic_weights
 from consensus.mesh import to_host
-from consensus.registry import Registry
+from consensus.specs import Registry, Spec
 from strategies.tasks.base import Task
 
 Builder = Callable[[Any, Task, Mapping[str, np.ndarray]], Weigher | None]
 
-
-@dataclasses.dataclass(frozen=True)
-class ObjectiveSpec:
-    """A registered weight objective.
-
-    Attributes:
-      name: its config name.
-      build: ``build(weights_cfg, task, heldout) -> Weigher | None`` (None: the vote's output).
-      summary: one line for docs and errors.
-      classification: needs a classification task (per-class logits).
-    """
-
-    name: str
-    build: Builder
-    summary: str
-    classification: bool = False
+#: Weight objectives by name: ``spec.factory(weights_cfg, task, heldout) -> Weigher | None``.
+OBJECTIVES: Registry[Spec] = Registry("weight objective")
 
 
-OBJECTIVES: Registry[ObjectiveSpec] = Registry("weight objective")
+def needs_classification(spec: Spec) -> bool:
+    """The objective reads per-class logits, so it runs on classification tasks only."""
+    return bool(spec.traits.get("classification", False))
 
 
-def register_objective(name: str, build: Builder, summary: str, *, classification: bool = False):
-    return OBJECTIVES.register(name, ObjectiveSpec(name, build, summary, classification))
+@OBJECTIVES.declare("vote")
+def _vote(cfg, task, heldout) -> None:
+    """the vote's own output is the consensus"""
+    return None
 
 
 def _options(cfg: Any, mask: np.ndarray, cache: ProblemCache) -> dict[str, Any]:
@@ -72,7 +64,10 @@ def _options(cfg: Any, mask: np.ndarray, cache: ProblemCache) -> dict[str, Any]:
     }
 
 
+@OBJECTIVES.declare("uniform")
 def _uniform(cfg, task, heldout) -> Weigher:
+    """plain mean of the nodes the vote accepted"""
+
     def weigh(stacked, params, mask, **extra):
         k = int(mask.sum())
         return ConvexWeights(
@@ -84,47 +79,13 @@ def _uniform(cfg, task, heldout) -> Weigher:
 
 
 @functools.lru_cache(maxsize=16)
-def _true_label_probs(task: Task):
-    @jax.jit
-    def probs(stacked, batch):
-        def one(p):
-            logits = task.apply(p, batch["x"]).astype(jnp.float32)
-            logp = jax.nn.log_softmax(logits, axis=-1)
-            y = batch["y"][..., None].astype(jnp.int32)
-            return jnp.exp(jnp.take_along_axis(logp, y, -1)[..., 0]).reshape(-1)
-
-        return jax.vmap(one)(stacked)
-
-    return probs
-
-
-def _mixture_nll(cfg, task, heldout) -> Weigher:
-    cache, probs_fn = ProblemCache(), _true_label_probs(task)
-
-    def weigh(stacked, params, mask, **extra):
-        probs = np.asarray(to_host(probs_fn(stacked, heldout)), np.float64)
-        # Damped Newton on the cached QP: as fast as the exponential-cone form at this size, and
-        # on near-degenerate probabilities it solved rounds where the conic form failed in Clarabel.
-        return mixture_nll_weights(probs, method="newton", **_options(cfg, mask, cache))
-
-    return weigh
-
-
-def _anchor(cfg, task, heldout) -> Weigher:
-    cache = ProblemCache()
-
-    def weigh(stacked, params, mask, *, voted=None, **extra):
-        return anchor_weights(stacked, voted, **_options(cfg, mask, cache))
-
-    return weigh
-
-
-@functools.lru_cache(maxsize=16)
 def _metrics(task: Task):
     return jax.jit(task.metrics)
 
 
+@OBJECTIVES.declare("quadratic", traits={"classification": True})
 def _quadratic(cfg, task, heldout) -> Weigher:
+    """trust-region quadratic (Gauss-Newton) model of the held-out loss"""
     cache, metrics = ProblemCache(), _metrics(task)
     x, y = heldout["x"], heldout["y"]
 
@@ -148,13 +109,41 @@ def _quadratic(cfg, task, heldout) -> Weigher:
     return weigh
 
 
-register_objective("vote", lambda cfg, task, heldout: None, "the vote's own output is the consensus")
-register_objective("uniform", _uniform, "plain mean of the nodes the vote accepted")
-register_objective(
-    "quadratic",
-    _quadratic,
-    "trust-region quadratic (Gauss-Newton) model of the held-out loss",
-    classification=True,
-)
-register_objective("mixture_nll", _mixture_nll, "NLL of the mixture of the nodes' held-out predictions")
-register_objective("anchor", _anchor, "the convex combination of accepted nodes closest to the vote's output")
+@functools.lru_cache(maxsize=16)
+def _true_label_probs(task: Task):
+    @jax.jit
+    def probs(stacked, batch):
+        def one(p):
+            logits = task.apply(p, batch["x"]).astype(jnp.float32)
+            logp = jax.nn.log_softmax(logits, axis=-1)
+            y = batch["y"][..., None].astype(jnp.int32)
+            return jnp.exp(jnp.take_along_axis(logp, y, -1)[..., 0]).reshape(-1)
+
+        return jax.vmap(one)(stacked)
+
+    return probs
+
+
+@OBJECTIVES.declare("mixture_nll")
+def _mixture_nll(cfg, task, heldout) -> Weigher:
+    """NLL of the mixture of the nodes' held-out predictions"""
+    cache, probs_fn = ProblemCache(), _true_label_probs(task)
+
+    def weigh(stacked, params, mask, **extra):
+        probs = np.asarray(to_host(probs_fn(stacked, heldout)), np.float64)
+        # Damped Newton on the cached QP: as fast as the exponential-cone form at this size, and
+        # on near-degenerate probabilities it solved rounds where the conic form failed in Clarabel.
+        return mixture_nll_weights(probs, method="newton", **_options(cfg, mask, cache))
+
+    return weigh
+
+
+@OBJECTIVES.declare("anchor")
+def _anchor(cfg, task, heldout) -> Weigher:
+    """the convex combination of accepted nodes closest to the vote's output"""
+    cache = ProblemCache()
+
+    def weigh(stacked, params, mask, *, voted=None, **extra):
+        return anchor_weights(stacked, voted, **_options(cfg, mask, cache))
+
+    return weigh

@@ -45,7 +45,7 @@ from consensus.dp import AdaptiveClipConfig, dp_fedavg, privacy_event, privatize
 from consensus.mesh import to_host
 from consensus.privacy import PrivacyEvent
 from meta_consensus.config import Config, ConfigError, plain_fedavg
-from meta_consensus.objectives import OBJECTIVES
+from meta_consensus.objectives import OBJECTIVES, needs_classification
 from meta_consensus.sampling import privacy_sampling_rate as sampling_rate
 from strategies.tasks.base import Task
 
@@ -97,11 +97,11 @@ class MergePipeline:
         k = cfg.weights.max_examples
         self.heldout = heldout if k is None else {name: v[:k] for name, v in heldout.items()}
         spec = OBJECTIVES[cfg.weights.objective]
-        if spec.classification and getattr(task, "kind", "classification") != "classification":
+        if needs_classification(spec) and getattr(task, "kind", "classification") != "classification":
             raise ConfigError(
                 f"weights.objective = {spec.name!r} needs a classification task, not {cfg.task.name!r}"
             )
-        self._weigher = spec.build(cfg.weights, task, self.heldout)
+        self._weigher = spec.factory(cfg.weights, task, self.heldout)
         self.noise_multiplier = noise_multiplier
         self.plain_fedavg = plain_fedavg(cfg)
         self._by_f: dict[int, Aggregator] = {}

@@ -1,16 +1,24 @@
 """Byzantine attacks: functions of the honest updates, keyed (ByzFL's vocabulary).
 
-Every attack has the signature ``attack(key, honest, num_byzantine, **kw)``:
+Every update attack has the signature ``attack(key, honest, num_byzantine, **kw)``:
 ``honest`` is a stacked tree of the h honest *updates* (deltas from the
 current global params) and the result is a stacked tree of ``num_byzantine``
 malicious updates. The attackers are omniscient (they see every honest
 update), the standard worst case of the robust-aggregation literature.
 :func:`apply_attack` swaps them into a stacked tree of node params.
+
+Each attack is declared beside its function with ``@ATTACKS.declare(kind=...)``
+(:mod:`consensus.specs`): ``kind="update"`` replaces the submitted update,
+``kind="data"`` poisons training (label flipping). Its keyword options are its
+parameters after the ones :func:`apply_attack` passes itself (:data:`PASSED`); an
+attack that takes ``num_nodes`` receives the node count. A user's module declares
+its own attacks the same way and names itself as a plug-in (:mod:`consensus.plugins`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -18,10 +26,17 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import stats
 
+from consensus.specs import Registry, RegistryError, Spec
 from kernels import rows as row_kernels
 
 PyTree = Any
 Attack = Callable[..., PyTree]
+
+#: Every attack a config can name, update and data attacks alike.
+ATTACKS: Registry[Spec] = Registry("attack")
+
+#: Per kind, the parameters the caller fills in itself; the others are the attack's options.
+PASSED = {"update": ("key", "honest", "num_byzantine", "num_nodes"), "data": ("task", "batch")}
 
 
 def _honest_mean(honest: PyTree) -> PyTree:
@@ -47,6 +62,7 @@ def _repeat(tree: PyTree, f: int, like: PyTree) -> PyTree:
     return jax.tree.map(lambda t, x: jnp.broadcast_to(t, (f, *t.shape)).astype(x.dtype), tree, like)
 
 
+@ATTACKS.declare(kind="update")
 def sign_flip(key: jax.Array, honest: PyTree, num_byzantine: int, scale: float = 1.0) -> PyTree:
     """Every Byzantine node sends ``-scale`` times the honest mean update (Allen-Zhu et al. 2020)."""
     del key
@@ -54,6 +70,7 @@ def sign_flip(key: jax.Array, honest: PyTree, num_byzantine: int, scale: float =
     return _repeat(jax.tree.map(lambda m: -scale * m, mean), num_byzantine, honest)
 
 
+@ATTACKS.declare(kind="update")
 def gaussian(key: jax.Array, honest: PyTree, num_byzantine: int, std: float = 1.0) -> PyTree:
     """Each Byzantine node sends an independent N(0, std^2) update, keyed per node and leaf."""
     leaves, treedef = jax.tree_util.tree_flatten(honest)
@@ -74,6 +91,7 @@ def alie_z(num_nodes: int, num_byzantine: int) -> float:
     return float(stats.norm.ppf((num_nodes - s) / num_nodes))
 
 
+@ATTACKS.declare(kind="update")
 def alie(
     key: jax.Array, honest: PyTree, num_byzantine: int, z: float | None = None, num_nodes: int | None = None
 ) -> PyTree:
@@ -92,6 +110,7 @@ def alie(
     return _repeat(jax.tree.map(lambda m, s: m - z * s, mean, std), num_byzantine, honest)
 
 
+@ATTACKS.declare(kind="update")
 def ipm(key: jax.Array, honest: PyTree, num_byzantine: int, epsilon: float = 0.1) -> PyTree:
     """Inner-product manipulation (Xie, Koyejo and Gupta 2020): -epsilon times the honest mean."""
     del key
@@ -99,12 +118,14 @@ def ipm(key: jax.Array, honest: PyTree, num_byzantine: int, epsilon: float = 0.1
     return _repeat(jax.tree.map(lambda m: -epsilon * m, mean), num_byzantine, honest)
 
 
+@ATTACKS.declare(kind="update")
 def nonfinite(key: jax.Array, honest: PyTree, num_byzantine: int, value: float = float("nan")) -> PyTree:
     """Byzantine (or crashed) nodes send NaN (or +-Inf with ``value``) everywhere."""
     del key
     return jax.tree.map(lambda x: jnp.full((num_byzantine, *x.shape[1:]), value, x.dtype), honest)
 
 
+@ATTACKS.declare(kind="update")
 def mimic(key: jax.Array, honest: PyTree, num_byzantine: int, target: int = 0) -> PyTree:
     """Every Byzantine node copies honest node ``target`` (Karimireddy, He and Jaggi 2022).
 
@@ -184,6 +205,7 @@ def _min_max_sum(honest, num_byzantine, gamma_max, perturbation, steps, use_sum)
     return _unflat(mu + gamma * p, num_byzantine, honest)
 
 
+@ATTACKS.declare(kind="update")
 def min_max(
     key: jax.Array,
     honest: PyTree,
@@ -206,6 +228,7 @@ def min_max(
     return _min_max_sum(honest, num_byzantine, gamma_max, perturbation, steps, use_sum=False)
 
 
+@ATTACKS.declare(kind="update")
 def min_sum(
     key: jax.Array,
     honest: PyTree,
@@ -220,6 +243,7 @@ def min_sum(
     return _min_max_sum(honest, num_byzantine, gamma_max, perturbation, steps, use_sum=True)
 
 
+@ATTACKS.declare(kind="update")
 def fltrust_aware(key: jax.Array, honest: PyTree, num_byzantine: int, cosine: float = 0.1) -> PyTree:
     """An attack adapted to FLTrust: keep a positive trust score, spend the rest on harm.
 
@@ -245,23 +269,45 @@ def fltrust_aware(key: jax.Array, honest: PyTree, num_byzantine: int, cosine: fl
     return _unflat(bad, num_byzantine, honest)
 
 
-ATTACKS: dict[str, Attack] = {
-    "sign_flip": sign_flip,
-    "gaussian": gaussian,
-    "alie": alie,
-    "ipm": ipm,
-    "nonfinite": nonfinite,
-    "mimic": mimic,
-    "min_max": min_max,
-    "min_sum": min_sum,
-    "fltrust_aware": fltrust_aware,
-}
+@ATTACKS.declare(kind="data")
+def label_flip(task: Any, batch: PyTree) -> PyTree:
+    """Byzantine nodes train on flipped labels (a data attack).
+
+    The trainer applies it through the task's ``flip_labels`` on the Byzantine nodes'
+    batches (see :mod:`strategies.byzantine`); it never replaces a submitted update.
+    """
+    return task.flip_labels(batch)
+
+
+def attack_options(spec: Spec) -> list[str]:
+    """An attack's keyword options: its parameters less those the caller passes (:data:`PASSED`)."""
+    passed = PASSED.get(spec.kind, ())
+    return [k for k in spec.params if k not in passed]
+
+
+def check_options(name: str, options: Mapping[str, Any]) -> None:
+    """A RegistryError naming the options that ``name`` does not take, and the valid ones."""
+    spec = ATTACKS[name]
+    unknown = sorted(set(options) - set(attack_options(spec)))
+    if unknown and not spec.takes_any_option:
+        raise RegistryError(
+            f"{unknown} are not options of the {name!r} attack; valid options: {attack_options(spec)}"
+        )
 
 
 def get_attack(name: str) -> Attack:
-    if name not in ATTACKS:
-        raise ValueError(f"unknown attack {name!r}; valid choices: {sorted(ATTACKS)}")
-    return ATTACKS[name]
+    """The function of the update attack ``name`` (a ValueError for unknown names and data attacks)."""
+    spec = ATTACKS[name]
+    if spec.kind != "update":
+        raise ValueError(
+            f"attack {name!r} is a {spec.kind} attack: it poisons training, not the submitted update"
+        )
+    return spec.factory
+
+
+def _takes_num_nodes(attack: str | Attack, fn: Attack) -> bool:
+    params = ATTACKS[attack].params if isinstance(attack, str) else inspect.signature(fn).parameters
+    return "num_nodes" in params
 
 
 def apply_attack(
@@ -281,7 +327,7 @@ def apply_attack(
       byzantine_mask: concrete (n,) bool: which nodes are Byzantine.
       params: current global params; attacks act on updates x_i - params
         (on the raw rows when None).
-      **kwargs: forwarded to the attack (``num_nodes`` is filled in for ALIE).
+      **kwargs: forwarded to the attack (``num_nodes`` is filled in for attacks that take it).
     Returns:
       stacked tree with the Byzantine rows replaced by ``params + attack(...)``.
     """
@@ -294,7 +340,7 @@ def apply_attack(
         return stacked
     if len(hon) == 0:
         raise ValueError("apply_attack: every node is Byzantine; attacks need at least one honest node")
-    if fn is alie:
+    if _takes_num_nodes(attack, fn):
         kwargs.setdefault("num_nodes", n)
     ref = params
 

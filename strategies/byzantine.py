@@ -37,8 +37,8 @@ class Byzantine:
 
     Args:
       mask: concrete (n,) bool, True for Byzantine nodes.
-      attack: ``"label_flip"`` (poisoned training data only), a model attack
-        name from :data:`strategies.attacks.ATTACKS`, or an attack function
+      attack: a name from :data:`strategies.attacks.ATTACKS` (``"label_flip"``, a data attack:
+        poisoned training data only; or an update attack), or an attack function
         ``attack(key, honest_deltas, num_byzantine, **kw)``.
       label_flip: also train the Byzantine nodes on flipped labels when the
         attack is a model attack (data + model poisoning).
@@ -58,10 +58,9 @@ class Byzantine:
                 f"Byzantine.mask must be a 1-D numpy bool array, got {mask.dtype} of shape {mask.shape}"
             )
         object.__setattr__(self, "mask", mask)
-        if isinstance(self.attack, str) and self.attack != LABEL_FLIP and self.attack not in attacks.ATTACKS:
+        if isinstance(self.attack, str) and self.attack not in attacks.ATTACKS:
             raise ValueError(
-                f"unknown attack {self.attack!r}; valid: {[LABEL_FLIP, *sorted(attacks.ATTACKS)]} "
-                "or a function"
+                f"unknown attack {self.attack!r}; valid: {sorted(attacks.ATTACKS)} or a function"
             )
         if self.is_model_attack and mask.all():
             raise ValueError(
@@ -74,12 +73,13 @@ class Byzantine:
 
     @property
     def is_model_attack(self) -> bool:
-        return self.attack != LABEL_FLIP
+        """The attack replaces the submitted update (a function, or a name declared ``kind="update"``)."""
+        return not isinstance(self.attack, str) or attacks.ATTACKS[self.attack].kind == "update"
 
     @property
     def flip_mask(self) -> np.ndarray:
-        """(n,) bool: nodes that train on flipped labels."""
-        if self.attack == LABEL_FLIP or self.label_flip:
+        """(n,) bool: nodes that train on flipped labels (a data attack, or ``label_flip`` set)."""
+        if not self.is_model_attack or self.label_flip:
             return self.mask.copy()
         return np.zeros_like(self.mask)
 

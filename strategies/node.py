@@ -15,22 +15,25 @@ A strategy says, for one node:
 
 The trainer never branches on strategy names: every node runs the same jitted, vmapped
 step with its own settings (a table of per-node numbers), so mixed strategies still train
-in one call. A new strategy is a class with these two methods plus one
-:func:`register_strategy` call; it does not edit the trainer.
+in one call. A new strategy is a class with these two methods, declared with
+``@STRATEGIES.declare("name")`` (its keyword arguments are its options); it does not edit
+the trainer, and a user's module declares one the same way as a plug-in.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from consensus.registry import Registry, RegistryError
+from consensus.specs import Registry, RegistryError, Spec
 
 PyTree = Any
 LEVELS = ("general", "groups", "own")
+
+#: Node strategies by name; each class (or factory) is declared with ``@STRATEGIES.declare(name)``.
+STRATEGIES: Registry[Spec] = Registry("node strategy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +79,7 @@ class _SubmitFinal:
         return final
 
 
+@STRATEGIES.declare("local")
 @dataclasses.dataclass(frozen=True)
 class Local(_SubmitFinal):
     """Plain local training on the node's own shard; submits its final parameters."""
@@ -86,6 +90,7 @@ class Local(_SubmitFinal):
         return NodeSettings((0, 0, local_steps), (learning_rate,) * 3)
 
 
+@STRATEGIES.declare("hierarchical")
 @dataclasses.dataclass(frozen=True)
 class Hierarchical(_SubmitFinal):
     """A curriculum: the general pool, then the node's own groups of it, then its own shard.
@@ -113,6 +118,7 @@ class Hierarchical(_SubmitFinal):
         return NodeSettings(steps, tuple(learning_rate * s for s in self.lr_scale))
 
 
+@STRATEGIES.declare("convexity")
 @dataclasses.dataclass(frozen=True)
 class Convexity(_SubmitFinal):
     """Proximal / convex-constrained training that keeps the node mergeable with the consensus.
@@ -136,6 +142,7 @@ class Convexity(_SubmitFinal):
         return NodeSettings((0, 0, local_steps), (learning_rate,) * 3, self.mu, self.radius)
 
 
+@STRATEGIES.declare("soup")
 @dataclasses.dataclass(frozen=True)
 class Soup:
     """Incremental soup: snapshots along the round, submits their greedy soup (Wortsman et al. 2022).
@@ -166,41 +173,22 @@ class Soup:
         return greedy_soup(list(snapshots), evaluate, metric="accuracy", scores=scores).params
 
 
-# ----------------------------------------------------------------------------- registry
+# ----------------------------------------------------------------------------- building
 
 
-@dataclasses.dataclass(frozen=True)
-class StrategySpec:
-    """A registered node strategy: ``factory(**options) -> NodeStrategy``."""
-
-    name: str
-    factory: Callable[..., NodeStrategy]
-    summary: str = ""
-
-    @property
-    def options(self) -> list[str]:
-        return [k for k in inspect.signature(self.factory).parameters if k != "name"]
-
-    def build(self, **options: Any) -> NodeStrategy:
-        unknown = sorted(set(options) - set(self.options))
-        if unknown:
-            raise RegistryError(
-                f"node strategy {self.name!r} takes no option(s) {unknown}; valid options: {self.options}"
-            )
-        # TOML lists arrive as lists; the strategies are frozen (hashable) dataclasses of tuples.
-        return self.factory(**{k: tuple(v) if isinstance(v, list) else v for k, v in options.items()})
+def strategy_options(spec: Spec) -> list[str]:
+    """A strategy's options: its factory's parameters less ``name`` (the strategy's own label)."""
+    return [k for k in spec.params if k != "name"]
 
 
-STRATEGIES: Registry[StrategySpec] = Registry("node strategy")
-
-
-def register_strategy(name: str, factory: Callable[..., NodeStrategy]) -> StrategySpec:
-    """Register a node strategy class or factory under ``name`` (its keyword arguments are its options)."""
-    doc = (inspect.getdoc(factory) or "").split("\n", 1)[0]
-    return STRATEGIES.register(name, StrategySpec(name, factory, doc))
-
-
-register_strategy("local", Local)
-register_strategy("hierarchical", Hierarchical)
-register_strategy("convexity", Convexity)
-register_strategy("soup", Soup)
+def build_strategy(name: str, options: Mapping[str, Any] | None = None) -> NodeStrategy:
+    """The strategy ``name`` built with ``options`` (a RegistryError names unknown ones)."""
+    spec = STRATEGIES[name]
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(strategy_options(spec)))
+    if unknown and not spec.takes_any_option:
+        raise RegistryError(
+            f"node strategy {name!r} takes no option(s) {unknown}; valid options: {strategy_options(spec)}"
+        )
+    # TOML lists arrive as lists; the strategies are frozen (hashable) dataclasses of tuples.
+    return spec.factory(**{k: tuple(v) if isinstance(v, list) else v for k, v in options.items()})

@@ -1,97 +1,42 @@
-"""Registries of the node side: tasks and attacks (node strategies live in :mod:`strategies.node`).
+"""The node side's declared families, gathered for configs: tasks, attacks and node strategies.
 
-Like :mod:`consensus.registry`, these are the edge that names things for configs
-and benchmarks; the library API stays plain classes and functions. A task is
-named in a config by a registered name (``"digits"``) or by an import path
+Each entry is declared beside its factory (:mod:`consensus.specs`): tasks with
+``@TASKS.declare`` in their task module, attacks with ``@ATTACKS.declare`` in
+:mod:`strategies.attacks`, node strategies with ``@STRATEGIES.declare`` in
+:mod:`strategies.node`. Importing this module declares every built-in one. A
+task is named in a config by a declared name (``"digits"``) or by an import path
 ``"package.module:factory"`` (:func:`resolve_task`), so a user's own model runs
 through ``meta-consensus run`` without touching this package.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
-import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from consensus.registry import Registry, RegistryError
-from strategies import attacks as attack_lib
-from strategies.tasks.base import Task
+# The task modules declare their tasks on import; fashion_mnist is not imported by strategies.tasks.
+import strategies.tasks.fashion_mnist  # noqa: F401
+from consensus.plugins import make_cwd_importable
+from consensus.specs import Registry, RegistryError, Spec
+from strategies.attacks import ATTACKS, attack_options
+from strategies.node import STRATEGIES, build_strategy, strategy_options
+from strategies.tasks.base import TASKS, Task
 
-# ----------------------------------------------------------------------------- tasks
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskSpec:
-    """A registered task: ``factory(**options) -> Task``; its options are the factory's parameters."""
-
-    name: str
-    factory: Callable[..., Task]
-    summary: str = ""
-
-    @property
-    def params(self) -> dict[str, inspect.Parameter]:
-        return dict(inspect.signature(self.factory).parameters)
-
-    def build(self, **options: Any) -> Task:
-        valid = list(self.params)
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in self.params.values()):
-            unknown = sorted(set(options) - set(valid))
-            if unknown:
-                raise RegistryError(
-                    f"task {self.name!r} takes no option(s) {unknown}; valid options: {valid}"
-                )
-        return self.factory(**options)
-
-
-TASKS: Registry[TaskSpec] = Registry("task")
-
-
-def register_task(name: str, factory: Callable[..., Task], summary: str = "") -> TaskSpec:
-    """Register a task factory under ``name`` (its keyword arguments become ``task.options``)."""
-    doc = (inspect.getdoc(factory) or "").split("\n", 1)[0]
-    return TASKS.register(name, TaskSpec(name, factory, summary or doc))
-
-
-def _digits(hidden: tuple[int, ...] = (32,)) -> Task:
-    """scikit-learn's 8x8 digits (1,797 images), an MLP."""
-    from strategies.tasks.digits import DigitsTask
-
-    return DigitsTask(hidden=tuple(hidden))
-
-
-def _text(**options: Any) -> Task:
-    """A byte-level transformer on a small embedded text corpus."""
-    from strategies.tasks.text import TextTask
-
-    return TextTask(**options)
-
-
-def _fashion_mnist(
-    model: str = "mlp",
-    hidden: tuple[int, ...] = (256,),
-    channels: tuple[int, int] = (16, 32),
-    data_dir: str | None = None,
-    heldout_size: int = 5000,
-    limit: int | None = None,
-) -> Task:
-    """Fashion-MNIST (70,000 28x28 images) from its IDX files, an MLP or a small CNN."""
-    from strategies.tasks.fashion_mnist import FashionMNISTTask
-
-    return FashionMNISTTask(
-        model=model,
-        hidden=tuple(hidden),
-        channels=tuple(channels),
-        data_dir=data_dir,
-        heldout_size=heldout_size,
-        limit=limit,
-    )
-
-
-register_task("digits", _digits)
-register_task("text", _text)
-register_task("fashion_mnist", _fashion_mnist)
+__all__ = [
+    "ATTACKS",
+    "STRATEGIES",
+    "TASKS",
+    "Registry",
+    "RegistryError",
+    "Spec",
+    "attack_options",
+    "build_strategy",
+    "build_task",
+    "check_task",
+    "resolve_task",
+    "strategy_options",
+]
 
 # The methods every task must have (the Task protocol), for the error on an object that lacks some.
 TASK_METHODS = ("init", "apply", "loss", "metrics", "logical_axes", "flip_labels", "splits")
@@ -110,15 +55,27 @@ def check_task(obj: Any, origin: str) -> Task:
     return obj
 
 
-def resolve_task(name: str, options: Mapping[str, Any] | None = None) -> Task:
-    """The task a config names: a registered name, or ``"package.module:factory"`` called with the options.
+def build_task(name: str, options: Mapping[str, Any] | None = None) -> Task:
+    """The declared task ``name`` built with ``options`` (a RegistryError names unknown ones)."""
+    spec = TASKS[name]
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(spec.params))
+    if unknown and not spec.takes_any_option:
+        raise RegistryError(f"task {name!r} takes no option(s) {unknown}; valid options: {list(spec.params)}")
+    return spec.factory(**options)
 
-    The import path may name a factory (called with ``**options``) or a ready Task object.
+
+def resolve_task(name: str, options: Mapping[str, Any] | None = None) -> Task:
+    """The task a config names: a declared name, or ``"package.module:factory"`` called with the options.
+
+    The import path may name a factory (called with ``**options``) or a ready Task object; the
+    current directory is importable, as with ``python -m``.
     """
     options = dict(options or {})
     if ":" not in name:
-        return check_task(TASKS[name].build(**options), f"task {name!r}")
+        return check_task(build_task(name, options), f"task {name!r}")
     module_name, _, attr = name.partition(":")
+    make_cwd_importable()
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -138,46 +95,3 @@ def resolve_task(name: str, options: Mapping[str, Any] | None = None) -> Task:
             )
         obj = target
     return check_task(obj, f"task {name!r}")
-
-
-# ----------------------------------------------------------------------------- attacks
-
-
-@dataclasses.dataclass(frozen=True)
-class AttackSpec:
-    """A registered attack. ``fn(key, honest, num_byzantine, **options)`` returns the f Byzantine trees.
-
-    ``fn`` is None for data attacks (label flipping), which poison training instead of the update.
-    """
-
-    name: str
-    fn: Callable[..., Any] | None
-    summary: str = ""
-
-    @property
-    def options(self) -> list[str]:
-        """The attack's keyword options (after key, honest, f; the system passes num_nodes itself)."""
-        if self.fn is None:
-            return []
-        params = list(inspect.signature(self.fn).parameters)[3:]
-        return [p for p in params if p != "num_nodes"]
-
-    def check_options(self, options: Mapping[str, Any]) -> None:
-        unknown = sorted(set(options) - set(self.options))
-        if unknown:
-            raise RegistryError(
-                f"{unknown} are not options of the {self.name!r} attack; valid options: {self.options}"
-            )
-
-
-ATTACKS: Registry[AttackSpec] = Registry("attack")
-
-
-def register_attack(name: str, fn: Callable[..., Any] | None, summary: str = "") -> AttackSpec:
-    doc = (inspect.getdoc(fn) or "").split("\n", 1)[0] if fn is not None else ""
-    return ATTACKS.register(name, AttackSpec(name, fn, summary or doc))
-
-
-register_attack("label_flip", None, "Byzantine nodes train on flipped labels (a data attack).")
-for _name, _fn in attack_lib.ATTACKS.items():
-    register_attack(_name, _fn)

@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from consensus.specs import Registry, Spec
+
 PyTree = Any
 Array = jax.Array
 Batch = Mapping[str, Array]
@@ -92,6 +94,11 @@ class Task(Protocol):
         process_index: int = 0,
         process_count: int = 1,
     ) -> TaskData: ...
+
+
+#: Tasks a config names by ``task.name``: each factory is declared beside its task with
+#: ``@TASKS.declare("name")`` and called with ``task.options`` (its parameters).
+TASKS: Registry[Spec] = Registry("task")
 
 
 # --------------------------------------------------------------------------- data

@@ -25,7 +25,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from strategies.tasks.base import Array, PyTree, TaskData, cross_entropy, param_dtype, split_module
+from strategies.tasks.base import (
+    TASKS,
+    Array,
+    PyTree,
+    TaskData,
+    cross_entropy,
+    param_dtype,
+    split_module,
+)
 from strategies.tasks.classification import ClassifierMethods, classification_splits
 
 NUM_CLASSES = 10
@@ -210,3 +218,9 @@ class DigitsTask(ClassifierMethods):
             process_index=process_index,
             process_count=process_count,
         )
+
+
+@TASKS.declare("digits")
+def digits(hidden: tuple[int, ...] = (32,)) -> DigitsTask:
+    """scikit-learn's 8x8 digits (1,797 images), an MLP."""
+    return DigitsTask(hidden=tuple(hidden))

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from strategies.tasks.base import Array, PyTree, TaskData, param_dtype, split_module
+from strategies.tasks.base import TASKS, Array, PyTree, TaskData, param_dtype, split_module
 from strategies.tasks.classification import ClassifierMethods, classification_splits
 from strategies.tasks.digits import MLP, mlp_dense_taps
 from strategies.tasks.idx import read_idx
@@ -258,3 +258,23 @@ class FashionMNISTTask(ClassifierMethods):
             process_count=process_count,
             group_names=CLASS_NAMES,
         )
+
+
+@TASKS.declare("fashion_mnist")
+def fashion_mnist(
+    model: str = "mlp",
+    hidden: tuple[int, ...] = (256,),
+    channels: tuple[int, int] = (16, 32),
+    data_dir: str | None = None,
+    heldout_size: int = 5000,
+    limit: int | None = None,
+) -> FashionMNISTTask:
+    """Fashion-MNIST (70,000 28x28 images) from its IDX files, an MLP or a small CNN."""
+    return FashionMNISTTask(
+        model=model,
+        hidden=tuple(hidden),
+        channels=tuple(channels),
+        data_dir=data_dir,
+        heldout_size=heldout_size,
+        limit=limit,
+    )

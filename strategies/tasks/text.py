@@ -43,6 +43,7 @@ import numpy as np
 from flax import nnx
 
 from strategies.tasks.base import (
+    TASKS,
     Array,
     Batch,
     PyTree,
@@ -698,3 +699,9 @@ def _cached_corpus(
     root: str | None, families: tuple[tuple[str, tuple[str, ...]], ...], max_bytes: int, split_seed: int
 ) -> tuple[CorpusFile, ...]:
     return list_corpus(root=root, families=families, max_bytes_per_file=max_bytes, split_seed=split_seed)
+
+
+@TASKS.declare("text")
+def text(**options: Any) -> TextTask:
+    """A byte-level transformer on a small embedded text corpus."""
+    return TextTask(**options)
