@@ -2,15 +2,23 @@
 
 ::
 
-    meta-consensus run [--config FILE] [--set key=value ...] [--resume | --overwrite] [--quiet] [--init FILE]
+    meta-consensus run [--config FILE] [--set key=value ...] [--plugin MODULE ...] [--resume | --overwrite]
+                       [--quiet] [--init FILE]
     meta-consensus report runs/<name>
-    meta-consensus merge --method NAME [--set method.PARAM=VALUE ...] [--base BASE] --out DIR INPUT...
+    meta-consensus merge --method NAME [--set method.PARAM=VALUE ...] [--plugin MODULE ...] [--base BASE]
+                         --out DIR INPUT...
 
 ``run`` with no arguments runs the embedded default (digits, 8 nodes with mixed
 strategies, 2 ALIE attackers, Multi-Krum vote, mixture-NLL convex weights, DP).
 A multi-process run starts the same command once per process with
 ``--coordinator HOST:PORT --num-processes P --process-id I``
 (``jax.distributed``); each process hosts a block of the nodes.
+
+``--plugin MODULE`` imports a user's module (the current directory is importable)
+whose declared rules, attacks, node strategies, weight objectives, tasks or merge
+methods are then valid names; ``run`` records it in the config (``plugins``), so the
+run directory's ``config.toml`` loads it again. A plug-in that fails to import is a
+user error.
 
 Exit codes: 0 done; 1 no round succeeded, or a process of a multi-process run was
 lost; 2 a user error (bad arguments or config, a run directory that holds another
@@ -51,6 +59,29 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
+def _add_plugin_option(parser: argparse.ArgumentParser) -> None:
+    """``--plugin MODULE`` (repeatable), shared by the subcommands that read declared names."""
+    parser.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import this module first (current directory importable): its declared rules, attacks, "
+        "node strategies, weight objectives, tasks and merge methods become valid names",
+    )
+
+
+def _load_plugins(modules: list[str]) -> None:
+    """The installed plug-ins and ``modules``; a failure is one line naming the module (exit 2)."""
+    from consensus.plugins import PluginError, load_entry_points, load_plugins
+
+    try:
+        load_entry_points()
+        load_plugins(modules)
+    except PluginError as e:
+        raise UserError(str(e)) from e
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="meta-consensus", description="Model merging by consensus on JAX.")
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -64,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a config value, e.g. --set rounds=5 --set vote.rule=median",
     )
+    _add_plugin_option(run)
     again = run.add_mutually_exclusive_group()
     again.add_argument(
         "--resume", action="store_true", help="continue from the run's newest intact checkpoint"
@@ -93,6 +125,7 @@ def _parser() -> argparse.ArgumentParser:
     from meta_consensus import merge as merging  # light: imports jax only when a merge runs
 
     merging.add_parser(sub)
+    _add_plugin_option(sub.choices["merge"])
     return ap
 
 
@@ -163,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     from meta_consensus import config
 
     try:
-        cfg = config.load(args.config, args.set)
+        cfg = config.load(args.config, args.set, plugins=args.plugin)
         if args.init is not None:
             cfg = cfg.replace(init_from=args.init)
     except config.ConfigError as e:
@@ -266,6 +299,7 @@ def merge_cmd(args: argparse.Namespace) -> int:
     """``meta-consensus merge``: see :mod:`meta_consensus.merge`."""
     from meta_consensus import merge as merging
 
+    _load_plugins(args.plugin)
     try:
         return merging.merge_cmd(args)
     except merging.user_errors() as e:

@@ -8,8 +8,8 @@ Example::
     result.consensus_params, result.history[-1].consensus_accuracy
 
 Outputs (process 0 only) go to ``<output_dir>/<name>/``: ``config.toml`` (the
-config used: ``meta-consensus run --config runs/<name>/config.toml`` repeats
-the run), ``metrics.jsonl`` (one :class:`RoundInfo` per line),
+config used, its ``plugins`` included: ``meta-consensus run --config
+runs/<name>/config.toml`` repeats the run), ``metrics.jsonl`` (one :class:`RoundInfo` per line),
 ``tensorboard/`` (event files), ``accuracy.png`` and ``weights.png``,
 ``table.txt``, ``privacy.json`` (the DP level, delta, epsilon and each node's)
 and ``checkpoints/`` (orbax, every ``checkpoint_every`` rounds and at the end,

@@ -9,6 +9,7 @@ A Flower app's ``pyproject.toml`` names them (see docs/flower.md)::
     [tool.flwr.app.config]
     config = "configs/flower.toml"   # this package's run config (server side); "" = the default
     overrides = "rounds=3;nodes.count=2"  # optional key=value overrides, ';'-separated
+    plugins = "my_rules"              # optional plug-in modules, ';'-separated (added to the config's)
     round-timeout = 600.0             # seconds a round waits for its replies
     evaluate = true                   # federated evaluation of the consensus on the nodes' shards
     wait-for-nodes = 120.0            # seconds the first round waits for all nodes.count SuperNodes
@@ -17,7 +18,9 @@ The server reads the config, runs :class:`~meta_consensus.flower.strategy.Consen
 for ``rounds`` rounds and writes ``<output_dir>/<name>/consensus.safetensors`` and
 ``flower_rounds.jsonl`` (one :class:`~meta_consensus.flower.strategy.FlowerRound` a line).
 The nodes get the config from the server with every train message; each SuperNode says
-which node it is with ``--node-config "partition-id=<i> num-partitions=<n>"``.
+which node it is with ``--node-config "partition-id=<i> num-partitions=<n>"``. The config
+text lists its plug-ins, which every ClientApp imports before checking it, so a plug-in's
+module must be importable on the SuperNodes too (their current directory is).
 """
 
 from __future__ import annotations
@@ -40,10 +43,11 @@ HISTORY_FILE = "flower_rounds.jsonl"
 
 
 def config_from_run_config(run_config: dict[str, Any]) -> Config:
-    """The package config that a Flower run config names (``config`` path, ``overrides``)."""
+    """The package config that a Flower run config names (``config`` path, ``overrides``, ``plugins``)."""
     path = str(run_config.get("config", "") or "") or None
     overrides = [o.strip() for o in str(run_config.get("overrides", "") or "").split(";") if o.strip()]
-    return config_lib.load(path, overrides)
+    plugins = [m.strip() for m in str(run_config.get("plugins", "") or "").split(";") if m.strip()]
+    return config_lib.load(path, overrides, plugins=plugins)
 
 
 def run_strategy(strategy: ConsensusStrategy, grid: Grid, *, timeout: float = 600.0) -> Result:
