@@ -90,7 +90,8 @@ class MeshConfig:
     @property
     def resolved_rules(self) -> tuple[tuple[str, str | None], ...]:
         if self.rules is not None:
-            return tuple(tuple(r) for r in self.rules)
+            # TOML gives lists; __post_init__ checks that each is a (name, axis) pair.
+            return tuple(tuple(r) for r in self.rules)  # type: ignore[misc]
         return FSDP_RULES if self.fsdp else DEFAULT_RULES
 
 
@@ -132,7 +133,7 @@ def logical_to_spec(
     if len(logical) > len(shape):
         raise ValueError(f"logical axes {logical} have more entries than the shape {tuple(shape)}")
     logical = logical + (None,) * (len(shape) - len(logical))
-    used: set[str] = set()
+    used: set[str | None] = set()
     spec: list[str | None] = []
     for dim, name in zip(shape, logical, strict=True):
         axis = rules.get(name) if name is not None else None

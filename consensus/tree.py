@@ -62,7 +62,7 @@ def check_same_structure(trees: Sequence[PyTree], reference: PyTree | None = Non
     paths = leaf_paths(ref)
     for i, tree in enumerate(trees):
         leaves, tdef = jax.tree_util.tree_flatten(tree)
-        if tdef != ref_def:
+        if tdef != ref_def:  # type: ignore[operator]  # jaxlib's PyTreeDef stub declares no __ne__
             diff = _describe_structure_difference(ref, tree)
             raise TreeMismatchError(f"node {i}: tree structure differs from the reference: {diff}")
         for path, a, b in zip(paths, ref_leaves, leaves, strict=True):
@@ -100,7 +100,9 @@ def num_nodes(stacked: PyTree) -> int:
         paths = leaf_paths(stacked)
         detail = {p: (np.shape(x)[0] if np.ndim(x) else "scalar") for p, x in zip(paths, leaves, strict=True)}
         raise TreeMismatchError(f"stacked tree: leaves disagree on the node axis size: {detail}")
-    return sizes.pop()
+    n = sizes.pop()
+    assert n is not None  # ruled out above
+    return n
 
 
 def unstack(stacked: PyTree) -> list[PyTree]:
@@ -113,7 +115,7 @@ def check_stacked_against(stacked: PyTree, params: PyTree) -> None:
     """Raise TreeMismatchError unless ``stacked`` is ``params`` with a node axis added."""
     p_leaves, p_def = jax.tree_util.tree_flatten(params)
     s_leaves, s_def = jax.tree_util.tree_flatten(stacked)
-    if p_def != s_def:
+    if p_def != s_def:  # type: ignore[operator]  # as in check_trees
         raise TreeMismatchError(
             "stacked tree and params differ in structure: " + _describe_structure_difference(params, stacked)
         )
@@ -152,7 +154,7 @@ def is_finite(tree_: PyTree) -> jax.Array:
 
 def nonfinite_report(stacked: PyTree) -> list[tuple[int, str]]:
     """(node, leaf path) pairs holding NaN or Inf. Eager (not for use under jit)."""
-    out = []
+    out: list[tuple[int, str]] = []
     for path, x in zip(leaf_paths(stacked), jax.tree_util.tree_leaves(stacked), strict=True):
         bad = np.flatnonzero(~np.asarray(row_kernels.finite_rows(x)))
         out.extend((int(i), path) for i in bad)
@@ -181,6 +183,7 @@ def gram(stacked: PyTree, ref: PyTree | None = None) -> jax.Array:
     for x, r in zip(leaves, refs, strict=True):
         g = gram_kernels.gram(x, r)
         total = g if total is None else total + g
+    assert total is not None, "a tree without leaves has no Gram matrix"
     return total
 
 
@@ -188,10 +191,10 @@ def gram_f64(stacked: PyTree, ref: PyTree | None = None) -> np.ndarray:
     """Like :func:`gram` but summed over leaves in float64 on the host (eager only)."""
     leaves = jax.tree_util.tree_leaves(stacked)
     refs = [None] * len(leaves) if ref is None else jax.tree_util.tree_leaves(ref)
-    total = 0.0
+    total: np.ndarray | float = 0.0
     for x, r in zip(leaves, refs, strict=True):
         total = total + np.asarray(gram_kernels.gram(x, r), dtype=np.float64)
-    return total
+    return np.asarray(total)
 
 
 def sq_norms(stacked: PyTree, ref: PyTree | None = None) -> jax.Array:
@@ -202,6 +205,7 @@ def sq_norms(stacked: PyTree, ref: PyTree | None = None) -> jax.Array:
     for x, r in zip(leaves, refs, strict=True):
         s = row_kernels.row_sq_norms(x, r)
         total = s if total is None else total + s
+    assert total is not None, "a tree without leaves has no norms"
     return total
 
 

@@ -232,7 +232,7 @@ def blockwise(
     centre: jax.Array | None,
     mixing,
     diagonal: bool,
-    start: jax.Array | None = None,
+    start: jax.Array | int | None = None,
     width: int | None = None,
 ) -> jax.Array:
     """Apply ``fn(block_rows) -> (B,)`` to every column block of x (n, ...); returns x.shape[1:] float32.
@@ -248,6 +248,7 @@ def blockwise(
     if start is None:
         start, d = 0, x2.shape[1]
     else:
+        assert width is not None, "a traced start needs a static width"
         d = int(width)
     b = block_columns(n)
 

@@ -514,7 +514,8 @@ class TreeReader:
             raise self._io.CheckpointKeyError(f"{self.path} has no key {key!r}")
         if key not in self._held:
             self._held = {}  # a leaf out of order: drop the group in hand
-            group, total = [], 0
+            group: list[str] = []
+            total = 0
             for k in self._order[self._index[key] :]:
                 if group and total + self.nbytes(k) > self._budget:
                     break

@@ -107,6 +107,7 @@ class ExampleAccountant:
             self.z = np.full((self.n,), float(d.noise_multiplier))
         else:
             # Each node's own z for the target over its planned steps (same q and T: same z).
+            assert d.epsilon is not None  # the config requires a target without noise_multiplier
             self.z = np.asarray(
                 [
                     _calibrate(float(d.epsilon), self.delta_acc, float(q), int(t), d.accountant)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -108,7 +109,11 @@ class Fleet:
             (cfg.mesh.node, cfg.mesh.data, cfg.mesh.model) if cfg.mesh.enabled or process_count > 1 else None
         )
         self.trainer = _trainer(
-            self.task, cfg.nodes.learning_rate, cfg.nodes.batch_size, mesh, cfg.nodes.optimizer
+            self.task,  # type: ignore[arg-type]  # tasks are hashable; the Task protocol does not say so
+            cfg.nodes.learning_rate,
+            cfg.nodes.batch_size,
+            mesh,
+            cfg.nodes.optimizer,
         )
         self.strategies = cfg.nodes.build_strategies()
         self.settings = [s.settings(cfg.nodes.local_steps, cfg.nodes.learning_rate) for s in self.strategies]
@@ -128,11 +133,11 @@ class Fleet:
         radius = np.asarray([st.proximal_radius for st in self.settings], np.float32)
         self._proximal = (mu, radius) if (mu > 0).any() or np.isfinite(radius).any() else None
         self._segments = np.array_split(np.arange(cfg.nodes.local_steps), snaps.pop() if snaps else 1)
-        self._metrics = _metrics(self.task)
-        self._broadcast_jit = None
-        self._chunk_broadcast_jit = None
-        self._own_data = None  # TaskData.own(), built once for sampled rounds
-        self._key_impl = None  # the PRNG impl of the node keys (host state keeps raw key data)
+        self._metrics = _metrics(self.task)  # type: ignore[arg-type]  # as in _trainer
+        self._broadcast_jit: Callable[..., Any] | None = None
+        self._chunk_broadcast_jit: Callable[..., Any] | None = None
+        self._own_data: NodeData | None = None  # TaskData.own(), built once for sampled rounds
+        self._key_impl: Any = None  # the PRNG impl of the node keys (host state keeps raw key data)
         # Example-level DP-SGD settings (strategies.dpsgd.ExampleDP), set by the coordinator.
         self.example_dp = None
 
@@ -206,9 +211,9 @@ class Fleet:
             errors[i] = "fit raised RuntimeError: simulated crash"
         if faults.drop_rate > 0:
             drop = np.asarray(jax.random.uniform(k_fault, (self.n,))) < faults.drop_rate
-            for i in np.flatnonzero(drop & answered):
-                answered[i] = False
-                errors[int(i)] = "no answer (simulated drop)"
+            for j in np.flatnonzero(drop & answered):
+                answered[j] = False
+                errors[int(j)] = "no answer (simulated drop)"
         return FleetOutput(new_state, submitted, answered, errors, loss, seconds)
 
     def fit_sample(
@@ -297,7 +302,7 @@ class Fleet:
         if self.trainer.mesh is None:
             return self.trainer_broadcast(anchor)
         if self._broadcast_jit is None:
-            sh = self.trainer.shardings(like).params
+            sh = _placed(self.trainer.shardings(like)).params
             self._broadcast_jit = jax.jit(self.trainer_broadcast, out_shardings=sh)
         return self._broadcast_jit(anchor)
 
@@ -307,7 +312,7 @@ class Fleet:
         if self.trainer.mesh is None:
             return self.trainer_broadcast(anchor, rows)
         if self._chunk_broadcast_jit is None:
-            sh = self.trainer.shardings(like).params
+            sh = _placed(self.trainer.shardings(like)).params
             self._chunk_broadcast_jit = jax.jit(
                 functools.partial(self.trainer_broadcast, n=rows), out_shardings=sh
             )
@@ -318,6 +323,10 @@ class Fleet:
     ) -> tuple[TrainState, np.ndarray, list[PyTree]]:
         """Train ``state``'s nodes (all n, or, under sampling, the nodes ``rows`` of the chunk)."""
         # Every node restarts from the consensus; its optimizer state and key stream carry over.
+        pick: slice | np.ndarray
+        hp: Mapping[str, Any] | None
+        level: np.ndarray | None
+        active: np.ndarray | None
         if rows is None:
             state = state._replace(params=self._broadcast_placed(anchor, state.params))
             pick = slice(None)
@@ -347,7 +356,7 @@ class Fleet:
         flip = self.byzantine.flip_mask[pick]
         snapshots, losses = [], []
         for seg in self._segments:
-            schedule = None if level is None else Schedule(level[:, seg], active[:, seg])
+            schedule = None if level is None or active is None else Schedule(level[:, seg], active[:, seg])
             state, log = self.trainer.fit(
                 state,
                 data,
@@ -399,6 +408,12 @@ class Fleet:
         """Metrics of one params tree on the test (or held-out) set."""
         out = mesh_lib.to_host(self._metrics(params, getattr(self.data, split)))
         return {k: float(v) for k, v in out.items()}
+
+
+def _placed(shardings: TrainState | None) -> TrainState:
+    """The shardings of a trainer that has a mesh (its callers checked that it has one)."""
+    assert shardings is not None
+    return shardings
 
 
 @functools.lru_cache(maxsize=16)

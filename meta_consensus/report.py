@@ -12,6 +12,7 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -121,7 +122,7 @@ def plot(cfg: Config, history: Sequence[RoundInfo], run_dir: Path) -> list[Path]
     labels = roles(cfg)
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for i in range(node_acc.shape[1]):
-        style = {"color": "tab:red", "ls": ":"} if i in byz else {"color": "0.6", "ls": "-"}
+        style: dict[str, Any] = {"color": "tab:red", "ls": ":"} if i in byz else {"color": "0.6", "ls": "-"}
         ax.plot(rounds, node_acc[:, i], lw=0.9, alpha=0.8, label="nodes" if i == 0 else None, **style)
     if byz:
         ax.plot([], [], color="tab:red", ls=":", label="Byzantine nodes (submitted)")

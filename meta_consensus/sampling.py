@@ -97,6 +97,7 @@ def draw(nodes: NodesConfig, round_key: jax.Array) -> ClientSample | None:
         return None
     n, key = nodes.count, sample_key(round_key)
     if nodes.sampling == "uniform":
+        assert nodes.per_round is not None  # the config requires it for uniform sampling
         ids = np.asarray(jax.random.choice(key, n, (int(nodes.per_round),), replace=False))
     else:
         # Independent Bernoulli(q) per node: the sample the accountants' amplification assumes,

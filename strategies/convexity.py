@@ -213,7 +213,7 @@ class ConvexConstrainedState(NamedTuple):
     """State of :func:`convex_constrained`: the inner optimizer's state and a step count (for schedules)."""
 
     inner_state: optax.OptState
-    count: Array
+    count: Array  # type: ignore[assignment]  # a NamedTuple field named like tuple.count
 
 
 def convex_constrained(
@@ -319,6 +319,7 @@ def convex_constrained(
             lr = _resolve_lr(learning_rate, state.count, inner_state)
             v = proximal_step(v, anchor, mu_, lr)
         if use_ball:
+            assert r_ is not None  # use_ball says so
             v = project_l2_ball(v, anchor, r_)
 
         def delta(new: Array, p: Array, upd: Array) -> Array:

@@ -80,7 +80,7 @@ class Level:
 def default_levels(
     steps: tuple[int, int, int] = (200, 100, 100),
     learning_rates: tuple[float, float, float] = (3e-3, 1e-3, 5e-4),
-) -> tuple[Level, Level, Level]:
+) -> tuple[Level, ...]:
     """General -> the node's groups -> its own shard, with decreasing learning rates."""
     return tuple(
         Level(d, s, lr) for d, s, lr in zip(("general", "groups", "own"), steps, learning_rates, strict=True)

@@ -276,7 +276,7 @@ class SoupEvent(NamedTuple):
       soup_score: the soup's score after this event (None without ``evaluate``).
     """
 
-    index: int
+    index: int  # type: ignore[assignment]  # a NamedTuple field named like tuple.index
     name: str
     accepted: bool
     reason: str
@@ -306,7 +306,7 @@ class SoupState(NamedTuple):
     """
 
     params: PyTree | None
-    count: int
+    count: int  # type: ignore[assignment]  # a NamedTuple field named like tuple.count
     log_total_weight: float
     score: float | None
     events: tuple[SoupEvent, ...]

@@ -44,7 +44,7 @@ class NodeStatistics(NamedTuple):
 
     fisher: PyTree
     grams: dict[str, Array]
-    count: int
+    count: int  # type: ignore[assignment]  # a NamedTuple field named like tuple.count
 
 
 def mlp_layer_inputs(params: PyTree, inputs: Array) -> dict[str, Array]:
@@ -110,7 +110,7 @@ def _statistics(params, batch, loss_fn, layer_inputs, chunk_size):
 def node_statistics(
     loss_fn: Callable[[PyTree, Mapping[str, Array]], Array],
     params: PyTree,
-    batch: Mapping[str, Array],
+    batch: Mapping[str, Any],
     *,
     layer_inputs: Callable[[PyTree, Array], dict[str, Array]] = mlp_layer_inputs,
     chunk_size: int = 64,

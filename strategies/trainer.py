@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +48,7 @@ import optax
 from consensus import mesh as mesh_lib
 from strategies import dpsgd
 from strategies.convexity import project_l2_ball, proximal_step
-from strategies.tasks.base import Batch, NodeData, PyTree, Task, cast_floating, count_host
+from strategies.tasks.base import NodeData, PyTree, Task, cast_floating, count_host
 
 OptimizerFactory = Callable[..., optax.GradientTransformation]
 
@@ -82,8 +82,8 @@ class Proximal(NamedTuple):
     """
 
     anchor: PyTree
-    mu: jax.Array
-    radius: jax.Array
+    mu: jax.Array | np.ndarray
+    radius: jax.Array | np.ndarray
 
 
 class Schedule(NamedTuple):
@@ -224,6 +224,10 @@ class NodeTrainer:
     grad_accum: int = 1
     remat: bool = False
     unroll: int = 1
+    if TYPE_CHECKING:  # set by __post_init__, not dataclass fields at run time
+        _fit_jit: Callable[..., Any] = dataclasses.field(init=False)
+        _eval_jit: Callable[..., Any] = dataclasses.field(init=False)
+        _init_cache: dict[tuple[Any, ...], Callable[..., Any]] = dataclasses.field(init=False)
 
     def __post_init__(self):
         if self.batch_size < 1:
@@ -271,11 +275,17 @@ class NodeTrainer:
             return mesh_lib.global_from_local(x, sharding, (x.shape[0] * jax.process_count(), *x.shape[1:]))
         return mesh_lib.global_from_local(np.asarray(x) if not isinstance(x, jax.Array) else x, sharding)
 
+    @property
+    def _mesh(self) -> jax.sharding.Mesh | None:
+        """``mesh`` as __post_init__ left it: a MeshConfig has become its mesh."""
+        assert not isinstance(self.mesh, mesh_lib.MeshConfig)
+        return self.mesh
+
     def _node_sh(self) -> Any:
-        return None if self.mesh is None else mesh_lib.node_sharding(self.mesh)
+        return None if self._mesh is None else mesh_lib.node_sharding(self._mesh)
 
     def _rep_sh(self) -> Any:
-        return None if self.mesh is None else mesh_lib.replicated(self.mesh)
+        return None if self._mesh is None else mesh_lib.replicated(self._mesh)
 
     def place(self, data: NodeData) -> NodeData:
         """Put a NodeData on the device(s): per-node arrays on the "node" axis, shared pools replicated.
@@ -300,15 +310,16 @@ class NodeTrainer:
 
     def shardings(self, stacked_params: PyTree) -> TrainState | None:
         """NamedShardings of a TrainState for stacked params (arrays or ShapeDtypeStructs), or None."""
-        if self.mesh is None:
+        mesh = self._mesh
+        if mesh is None:
             return None
         single = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked_params)
         axes = self.task.logical_axes(single)
-        p_sh = mesh_lib.stacked_sharding(stacked_params, axes, self.mesh, self.rules)
+        p_sh = mesh_lib.stacked_sharding(stacked_params, axes, mesh, self.rules)
         opt_abs = jax.eval_shape(jax.vmap(self._tx(self._init_hp()).init), stacked_params)
-        o_sh = mesh_lib.opt_state_sharding(opt_abs, stacked_params, p_sh, self.mesh)
-        node = mesh_lib.node_sharding(self.mesh)
-        return TrainState(p_sh, o_sh, node, node)
+        o_sh = mesh_lib.opt_state_sharding(opt_abs, stacked_params, p_sh, mesh)
+        node = mesh_lib.node_sharding(mesh)
+        return TrainState(p_sh, o_sh, node, node)  # type: ignore[arg-type]  # a TrainState of shardings
 
     # ------------------------------------------------------------------ init
 
@@ -325,9 +336,10 @@ class NodeTrainer:
         """
         if not isinstance(num_nodes, int | np.integer) or num_nodes < 1:
             raise ValueError(f"num_nodes must be a positive int, got {num_nodes!r}")
-        if self.mesh is not None and num_nodes % self.mesh.shape["node"]:
+        mesh = self._mesh
+        if mesh is not None and num_nodes % mesh.shape["node"]:
             raise ValueError(
-                f"num_nodes={num_nodes} is not a multiple of the mesh's node axis ({self.mesh.shape['node']})"
+                f"num_nodes={num_nodes} is not a multiple of the mesh's node axis ({mesh.shape['node']})"
             )
         if params is not None:
             for path, leaf in jax.tree_util.tree_leaves_with_path(params):
@@ -429,7 +441,7 @@ class NodeTrainer:
         hp_all = {**self.hyperparams, **(hyperparams or {})}
         hp = {k: _as_level_table(k, v, n, num_levels) for k, v in hp_all.items()}
         use_prox = proximal is not None
-        if use_prox:
+        if proximal is not None:
             if "learning_rate" not in hp:
                 raise ValueError(
                     "proximal training needs a 'learning_rate' hyperparameter (the prox step size)"
@@ -655,7 +667,7 @@ class NodeTrainer:
 
     # ------------------------------------------------------------------ evaluate
 
-    def evaluate(self, stacked_params: PyTree, batch: Batch) -> dict[str, np.ndarray]:
+    def evaluate(self, stacked_params: PyTree, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Per-node metrics of every node on one shared batch, in one vmapped call.
 
         Returns:

@@ -55,6 +55,7 @@ def _num_examples(batch: PyTree) -> int:
     if len(sizes) != 1 or None in sizes:
         raise ValueError(f"held-out batch arrays disagree on the leading example axis: sizes {sizes}")
     m = sizes.pop()
+    assert m is not None  # checked just above
     if m < 1:
         raise ValueError("held-out batch is empty")
     return m

@@ -61,7 +61,8 @@ jax.tree_util.register_static(ConvexWeights)
 class Seconds(dict):
     """Wall seconds of the phases of the last update (host telemetry: ``{"vote": .., "weights": ..}``)."""
 
-    def __hash__(self) -> int:  # static pytree nodes must hash; telemetry never keys a jit cache
+    # Static pytree nodes must hash; telemetry never keys a jit cache. (dict declares __hash__ = None.)
+    def __hash__(self) -> int:  # type: ignore[override]
         return 0
 
 

@@ -59,7 +59,7 @@ HIGHEST = jax.lax.Precision.HIGHEST
 def _check_like(name: str, t: PyTree, ref: PyTree) -> None:
     t_leaves, t_def = jax.tree_util.tree_flatten(t)
     r_leaves, r_def = jax.tree_util.tree_flatten(ref)
-    if t_def != r_def:
+    if t_def != r_def:  # type: ignore[operator]  # jaxlib's PyTreeDef stub declares no __ne__
         raise tree.TreeMismatchError(f"{name} has a different tree structure from the reference params")
     for path, a, b in zip(tree.leaf_paths(ref), r_leaves, t_leaves, strict=True):
         if np.shape(a) != np.shape(b):
@@ -325,6 +325,7 @@ def trust_region_quadratic_weights(
         f"trust region: no step with rho >= {eta} in {max_steps + 1} solves (last lambda={lam / 10:.3g}); "
         "uniform weights"
     )
+    assert res is not None  # the loop above ran at least once
     return _replace(
         res, weights=u, objective=model(u), solve_time=total_time, message=note, iterations=max_steps + 1
     )

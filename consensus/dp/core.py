@@ -48,6 +48,7 @@ def sum_noise_multiplier(cfg: MechanismSpec, m: float) -> float:
 
 def _count_std(cfg: MechanismSpec, m: float) -> float:
     a = cfg.adaptive
+    assert a is not None, "only adaptive clipping has a count"
     sigma_b = m / 20.0 if a.count_noise_multiplier is None else float(a.count_noise_multiplier)
     z = cfg.noise_multiplier
     if z > 0.0 and not 2.0 * sigma_b > z:

@@ -115,6 +115,7 @@ def check_dp_compatible(aggregator: Aggregator) -> None:
 def dp_sensitivity(aggregator: Aggregator, clip_norm: float, num_nodes: float) -> float:
     """The rule's L2 sensitivity for updates clipped to ``clip_norm`` (ValueError if unknown)."""
     check_dp_compatible(aggregator)
+    assert aggregator.sensitivity is not None  # check_dp_compatible raised otherwise
     s = float(aggregator.sensitivity(float(clip_norm), float(num_nodes)))
     if not (math.isfinite(s) and s > 0.0):
         raise ValueError(f"rule {aggregator.name!r} reported an invalid sensitivity {s}")

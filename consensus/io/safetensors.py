@@ -206,7 +206,7 @@ class DirectFile:
 
     def _flush(self, nbytes: int) -> None:
         """Write the first ``nbytes`` (a multiple of BLOCK while direct) of the stage."""
-        out = memoryview(self.stage[:nbytes])
+        out = memoryview(self.stage[:nbytes])  # type: ignore[arg-type]  # numpy: __buffer__ from 3.12
         while out:
             try:
                 got = os.write(self.fd, out)
@@ -355,17 +355,14 @@ class ShardedWriter:
         self._next += 1
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self.abort()  # closes the open shard
         if self._next != len(self._order):
             raise CheckpointError(
                 f"ShardedWriter: {self._order[self._next]!r} and later tensors were never written"
             )
         if not self._order:  # an empty checkpoint is still a valid file
             self._open_shard(0)
-            self._file.close()
-            self._file = None
+            self.abort()
         if len(self.shards) > 1:
             index = {
                 "metadata": {"total_size": sum(self.nbytes.values()), **self.metadata},
@@ -374,6 +371,7 @@ class ShardedWriter:
             (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
     def abort(self) -> None:
+        """Close the open shard file, if any."""
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -638,7 +636,7 @@ class CheckpointReader:
         """Read the stored tensor ``old`` into ``out`` (all of it), or ``out.nbytes`` bytes after ``skip``."""
         f = self._stored[old][0]
         begin, end = self._offsets[old]
-        view = memoryview(out.reshape(-1).view(np.uint8))
+        view = memoryview(out.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # as in _flush
         _, shape, dtype = self._stored[old]
         need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if end - begin != need or (skip is None and len(view) != need):

@@ -275,7 +275,7 @@ def sampled_gaussian_pld(
     # Remove: the loss is increasing in x; A puts at most _RANGE_TAIL above x = 1 + t z.
     lo = math.log1p(-q) if q < 1.0 else loss_remove(1.0 - t * z)
     hi = loss_remove(1.0 + t * z)
-    out = []
+    out: list[DiscretePld | None] = []
     for which, (e_lo, e_hi) in (("remove", (lo, hi)), ("add", (-loss_remove(t * z), -lo))):
         if which == "add" and q == 1.0:
             out.append(None)
@@ -293,7 +293,9 @@ def sampled_gaussian_pld(
         deltas = np.minimum.accumulate(deltas)
         pld = _connect_dots(i_lo, deltas, h)
         out.append(_truncate(pld.offset, pld.pmf, pld.infinity_mass, h, min(tail_mass, _RANGE_TAIL)))
-    return out[0], out[1]
+    remove, add = out
+    assert remove is not None  # the first pass is "remove", which always runs
+    return remove, add
 
 
 def _check_discretization(h: float) -> float:

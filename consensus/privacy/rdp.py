@@ -114,7 +114,10 @@ def _log_a_frac(q: float, z: float, alpha: float) -> float:
 
 
 def compute_rdp(
-    noise_multiplier: float, sampling_rate: float, rounds: int = 1, orders: Sequence[float] | None = None
+    noise_multiplier: float,
+    sampling_rate: float,
+    rounds: int = 1,
+    orders: Sequence[float] | np.ndarray | None = None,
 ) -> np.ndarray:
     """RDP of ``rounds`` compositions of the Poisson-subsampled Gaussian mechanism.
 
@@ -149,7 +152,7 @@ def compute_rdp(
 
 
 def rdp_to_epsilon(
-    rdp: np.ndarray, delta: float, orders: Sequence[float] | None = None
+    rdp: np.ndarray, delta: float, orders: Sequence[float] | np.ndarray | None = None
 ) -> tuple[float, float]:
     """Convert RDP values to (epsilon, delta)-DP with Balle et al. (2020), Theorem 21.
 
@@ -222,7 +225,7 @@ class RdpAccountant:
       1.22
     """
 
-    def __init__(self, orders: Sequence[float] | None = None):
+    def __init__(self, orders: Sequence[float] | np.ndarray | None = None):
         self.orders = _check_orders(orders)
         self.rdp = np.zeros_like(self.orders)
         # One round's RDP per (z, q): a ledger composes the same event round after round.

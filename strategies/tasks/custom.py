@@ -224,9 +224,10 @@ def task_from_arrays(
             raise ValueError(
                 f"task_from_arrays: fractions must be three shares > 0 summing to 1, got {fractions}"
             )
-        rows = _stratified_split(y, tuple(fractions), split_seed)
+        rows = _stratified_split(y, (fractions[0], fractions[1], fractions[2]), split_seed)
         all_x, all_y = x, y
     else:
+        assert test is not None  # given together with heldout, checked above
         hx, hy = (np.asarray(a) for a in heldout)
         tx, ty = (np.asarray(a) for a in test)
         for what, (a, b) in (("heldout", (hx, hy)), ("test", (tx, ty))):
