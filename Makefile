@@ -1,6 +1,6 @@
 # Two commands that work on a fresh machine with Python 3.11+:
 #   make run   - the main job on its embedded default (meta-consensus run: digits, 8 nodes, ~1 min)
-#   make test  - ruff, the import contract and the whole pytest suite on 2 xdist workers (8:49-9:47 of pytest, 9:45-10:45 with the venv, fresh clone on a quiet 2-core machine, 2026-11-25; 17:40-21:04 of pytest, 19:40-23:04 with the venv, on a 2-core machine of the same kind that ran about 2x slower, 2026-11-26)
+#   make test  - ruff (check, format), the import contract, mypy and the whole pytest suite on 2 xdist workers (8:49-9:47 of pytest, 9:45-10:45 with the venv, fresh clone on a quiet 2-core machine, 2026-11-25; 17:40-21:04 of pytest, 19:40-23:04 with the venv, on a 2-core machine of the same kind that ran about 2x slower, 2026-11-26)
 #   make test-fast - the same without the slow, multiprocess and notebook tests (2.5 min on 2 cores)
 PYTHON ?= python3
 VENV := .venv
@@ -20,11 +20,15 @@ run: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # The markers are declared in pyproject.toml ([tool.pytest.ini_options]).
@@ -50,4 +54,4 @@ data:
 	else echo "no apt-get here: put the four Fashion-MNIST IDX files (train-images-idx3-ubyte.gz, ...) in a folder and set META_CONSENSUS_FASHION_MNIST=<folder> (or the task option data_dir)"; exit 1; fi
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
