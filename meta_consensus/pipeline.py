@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -90,7 +91,7 @@ class MergePipeline:
     """Builds the vote -> weights -> DP aggregator of a config (see the module docstring)."""
 
     def __init__(
-        self, cfg: Config, task: Task, heldout: dict[str, np.ndarray], noise_multiplier: float | None
+        self, cfg: Config, task: Task, heldout: Mapping[str, np.ndarray], noise_multiplier: float | None
     ):
         self.cfg = cfg
         self.task = task
@@ -126,25 +127,27 @@ class MergePipeline:
         if self._weigher is None:
             merge = vote
         else:
-            on_fallback = "raise" if cfg.weights.on_solver_failure == "fail" else "use"
+            on_fallback: Literal["use", "raise"] = (
+                "raise" if cfg.weights.on_solver_failure == "fail" else "use"
+            )
             merge = convex_merge(
                 self._weigher, vote=vote, on_fallback=on_fallback, name=f"{vote.name}+{cfg.weights.objective}"
             )
         d = cfg.dp
         if not d.enabled:
             return merge
+        z = self.noise_multiplier
+        assert z is not None, "DP is enabled, so the coordinator calibrated a noise multiplier"
         adaptive = AdaptiveClipConfig(d.target_quantile, d.adaptive_lr) if d.adaptive else None
         # Client sampling: the system draws the sample (the aggregator's own sampling stays off,
         # rate 1) and the fixed denominator / expected count is the sample's expected size.
         expected = cfg.nodes.expected_per_round() if cfg.nodes.sampled else None
         if self.plain_fedavg:
-            return dp_fedavg(
-                d.clip_norm, self.noise_multiplier, expected_nodes=expected, adaptive=adaptive, key=0
-            )
+            return dp_fedavg(d.clip_norm, z, expected_nodes=expected, adaptive=adaptive, key=0)
         return privatize(
             merge,
             d.clip_norm,
-            self.noise_multiplier,
+            z,
             expected_nodes=cfg.nodes.count if expected is None else expected,
             adaptive=adaptive,
             key=0,

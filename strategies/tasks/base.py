@@ -121,9 +121,10 @@ class NodeData:
         one gather. Checked when ``index`` is a host array.
     """
 
-    pool: Mapping[str, Array]
-    index: Array
-    count: Array
+    # Host arrays as built here; a fit phase may put them on the devices.
+    pool: Mapping[str, Array | np.ndarray]
+    index: Array | np.ndarray
+    count: Array | np.ndarray
     shared: bool
     name: str = "data"
     identity: bool = False
@@ -384,7 +385,7 @@ def split_module(module: Any) -> tuple[Any, PyTree, PyTree]:
     """
     from flax import nnx
 
-    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)  # type: ignore[misc]  # flax's overloads
     if jax.tree_util.tree_leaves(rest):
         raise TypeError("split_module: the module holds non-Param state; a task's only state is its params")
     return graphdef, nnx.to_pure_dict(params), logical_axes_of_state(params)
