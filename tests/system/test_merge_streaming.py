@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from consensus import io
-from meta_consensus import merge_stream
 from meta_consensus.merge import MergePlan, RuleChoice, merge_checkpoints
-from meta_consensus.merge_stream import aligned_empty
+from meta_consensus.merge import streaming as merge_stream
+from meta_consensus.merge.streaming import aligned_empty
 
 N = 5
 

@@ -1,7 +1,8 @@
-"""How ``meta-consensus merge`` moves bytes: reused aligned buffers, two workers, write-behind, chunks.
+"""How the merge moves bytes: reused aligned buffers, column chunks, two workers, write-behind.
 
 The merge reads every input once and writes the output once; everything here keeps
-that close to the cost of the copies themselves:
+that close to the cost of the copies themselves (``python -m benchmarks merge_io`` measures
+it; docs/merging.md says how each part was chosen):
 
 * **Aligned, reused buffers.** jax's CPU client aliases a host array instead of copying
   it when its data is 64-byte aligned (:func:`aligned_empty`), and every worker reuses
@@ -10,8 +11,8 @@ that close to the cost of the copies themselves:
   it while the other does the same with the next (``os.preadv`` and XLA release the GIL);
   the caller takes the results in order.
 * **Column chunks** (:func:`plan_pieces`): a leaf merged by an element-wise rule
-  (:attr:`consensus.registry.RuleSpec.elementwise`) is read and merged in chunks of
-  columns of its flattened form, ``CHUNK_BYTES`` (32 MB) of stacked rows at a time, so the
+  (:attr:`consensus.specs.Spec.elementwise`) is read and merged in chunks of
+  columns of its flattened form, ``CHUNK_BYTES`` of stacked rows at a time, so the
   rule reads the rows while they are still in cache instead of from memory again,
   and every leaf of a model compiles one of a few chunk shapes (a full chunk, or a
   power of two for a smaller leaf) instead of one program per leaf shape.
@@ -29,8 +30,8 @@ from typing import Any
 import numpy as np
 
 # jax's CPU client aliases a host array instead of copying it when the buffer is this aligned
-# (XLA's minimum CPU alignment); numpy's large allocations are only 16-byte aligned, and the copy
-# into an XLA buffer was the merge's largest cost (more than the sorting network of a median).
+# (XLA's minimum CPU alignment); numpy's large allocations are only 16-byte aligned, and a copy
+# into an XLA buffer would cost more than the sorting network of a median.
 ALIGN = 64
 
 # Bytes of one chunk of stacked rows (n x columns, at least 4 bytes per value as merged).
@@ -56,22 +57,25 @@ def view(raw: np.ndarray, shape: tuple[int, ...], dtype: Any) -> np.ndarray | No
     return raw[:nbytes].view(dtype).reshape(shape) if nbytes <= raw.size else None
 
 
+def _array(into: np.ndarray | None, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An array of ``shape`` in the raw bytes ``into`` when given and large enough, else a new one."""
+    buf = view(into, shape, dtype) if into is not None else None
+    return aligned_empty(shape, dtype) if buf is None else buf
+
+
 def stack(readers: Sequence[Any], key: str, into: np.ndarray | None = None) -> np.ndarray:
     """The n inputs' tensor ``key`` as one (n, ...) array, in ``into`` (raw bytes, reused) if given."""
     shape, dtype = readers[0].specs[key]
-    buf = view(into, (len(readers), *shape), dtype) if into is not None else None
-    if buf is None:
-        buf = aligned_empty((len(readers), *shape), dtype)
+    buf = _array(into, (len(readers), *shape), dtype)
     for i, r in enumerate(readers):
         r.read_into(key, buf[i])  # straight from the file into the stack: one copy, no mapped pages
     return buf
 
 
 def read_one(reader: Any, key: str, into: np.ndarray | None = None) -> np.ndarray:
+    """One reader's tensor ``key``, in ``into`` (raw bytes, reused) if given."""
     shape, dtype = reader.specs[key]
-    buf = view(into, shape, dtype) if into is not None else None
-    if buf is None:
-        buf = aligned_empty(shape, dtype)
+    buf = _array(into, shape, dtype)
     reader.read_into(key, buf)
     return buf
 
@@ -143,10 +147,7 @@ def plan_pieces(
 def read_chunk(readers: Sequence[Any], piece: Piece, into: np.ndarray | None = None) -> np.ndarray:
     """The (len(readers), piece.padded) chunk of ``piece`` (zeros past its width), in ``into`` if given."""
     _, dtype = readers[0].specs[piece.key]
-    shape = (len(readers), piece.padded)
-    buf = view(into, shape, dtype) if into is not None else None
-    if buf is None:
-        buf = aligned_empty(shape, dtype)
+    buf = _array(into, (len(readers), piece.padded), dtype)
     for i, r in enumerate(readers):
         r.read_range_into(piece.key, piece.start, buf[i, : piece.width])
     if piece.width < piece.padded:
@@ -169,10 +170,9 @@ class Pipeline:
     merges them, and the two cores read and merge at once (``os.preadv`` and XLA release the
     GIL). With whole leaves each worker holds one (n, leaf) stack: two in all, as when one
     thread read leaf k + 1 while leaf k merged. A result must not be a view of the buffers.
-    At most ``workers + ahead`` pieces are in flight (1.79 s with ``ahead = 1``, 1.67 s
-    with 2, median of 8 x 1 GB through the merge). Measured on the same median in 16 MB chunks
-    (inputs in the page cache, no writes): 1.6 s with two workers, 1.9 s with one thread reading
-    ahead while the caller merged, 2.8 s with one worker.
+    At most ``workers + ahead`` pieces are in flight. Two workers, and ``ahead = 2``, were
+    chosen with ``python -m benchmarks merge_io`` over one worker, one thread reading ahead
+    while the caller merges, and ``ahead = 1``.
     """
 
     def __init__(self, work: Any, pieces: Sequence[Piece], workers: int = 2, ahead: int = 2):
@@ -232,8 +232,8 @@ class Writer:
     """Writes the merged leaves in order in a worker thread, overlapping the merge.
 
     Leaves wait their turn up to ``budget`` bytes in all (at least one leaf): with a single
-    leaf in flight the merge waited 0.3 s for the writer on 8 x 1 GB inputs (leaves of 4 to
-    16 MB), while a queue of large leaves would cost their memory.
+    leaf in flight the merge waits for the writer (``python -m benchmarks merge_io``), while a
+    queue of large leaves would cost their memory.
     """
 
     def __init__(self, writer: Any, budget: int = 64 << 20):

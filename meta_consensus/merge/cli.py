@@ -1,0 +1,112 @@
+"""The ``merge`` subcommand's command line: its arguments, the plan they give, and the command.
+
+::
+
+    meta-consensus merge --method trimmed_mean --num-byzantine 1 --out merged/ a.safetensors b/ c/ d/
+    meta-consensus merge --method krum --num-byzantine 1 --override '^head\\.=median' --out merged/ IN...
+    meta-consensus merge --config merge.toml
+
+Options that change which rules exist (``--plugin``) rather than the plan come after
+:func:`add_parser`'s own and are applied before :func:`merge_cmd` reads the plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meta_consensus.merge.engine import merge_checkpoints
+from meta_consensus.merge.errors import MergeError
+from meta_consensus.merge.plan import (
+    MergePlan,
+    RuleChoice,
+    parse_override,
+    parse_sets,
+    parse_shard_size,
+    plan_from_toml,
+)
+from meta_consensus.merge.report import REPORT_NAME
+
+
+def add_parser(sub: Any) -> None:
+    """Register the ``merge`` subcommand on the CLI's subparsers."""
+    p = sub.add_parser(
+        "merge",
+        help="merge checkpoints (safetensors files or folders, or this package's orbax checkpoints) "
+        "with a registered rule",
+    )
+    # the plan: inputs, rules, output
+    p.add_argument(
+        "inputs",
+        nargs="*",
+        metavar="INPUT",
+        help="checkpoints: .safetensors files, sharded safetensors folders, or orbax checkpoints of "
+        "this package (a <run>/checkpoints/<round> folder, or a checkpoints or run folder: its latest "
+        "round; the consensus is merged); kinds may be mixed",
+    )
+    p.add_argument("--method", help="a rule of consensus.registry.RULES (median, trimmed_mean, krum, ...)")
+    p.add_argument("--num-byzantine", "-f", type=int, default=None, help="f, for the rules that take one")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="method.PARAM=VALUE", help="a rule parameter"
+    )
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="PATTERN=METHOD[,PARAM=VALUE...]",
+        help="another rule for the keys a regex matches, e.g. '^head\\.=median' (first match wins)",
+    )
+    p.add_argument(
+        "--base", help="the common base model, any input kind (needed by merge methods over task vectors)"
+    )
+    p.add_argument("--out", help="output folder (must not exist)")
+    p.add_argument("--dtype", help="output dtype of float tensors (default: the inputs')")
+    p.add_argument("--shard-size", help="shard the output above this size, e.g. 2GB")
+    p.add_argument("--seed", type=int, default=None, help="seed of randomized rules (default 0)")
+    p.add_argument("--config", help="merge TOML file (command-line options win)")
+    # how the command runs
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    # Which rules exist: ``--plugin MODULE`` (user modules that declare more) is added after
+    # these by meta_consensus.cli, one option shared with ``run``, and its modules are loaded
+    # before merge_cmd reads the plan, so the plan's checks see their rules.
+
+
+def plan_from_args(args: Any) -> MergePlan:
+    """The plan of the parsed arguments (over ``--config``'s when one is given)."""
+    overrides = [parse_override(o) for o in args.override]
+    values = {
+        "method": args.method,
+        "params": parse_sets(args.set),
+        "num_byzantine": args.num_byzantine,
+        "inputs": list(args.inputs),
+        "out": args.out,
+        "base": args.base,
+        "dtype": args.dtype,
+        "shard_size": args.shard_size,
+        "seed": args.seed,
+        "overrides": overrides,
+    }
+    if args.config:
+        return plan_from_toml(args.config, **values)
+    if not args.method:
+        raise MergeError("give --method NAME (or --config merge.toml)")
+    return MergePlan(
+        inputs=tuple(args.inputs),
+        out=args.out or "",
+        rule=RuleChoice(args.method, values["params"], args.num_byzantine),
+        overrides=tuple(overrides),
+        base=args.base,
+        dtype=args.dtype,
+        shard_size=parse_shard_size(args.shard_size),
+        seed=args.seed or 0,
+    )
+
+
+def merge_cmd(args: Any) -> int:
+    """The ``merge`` subcommand: 0 on success; user errors raise (the CLI prints one line, exit 2)."""
+    plan = plan_from_args(args)
+    report = merge_checkpoints(plan, progress=not args.quiet)
+    print(
+        f"meta-consensus merge: {len(plan.inputs)} inputs, {len(report['leaves'])} tensors, "
+        f"method {plan.rule.method} -> {plan.out}/ ({REPORT_NAME})"
+    )
+    return 0

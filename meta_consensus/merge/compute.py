@@ -1,0 +1,241 @@
+"""The merge's arithmetic on one piece (a whole leaf or a column chunk of n stacked inputs):
+compute dtypes, the rules' updates compiled ahead of time, and the vector rules' Gram and
+weighted-sum programs and whole-model weights.
+
+jax and the library are imported in the functions that use them: building the CLI parser
+(``meta-consensus --help``, ``run``, ``report``) must not pay for importing jax.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from meta_consensus.merge.errors import MergeError
+from meta_consensus.merge.plan import RuleChoice
+from meta_consensus.merge.report import leaf_report
+
+
+def is_float(dtype: np.dtype) -> bool:
+    """Whether tensors of ``dtype`` are merged (bfloat16 included); others are copied when equal."""
+    import ml_dtypes
+
+    return bool(np.issubdtype(dtype, np.floating)) or np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16)
+
+
+def compute_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype :func:`as_compute` merges a floating leaf of ``dtype`` in."""
+    import jax
+
+    # float32 / float64 are kept (float64 becomes float32 without jax's x64 mode); the
+    # narrower floats (bfloat16, float16) are merged in float32.
+    keep = np.dtype(dtype) in (np.dtype(np.float32), np.dtype(np.float64))
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype if keep else np.float32))
+
+
+def as_compute(x: np.ndarray) -> Any:
+    """Floating leaves are merged in float32 (bfloat16 / float16 inputs too) and cast back on output.
+
+    A float32 / float64 host array is handed to jax as it is: on the CPU backend an aligned
+    buffer (:func:`~meta_consensus.merge.streaming.aligned_empty`) is aliased, not copied: a
+    worker of :class:`~meta_consensus.merge.streaming.Pipeline` reuses its buffers for its next
+    piece only once this one's output is on the host (and copied where it is a view of them).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    if np.dtype(x.dtype) in (np.dtype(np.float32), np.dtype(np.float64)):
+        return jax.device_put(x)
+    return jnp.asarray(x, compute_dtype(x.dtype))
+
+
+def as_rows(stacked: np.ndarray, base: np.ndarray | None) -> tuple[Any, Any]:
+    """A piece's stack as (n, s) rows and its base as (s,), in the compute dtype (the base may be None)."""
+    x = as_compute(stacked).reshape(len(stacked), -1)
+    return x, None if base is None else as_compute(base).reshape(-1)
+
+
+# ----------------------------------------------------------------------------- vector rules
+
+
+def _centre(x: Any, base: Any | None) -> Any:
+    """The vector rules' centre of an (n, s) stack: the base, else the library's own
+    (``robust_centre``: the coordinate-wise median, non-finite entries read as 0, by its sorting
+    network or exact selection, which ``jnp.median``'s full sort is far slower than)."""
+    from consensus.aggregators._common import robust_centre
+
+    return base if base is not None else robust_centre({"x": x})["x"]
+
+
+@functools.cache
+def vector_programs() -> tuple[Any, Any]:
+    """The vector rules' two per-piece programs, jitted once (jax is imported only when a merge runs).
+
+    * stats(x, base): (which rows are finite, the (n, n) Gram matrix of the rows around the
+      centre) of an (n, s) stack. A row holding NaN or Inf (or values whose squares overflow
+      float32, as the library's ``gram_stats`` counts them) has a non-finite diagonal entry and
+      only spoils its own row and column of G, which the caller masks out; reading finiteness
+      off the diagonal saves a reduction over the stack.
+    * combine(x, base, w): ``c + sum_i w_i (x_i - c)`` as ``sum_i w_i x_i + (1 - sum_i w_i) c``
+      in the library's one-pass weighted sum (``tensordot`` over the node axis is several times
+      slower); 0-weight rows (NaN ones included) contribute nothing.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from kernels import gram as gram_kernels
+    from kernels import rows as row_kernels
+
+    def stats(x: Any, base: Any | None) -> tuple[Any, Any]:
+        g = gram_kernels.gram(x, _centre(x, base))
+        return jnp.isfinite(jnp.diagonal(g)), g
+
+    def combine(x: Any, base: Any | None, w: Any) -> Any:
+        return row_kernels.weighted_sum(x, w, _centre(x, base), 1.0 - jnp.sum(w))
+
+    return jax.jit(stats), jax.jit(combine)
+
+
+def gram_of(stacked: np.ndarray, base: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """A piece's (finite rows, float64 Gram matrix around the centre), for the first pass."""
+    finite, gram = vector_programs()[0](*as_rows(stacked, base))
+    return np.asarray(finite), np.asarray(gram, np.float64)
+
+
+def vector_weights(choice: RuleChoice, gram: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Weights and selection of a vector rule run on an n x n embedding with Gram matrix ``gram``."""
+    import jax.numpy as jnp
+
+    from consensus.base import get_info
+
+    n = len(gram)
+    g = np.where(valid[:, None] & valid[None, :], gram, 0.0)
+    lam, u = np.linalg.eigh(g)
+    embedding = (u * np.sqrt(np.clip(lam, 0.0, None))).astype(np.float32)
+    rule = choice.build()
+    stacked, centre = {"e": jnp.asarray(embedding)}, {"e": jnp.zeros((n,), jnp.float32)}
+    _, state = rule.update(stacked, rule.init(centre), centre, mask=jnp.asarray(valid))
+    info = get_info(state)
+    if not info.linear:
+        raise MergeError(
+            f"{choice.label()}: its output is not a weighted combination of the inputs, so it cannot be "
+            "merged leaf by leaf from whole-model weights; use a coordinate-wise rule or a linear vector rule"
+        )
+    return np.asarray(info.weights, np.float64), np.asarray(info.selected)
+
+
+# ----------------------------------------------------------------------------- other rules
+
+
+def jitted_update(choice: RuleChoice, has_base: bool) -> Any:
+    """The rule's update on one stacked leaf ``{"x": x}``, jitted: XLA fuses the rule's passes over
+    the leaf, where eager dispatch would run them one by one."""
+    import jax
+
+    keyed = choice.spec.randomized
+    rule = choice.build()
+
+    def update(x: Any, params: Any, key: Any) -> Any:
+        extra = {"key": key} if keyed else {}
+        init = params if has_base else {"x": x[0]}
+        return rule.update({"x": x}, rule.init(init), params if has_base else None, **extra)
+
+    return jax.jit(update)
+
+
+def _slot(choice: RuleChoice, shape: Sequence[int], dtype: Any, has_base: bool) -> tuple:
+    """A compiled update's identity: (rule, shape, compute dtype, base given)."""
+    return (choice.key, tuple(shape), np.dtype(dtype).name, has_base)
+
+
+class Compiled:
+    """The plan's leaf updates, compiled ahead of time in a background thread, one per distinct
+    (rule, leaf shape, compute dtype, base given).
+
+    Compiling is a fixed cost per shape that would otherwise sit on the merge's critical path
+    at the first leaf of every shape; compiled here in the order the leaves come, each one is
+    ready by the time its first leaf is read, and XLA's compiler releases the GIL.
+    """
+
+    def __init__(self, jobs: Sequence[tuple[RuleChoice, tuple[int, ...], Any, bool]]):
+        from concurrent.futures import ThreadPoolExecutor
+
+        import jax
+
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="merge-compile")
+        self.futures: dict[tuple, Any] = {}
+        fns: dict[tuple[str, bool], Any] = {}
+        key_spec = jax.eval_shape(lambda: jax.random.key(0))
+        for choice, shape, dtype, has_base in jobs:
+            slot = _slot(choice, shape, dtype, has_base)
+            if slot in self.futures:
+                continue
+            if (choice.key, has_base) not in fns:
+                fns[choice.key, has_base] = jitted_update(choice, has_base)
+            fn = fns[choice.key, has_base]
+            x = jax.ShapeDtypeStruct(shape, dtype)
+            params = {"x": jax.ShapeDtypeStruct(shape[1:], dtype)} if has_base else None
+            key = key_spec if choice.spec.randomized else None
+            self.futures[slot] = self.pool.submit(lambda f=fn, a=(x, params, key): f.lower(*a).compile())
+
+    def get(self, shape: tuple[int, ...], dtype: Any, has_base: bool, choice: RuleChoice) -> Any:
+        future = self.futures.get(_slot(choice, shape, dtype, has_base))
+        return None if future is None else future.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def apply_update(
+    stacked: Any, base: Any | None, choice: RuleChoice, seed: int, index: int, compiled: Compiled | None
+) -> tuple[Any, Any]:
+    """The rule's (merged leaf or chunk, info) on a float stack; the key is ``fold_in(key(seed), index)``."""
+    import jax
+
+    from consensus.base import get_info
+
+    x = as_compute(stacked)
+    params = None if base is None else {"x": as_compute(base)}
+    key = jax.random.fold_in(jax.random.key(seed), index) if choice.spec.randomized else None
+    fn = compiled.get(x.shape, x.dtype, params is not None, choice) if compiled is not None else None
+    if fn is None:
+        fn = jitted_update(choice, params is not None)
+    merged, state = fn(x, params, key)
+    return merged["x"], get_info(state)
+
+
+def merge_leaf(
+    stacked: np.ndarray,
+    base_leaf: np.ndarray | None,
+    key: str,
+    choice: RuleChoice,
+    vector: tuple[np.ndarray, np.ndarray] | None,
+    seed: int,
+    index: int,
+    compiled: Compiled | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    """A whole leaf (or a vector rule's chunk) merged: (values, its report entry).
+
+    A non-float leaf is copied when every input holds the same value; a vector rule's leaf is
+    its whole-model weights ``vector`` applied; any other rule runs its update here.
+    """
+    import jax.numpy as jnp
+
+    n = len(stacked)
+    if not is_float(stacked.dtype):
+        if not all(np.array_equal(stacked[0], stacked[i]) for i in range(1, n)):
+            raise MergeError(
+                f"{key!r} is a {stacked.dtype} tensor that differs between inputs; "
+                "only float tensors are merged"
+            )
+        # A copy: the stack's buffer is reused for a later leaf while this one is being written.
+        return stacked[0].copy(), {"method": "copy (non-float, equal in every input)"}
+    if vector is not None:
+        w, _ = vector
+        merged = vector_programs()[1](*as_rows(stacked, base_leaf), jnp.asarray(w, jnp.float32))
+        return merged, {"method": choice.method, "weights": "whole-model (see vector_rules)"}
+    merged, info = apply_update(stacked, base_leaf, choice, seed, index, compiled)
+    return merged, leaf_report(choice, info)

@@ -1,0 +1,231 @@
+"""The merge itself: :func:`merge_checkpoints` checks a plan, then streams the inputs into the
+output, leaf by leaf or in column chunks, in one pass (two for the vector rules).
+
+The design (memory bound, which leaves are chunked, how a vector rule gets whole-model weights
+from a Gram pass) is in docs/merging.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meta_consensus.merge import streaming as stream
+from meta_consensus.merge.compute import (
+    Compiled,
+    apply_update,
+    compute_dtype,
+    gram_of,
+    is_float,
+    merge_leaf,
+    vector_weights,
+)
+from meta_consensus.merge.inputs import check_inputs, open_input
+from meta_consensus.merge.plan import MergePlan, RuleChoice, assign_rules, check_plan
+from meta_consensus.merge.report import leaf_report, new_report, vector_rule_report, write_report
+
+
+def merge_checkpoints(
+    plan: MergePlan, *, progress: bool = True, overwrite: bool = False, chunk_bytes: int = stream.CHUNK_BYTES
+) -> dict[str, Any]:
+    """Run a merge plan: check everything, then stream the inputs into ``plan.out``; returns the report.
+
+    ``chunk_bytes``: the size of the column chunks that element-wise and vector rules are
+    streamed in (see :mod:`meta_consensus.merge.streaming`; 0 merges every leaf whole, as
+    other rules are).
+    """
+    from tqdm.auto import tqdm
+
+    from consensus import io as ckpt
+
+    out_dtype = check_plan(plan, overwrite=overwrite)
+    readers: list[Any] = []
+    base = None
+    compiled: Compiled | None = None
+    try:
+        for p in plan.inputs:
+            readers.append(open_input(p))
+        base = open_input(plan.base) if plan.base else None
+        check_inputs(readers, base)
+        keys = list(readers[0].specs)
+        rules = assign_rules(keys, plan)
+        n = len(readers)
+        in_specs = readers[0].specs
+        specs = {
+            k: (shape, out_dtype if (out_dtype is not None and is_float(dtype)) else dtype)
+            for k, (shape, dtype) in in_specs.items()
+        }
+        report = new_report(plan, readers, base)
+        vector_groups: dict[str, list[str]] = {}
+        for k in keys:
+            if rules[k].spec.kind == "vector" and is_float(in_specs[k][1]):
+                vector_groups.setdefault(rules[k].key, []).append(k)
+        bar = tqdm(
+            total=len(keys) + sum(len(v) for v in vector_groups.values()), disable=not progress, unit="leaf"
+        )
+        # The leaves of an element-wise rule, and of a vector rule (its Gram matrix sums over
+        # columns, its output is c + sum_i w_i (x_i - c) column by column), are read in column
+        # chunks; the others whole.
+        chunked = {
+            k
+            for k in keys
+            if chunk_bytes > 0
+            and (rules[k].spec.elementwise or rules[k].spec.kind == "vector")
+            and not rules[k].spec.randomized
+            and is_float(in_specs[k][1])
+            and stream.can_chunk([*readers, base], k)
+        }
+        pieces = stream.plan_pieces(keys, in_specs, chunked, n, chunk_bytes)
+        # its updates, compiled in the background while pass 1 or the first reads run
+        compiled = Compiled(
+            [
+                (rules[p.key], shape, compute_dtype(dtype), base is not None)
+                for p in pieces
+                for dtype in [in_specs[p.key][1]]
+                for shape in [(n, *in_specs[p.key][0]) if p.whole else (n, p.padded)]
+                if is_float(dtype) and rules[p.key].spec.kind != "vector"
+            ]
+        )
+        run = _Run(plan, readers, base, rules, specs, {k: i for i, k in enumerate(keys)}, compiled)
+        for group_keys in vector_groups.values():
+            run.vector_pass(group_keys, pieces, report, bar)
+        with ckpt.atomic_directory(Path(plan.out), overwrite=overwrite) as tmp:
+            writer = ckpt.ShardedWriter(
+                tmp,
+                specs,
+                shard_size=plan.shard_size,
+                metadata={"merged_by": "meta-consensus merge"},
+                direct=True,  # the page cache stays with the inputs (see consensus.io.DirectFile)
+            )
+            try:
+                run.merge_pass(pieces, writer, report, bar)
+            finally:
+                writer.abort()
+            writer.close()
+            write_report(tmp, report)
+        bar.close()
+    finally:
+        if compiled is not None:
+            compiled.close()
+        for r in [*readers, *([base] if base else [])]:
+            r.close()
+    return report
+
+
+@dataclasses.dataclass
+class _Run:
+    """One merge's opened inputs and decisions, for its passes over the pieces."""
+
+    plan: MergePlan
+    readers: Sequence[Any]
+    base: Any | None
+    rules: dict[str, RuleChoice]  # key -> its rule
+    specs: dict[str, tuple[tuple[int, ...], Any]]  # key -> (shape, output dtype)
+    index_of: dict[str, int]  # key -> its position (a randomized rule's key is folded in with it)
+    compiled: Compiled
+    weights: dict[str, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
+
+    def vector_pass(
+        self, group_keys: list[str], pieces: Sequence[stream.Piece], report: dict[str, Any], bar: Any
+    ) -> None:
+        """Pass 1 of a vector rule: the Gram matrix of its whole slice, a leaf or a chunk at a time
+        (a chunk's zero padding adds nothing: its rows, base and centre are all 0 there), then the
+        rule's whole-model weights."""
+        n = len(self.readers)
+        gram, finite = np.zeros((n, n)), np.ones(n, bool)
+
+        def work(piece: stream.Piece, buffers: dict) -> tuple[np.ndarray, np.ndarray]:
+            return gram_of(*stream.read_piece(self.readers, self.base, piece, buffers))
+
+        in_group = set(group_keys)
+        group_pieces = [p for p in pieces if p.key in in_group]
+        for piece, (piece_finite, piece_gram) in zip(
+            group_pieces, stream.Pipeline(work, group_pieces), strict=True
+        ):
+            finite &= piece_finite
+            gram += piece_gram
+            if piece.last:
+                bar.update(1)
+        choice = self.rules[group_keys[0]]
+        w, selected = vector_weights(choice, gram, finite)
+        self.weights[choice.key] = (w, selected)
+        report["vector_rules"][choice.label()] = vector_rule_report(
+            self.plan.inputs, len(group_keys), w, selected, finite
+        )
+
+    def merge_piece(self, piece: stream.Piece, buffers: dict) -> tuple[Any, dict[str, Any]]:
+        """A worker's piece: a whole leaf merged (host array, report), or a chunk (values, report)."""
+        k = piece.key
+        shape, dtype = self.specs[k]
+        choice = self.rules[k]
+        stacked, base_piece = stream.read_piece(self.readers, self.base, piece, buffers)
+        where = (self.plan.seed, self.index_of[k], self.compiled)  # the rule's key, its compiled updates
+        if piece.whole or choice.spec.kind == "vector":
+            vector = self.weights.get(choice.key)
+            merged, piece_report = merge_leaf(stacked, base_piece, k, choice, vector, *where)
+            host = np.asarray(merged)
+            host = host.reshape(shape) if piece.whole else host[: piece.width]
+            host = host.astype(dtype, copy=False)
+        else:
+            merged, info = apply_update(stacked, base_piece, choice, *where)
+            host = np.asarray(merged)[: piece.width].astype(dtype, copy=False)
+            piece_report = leaf_report(choice, info)
+        if np.may_share_memory(host, stacked):  # a rule that passed an input through
+            host = host.copy()  # the worker's buffer is reused for its next piece
+        return host, piece_report
+
+    def merge_pass(
+        self, pieces: Sequence[stream.Piece], writer: Any, report: dict[str, Any], bar: Any
+    ) -> None:
+        """Pass 2: two workers read and merge pieces (leaves or chunks) while earlier leaves are written."""
+        background = stream.Writer(writer)
+        leaf: _ChunkedLeaf | None = None
+        try:
+            for piece, (host, leaf_entry) in zip(
+                pieces, stream.Pipeline(self.merge_piece, pieces), strict=True
+            ):
+                k = piece.key
+                if not piece.whole:
+                    if piece.start == 0:
+                        leaf = _ChunkedLeaf()
+                    assert leaf is not None
+                    leaf.add(host, leaf_entry)
+                    if not piece.last:
+                        continue
+                    host = leaf.parts if leaf.consistent else None
+                    if host is None:  # the chunks found different valid nodes: merge the leaf whole
+                        host, leaf_entry = self.merge_piece(stream.Piece(k), {})
+                background.write(k, host)
+                report["leaves"][k] = leaf_entry
+                bar.update(1)
+            background.close()  # the last write's error, if any, raises here
+        finally:
+            background.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _ChunkedLeaf:
+    """Collects the chunks of a leaf merged chunk by chunk (an element-wise rule).
+
+    An element-wise rule gives on a chunk the values it gives there on the whole leaf, as
+    long as it finds the same valid nodes (finite ones) in the chunk as in the leaf. When
+    every chunk reports the same selection, each node is finite in every chunk or in none,
+    which is the leaf's own selection: the result is the whole-leaf merge. Otherwise
+    (a node non-finite in part of the leaf) ``consistent`` is False and the caller merges
+    the leaf whole. The chunks' outputs are kept as they come (XLA's own buffers) and go
+    to the writer as pieces, so the leaf is never assembled in memory.
+    """
+
+    def __init__(self) -> None:
+        self.parts: list[np.ndarray] = []
+        self.report: dict[str, Any] | None = None
+        self.consistent = True
+
+    def add(self, values: np.ndarray, report: dict[str, Any]) -> None:
+        self.parts.append(values)
+        if self.report is None:
+            self.report = report
+        self.consistent &= report == self.report

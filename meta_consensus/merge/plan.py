@@ -1,0 +1,271 @@
+"""What a merge does: the plan (inputs, rules, overrides, output), read from a TOML file or the
+command line, and the checks that refuse a plan before anything is read or written.
+
+A rule's precondition, parameters and needs come from its spec in
+:data:`consensus.registry.RULES`; nothing here restates them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from meta_consensus.merge.errors import MergeError
+
+# The rule kinds that map n inputs to one; pre-aggregators (n -> n) are refused.
+MERGE_KINDS = ("coordinatewise", "vector", "merge")
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleChoice:
+    """One rule with its parameters (the default one, or an override's)."""
+
+    method: str
+    params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    num_byzantine: int | None = None
+    pattern: str | None = None  # None for the default rule
+
+    @property
+    def spec(self) -> Any:
+        from consensus.registry import RULES
+
+        return RULES[self.method]
+
+    @property
+    def key(self) -> str:
+        """Tells the plan's rules apart (an override of the default's method is another rule)."""
+        return json.dumps([self.method, self.pattern], default=str)
+
+    def label(self) -> str:
+        return self.method if self.pattern is None else f"{self.method} (override {self.pattern!r})"
+
+    def build(self) -> Any:
+        """The rule's Aggregator, with f when it takes one."""
+        spec = self.spec
+        return spec.build(self.num_byzantine if spec.takes_f else None, **self.params)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The choice as the merge report records it (``pattern`` only for an override)."""
+        out = {} if self.pattern is None else {"pattern": self.pattern}
+        params = dict(self.params)
+        return {**out, "method": self.method, "params": params, "num_byzantine": self.num_byzantine}
+
+
+@dataclasses.dataclass(frozen=True)
+class MergePlan:
+    """What to merge, how, and where (built by :func:`~meta_consensus.merge.cli.plan_from_args`
+    or :func:`plan_from_toml`)."""
+
+    inputs: tuple[str, ...]
+    out: str
+    rule: RuleChoice
+    overrides: tuple[RuleChoice, ...] = ()
+    base: str | None = None
+    dtype: str | None = None
+    shard_size: int | None = None
+    seed: int = 0
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def parse_value(text: str) -> Any:
+    """A TOML value (``3``, ``0.5``, ``true``, ``[1, 2]``, ``"s"``) or, failing that, the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_sets(items: Sequence[str]) -> dict[str, Any]:
+    """``["method.beta=0.1", ...]`` -> ``{"beta": 0.1}``; the prefix must be ``method.``."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key.startswith("method.") or key == "method.":
+            raise MergeError(f"--set {item!r}: expected method.PARAM=VALUE (e.g. --set method.max_iter=50)")
+        out[key.removeprefix("method.")] = parse_value(value)
+    return out
+
+
+def parse_override(text: str) -> RuleChoice:
+    """``PATTERN=METHOD[,PARAM=VALUE...][,num_byzantine=F]`` -> a RuleChoice for the matching keys."""
+    pattern, eq, rest = text.partition("=")  # so a pattern holds no '='
+    if not eq or not pattern or not rest:
+        raise MergeError(f"--override {text!r}: expected PATTERN=METHOD[,PARAM=VALUE...]")
+    method, *pairs = rest.split(",")
+    params: dict[str, Any] = {}
+    for pair in pairs:
+        k, eq2, v = pair.partition("=")
+        if not eq2:
+            raise MergeError(f"--override {text!r}: {pair!r} is not PARAM=VALUE")
+        params[k.strip()] = parse_value(v)
+    f = params.pop("num_byzantine", None)
+    return RuleChoice(method.strip(), params, f, pattern)
+
+
+def parse_shard_size(text: Any) -> int | None:
+    """``"2GB"`` -> bytes (None stays None); a malformed size is a :class:`MergeError`."""
+    from consensus.io import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise MergeError(f"shard size: {e}") from e
+
+
+def plan_from_toml(path: str | Path, **overrides: Any) -> MergePlan:
+    """A plan from a TOML file; keyword arguments (from the command line) win over its values.
+
+    Keys: ``method``, ``num_byzantine``, ``inputs`` (list), ``out``, ``base``,
+    ``dtype``, ``shard_size``, ``seed``, ``[params]`` (the method's parameters)
+    and ``[[overrides]]`` tables with ``pattern``, ``method``, ``num_byzantine``
+    and ``params``.
+    """
+    path = Path(path)
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise MergeError(f"cannot read merge config {path}: {e}") from e
+    known = {
+        "method",
+        "num_byzantine",
+        "inputs",
+        "out",
+        "base",
+        "dtype",
+        "shard_size",
+        "seed",
+        "params",
+        "overrides",
+    }
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        raise MergeError(f"{path}: unknown keys {unknown}; valid keys: {sorted(known)}")
+    values = {k: v for k, v in overrides.items() if v not in (None, [], (), {})}
+    method = values.get("method", doc.get("method"))
+    if not method:
+        raise MergeError(f'{path}: no method (set method = "..." or pass --method)')
+    params = {**dict(doc.get("params", {})), **values.get("params", {})}
+    f = values.get("num_byzantine", doc.get("num_byzantine"))
+    over = []
+    for o in doc.get("overrides", []):
+        if "pattern" not in o or "method" not in o:
+            raise MergeError(f"{path}: every [[overrides]] needs a pattern and a method, got {o}")
+        over.append(RuleChoice(o["method"], dict(o.get("params", {})), o.get("num_byzantine"), o["pattern"]))
+    over += list(values.get("overrides", []))
+    return MergePlan(
+        inputs=tuple(values.get("inputs", doc.get("inputs", ()))),
+        out=values.get("out", doc.get("out")) or "",
+        rule=RuleChoice(method, params, f),
+        overrides=tuple(over),
+        base=values.get("base", doc.get("base")),
+        dtype=values.get("dtype", doc.get("dtype")),
+        shard_size=parse_shard_size(values.get("shard_size", doc.get("shard_size"))),
+        seed=int(values.get("seed", doc.get("seed", 0))),
+    )
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_plan(plan: MergePlan, *, overwrite: bool = False) -> Any:
+    """Refuse a plan that cannot run, before any input is opened; returns the output dtype of
+    float tensors (None: the inputs')."""
+    from consensus.base import ByzantineToleranceError
+
+    if len(plan.inputs) < 1:
+        raise MergeError("no inputs: give the checkpoints to merge (files or folders)")
+    if not plan.out:
+        raise MergeError("no output folder: give --out DIR")
+    out = Path(plan.out)
+    if out.exists() and not overwrite:
+        raise MergeError(f"output {out} exists; choose a new folder (nothing is ever overwritten)")
+    out_dtype = None if plan.dtype is None else output_dtype(plan.dtype)
+    n = len(plan.inputs)
+    try:
+        for choice in (plan.rule, *plan.overrides):
+            check_rule(choice, n, plan.base is not None)
+    except ByzantineToleranceError as e:
+        raise MergeError(f"{e} ({n} inputs given)") from e
+    return out_dtype
+
+
+def output_dtype(name: str) -> Any:
+    """The safetensors dtype called ``name`` (``bfloat16``, ``float32``, or a code such as ``BF16``)."""
+    from consensus import io
+
+    try:
+        names = {d.name: d for d in io.safetensors.DTYPE_CODES.values()}
+        dtype = names.get(name) or io.safetensors.DTYPE_CODES.get(name.upper())
+        if dtype is None:
+            raise MergeError(f"--dtype {name!r} is not a safetensors dtype; valid: {sorted(names)}")
+        io.safetensors.dtype_code(dtype)
+    except io.CheckpointError as e:
+        raise MergeError(f"--dtype {name!r}: {e}") from e
+    return dtype
+
+
+def check_rule(choice: RuleChoice, n: int, has_base: bool) -> None:
+    """Refuse a rule that does not merge n inputs into one as the plan gives it; the rule's
+    precondition on (n, f) is its spec's (``ByzantineToleranceError``)."""
+    from consensus.registry import RULES
+
+    spec = choice.spec  # RegistryError lists the valid names
+    if spec.kind not in MERGE_KINDS:
+        valid = RULES.names(lambda s: s.kind in MERGE_KINDS)
+        raise MergeError(
+            f"{choice.method} is a {spec.kind!r} rule (n -> n), not a merge; valid methods: {valid}"
+        )
+    spec.check_params(choice.params)
+    missing = [p for p in spec.required if p not in choice.params]
+    if missing:
+        raise MergeError(f"{choice.label()} needs parameter(s) {missing} (--set method.NAME=VALUE)")
+    if spec.takes_f and choice.num_byzantine is None:
+        raise MergeError(
+            f"{choice.label()} needs --num-byzantine F (how many of the {n} inputs may be Byzantine)"
+        )
+    f = choice.num_byzantine or 0
+    if f < 0:
+        raise MergeError(f"num_byzantine must be >= 0, got {f}")
+    spec.check(n, f)
+    if spec.needs_base and not has_base:
+        raise MergeError(
+            f"{choice.label()} merges task vectors: it needs --base BASE (the common pre-trained model)"
+        )
+    unsupported = sorted(set(spec.needs) - {"params", "key"})
+    if unsupported:
+        raise MergeError(f"{choice.label()} needs {unsupported}, which the merge command cannot provide")
+    try:
+        choice.build()
+    except (TypeError, ValueError) as e:
+        raise MergeError(f"{choice.label()}: {e}") from e
+
+
+def assign_rules(keys: Sequence[str], plan: MergePlan) -> dict[str, RuleChoice]:
+    """key -> its rule (the first matching override, else the default); an unused override is an error."""
+    compiled = []
+    for o in plan.overrides:
+        try:
+            compiled.append((re.compile(o.pattern or ""), o))
+        except re.error as e:
+            raise MergeError(f"override pattern {o.pattern!r} is not a regular expression: {e}") from e
+    out, used = {}, set()
+    for k in keys:
+        choice = plan.rule
+        for i, (rx, o) in enumerate(compiled):
+            if rx.search(k):
+                choice, _ = o, used.add(i)
+                break
+        out[k] = choice
+    unused = [o.pattern for i, (_, o) in enumerate(compiled) if i not in used]
+    if unused:
+        raise MergeError(
+            f"override pattern(s) {unused} match no key of the inputs (keys look like {keys[:3]})"
+        )
+    return out

@@ -1,0 +1,66 @@
+"""The merge report (``merge_report.json`` in the output folder): the plan, and for every leaf and
+every vector rule what the rule kept and how it weighed the inputs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meta_consensus.merge.plan import MergePlan, RuleChoice
+
+REPORT_NAME = "merge_report.json"
+
+
+def _rounded(values: Any) -> list[float]:
+    return [round(float(v), 8) for v in np.asarray(values)]
+
+
+def new_report(plan: MergePlan, readers: Sequence[Any], base: Any | None) -> dict[str, Any]:
+    """The report's header (the plan as run); ``vector_rules`` and ``leaves`` fill in as the merge goes."""
+    return {
+        **plan.rule.as_dict(),
+        "overrides": [o.as_dict() for o in plan.overrides],
+        "inputs": [str(p) for p in plan.inputs],
+        "base": plan.base,
+        # the round each orbax input was read from (a checkpoints or run folder: its latest)
+        "orbax_steps": {
+            str(p): str(r.step_directory)
+            for p, r in zip([*plan.inputs, plan.base], [*readers, base], strict=True)
+            if hasattr(r, "step_directory")
+        },
+        "dtype": plan.dtype,
+        "seed": plan.seed,
+        "vector_rules": {},
+        "leaves": {},
+    }
+
+
+def leaf_report(choice: RuleChoice, info: Any) -> dict[str, Any]:
+    """A leaf's entry: the inputs the rule selected, and its weights when its output is linear."""
+    out: dict[str, Any] = {
+        "method": choice.method,
+        "selected": [int(i) for i in np.flatnonzero(np.asarray(info.selected))],
+    }
+    if info.linear:
+        out["weights"] = _rounded(info.weights)
+    return out
+
+
+def vector_rule_report(
+    inputs: Sequence[str], leaves: int, weights: np.ndarray, selected: np.ndarray, finite: np.ndarray
+) -> dict[str, Any]:
+    """A vector rule's entry: its whole-model weights, the inputs it selected and those it left out."""
+    return {
+        "leaves": leaves,
+        "weights": _rounded(weights),
+        "selected": [inputs[i] for i in np.flatnonzero(selected)],
+        "excluded_nonfinite": [inputs[i] for i in np.flatnonzero(~finite)],
+    }
+
+
+def write_report(folder: Path, report: dict[str, Any]) -> None:
+    (folder / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
