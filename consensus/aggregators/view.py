@@ -3,7 +3,7 @@
 Clipping and nearest-neighbour mixing are linear maps of the nodes: with a
 centre c, their output rows are ``y_i = c + sum_j A[i, j] (x_j - c)``. Writing
 those n rows out costs a full copy of the stack, and on XLA:CPU a fresh
-(16, 1e7) output costs ~6x one pass over memory in page faults alone. A
+stack-sized output costs several passes over memory in page faults alone. A
 :class:`NodeView` keeps ``(x, A, c)`` instead, and every rule reads it
 through the helpers below:
 

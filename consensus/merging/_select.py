@@ -46,7 +46,7 @@ SAMPLE = 16384  # sampled entries per row for the first probes (their sort costs
 FIRST_PROBES = 8  # counts in the first pass (each probe costs ~0.08 of a pass)
 FIRST_SPREAD = 3.5  # the first probes span rank k +- this many sampling standard deviations
 WINDOW_SPREAD = 3.5  # the extraction window spans the interpolated rank +- this many count errors
-PASS_LANES = 16384  # lanes of a counting pass at n <= 16 (measured best at n = 16, d = 1e7)
+PASS_LANES = 16384  # lanes of a counting pass at n <= 16 (tuned by benchmarks/speed/merging_speed.py)
 PASS_ENTRIES = 2**18  # n x lanes of a counting pass above 16 rows, never below 2048 lanes
 NARROW_CHUNKS = 255  # chunks a byte count takes before it is widened (one True per chunk)
 BYTES_PER_WORD = 4  # byte counts packed into one uint32 accumulator
