@@ -34,7 +34,7 @@ from consensus import tree
 from consensus.base import ByzantineToleranceError
 from consensus.mesh import to_host
 from consensus.privacy import PrivacyLedger, calibrate_noise, pld_epsilon, rdp_epsilon
-from meta_consensus import example_privacy, sampling
+from meta_consensus import example_level_dp, sampling
 from meta_consensus.config import Config, ConfigError
 from meta_consensus.fleet import Fleet
 from meta_consensus.pipeline import MergePipeline, MergeReport, RoundFailure
@@ -198,15 +198,15 @@ class Coordinator:
         self.fleet.data = dataclasses.replace(data, heldout=rest)
         return ServerReference(self.fleet.task, root, self.cfg)
 
-    def _example_accountant(self) -> example_privacy.ExampleAccountant | None:
+    def _example_accountant(self) -> example_level_dp.ExampleAccountant | None:
         """Example-level DP-SGD: refuse leaking configs, calibrate every node, hand the fleet its settings."""
-        if not example_privacy.is_example_level(self.cfg):
+        if not example_level_dp.is_example_level(self.cfg):
             return None
         if jax.process_count() > 1:
             raise ConfigError("dp.level = 'example' runs in one process (nodes are calibrated on one host)")
         settings = list(self.fleet.settings)
-        example_privacy.check_no_leaks(self.cfg, self.fleet.task, settings)
-        acc = example_privacy.ExampleAccountant(
+        example_level_dp.check_no_leaks(self.cfg, self.fleet.task, settings)
+        acc = example_level_dp.ExampleAccountant(
             self.cfg,
             self.fleet.data.train_count,
             [sum(st.level_steps) for st in settings],

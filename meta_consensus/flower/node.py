@@ -59,9 +59,9 @@ EXAMPLES_KEY = "num-examples"  # Flower's weight key for metric aggregation
 
 def check_flower_config(cfg: Config) -> Config:
     """Refuse the settings the Flower path does not carry (see the module docstring)."""
-    from meta_consensus import example_privacy
+    from meta_consensus import example_level_dp
 
-    if example_privacy.is_example_level(cfg):
+    if example_level_dp.is_example_level(cfg):
         raise ConfigError("dp.level = 'example' (DP-SGD in the nodes) is not supported on Flower yet")
     if cfg.byzantine.nodes:
         raise ConfigError(

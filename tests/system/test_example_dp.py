@@ -25,7 +25,7 @@ from system_helpers import SMALL
 from consensus.privacy import DEFAULT_ORDERS
 from meta_consensus import Coordinator, MetaConsensus, config
 from meta_consensus.config import ConfigError
-from meta_consensus.example_privacy import ExampleAccountant, check_no_leaks
+from meta_consensus.example_level_dp import ExampleAccountant, check_no_leaks
 from strategies.dpsgd import effective_rate, sampling_rates
 
 # No hierarchical node: its general pool is every node's data (refused, tested below).
