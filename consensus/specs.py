@@ -53,15 +53,32 @@ def need(ok: bool, text: str) -> str | None:
     return None if ok else text
 
 
+@functools.cache
 def at_least(k: int) -> Precondition:
     """The precondition "at least k valid nodes" (f plays no part)."""
     plural = "s" if k > 1 else ""
     return lambda n, f: need(n >= k, f"at least {k} valid node{plural}")
 
 
+@functools.cache
+def exactly(k: int) -> Precondition:
+    """The precondition "exactly k valid nodes" (f plays no part)."""
+    return lambda n, f: need(n == k, f"exactly {k} valid nodes")
+
+
 def honest_majority(n: int, f: int) -> str | None:
     """n > 2f: more honest than Byzantine nodes."""
     return need(n > 2 * f, f"n > 2f = {2 * f}")
+
+
+def least_count(precondition: Precondition, f: int, upto: int) -> int:
+    """The fewest valid nodes, at most ``upto``, for which ``precondition`` holds (``upto + 1`` if none).
+
+    Preconditions are monotone in the count (more valid nodes never hurt up to the stack's n), so
+    under an outer jit a rule compares its traced valid count with this bound, found on the host
+    from the same declared precondition.
+    """
+    return next((m for m in range(upto + 1) if precondition(m, f) is None), upto + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +97,8 @@ class Spec:
       precondition: static function of (n valid nodes, f): None when the entry can run,
         else the requirement. The config check, the merge command and the rule's own runtime
         check all call it.
+      formula: the precondition in words for the docs table, where its requirement at
+        n = 1, f = 1 would not show its shape (a rule with parameters in its precondition).
       sensitivity: the node-level DP sensitivity, in words.
       needs: what the caller must pass besides the stacked trees: ``"params"`` (the base /
         current global model), ``"key"`` (randomized), ``"server_update"``, ``"fisher"``, ...
@@ -105,6 +124,7 @@ class Spec:
     kind: str = ""
     takes_f: bool = False
     precondition: Precondition = at_least(1)
+    formula: str = ""
     sensitivity: str = DEFAULT_SENSITIVITY
     needs: frozenset[str] = frozenset()
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)

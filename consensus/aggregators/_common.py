@@ -10,7 +10,8 @@ import numpy as np
 
 from consensus import tree
 from consensus.aggregators import view as views
-from consensus.base import AggregationInfo, ByzantineToleranceError, empty_info
+from consensus.base import AggregationInfo, empty_info, require
+from consensus.specs import Precondition, least_count
 from kernels import gram as gram_kernels
 from kernels import sorting
 
@@ -82,16 +83,50 @@ def valid_nodes(stacked: PyTree, mask: jax.Array | None, assume_finite: bool = F
     return valid
 
 
-def require_count(rule: str, m: int | None, f: int, ok: bool, needed: str) -> None:
-    """Raise when a concrete valid count m violates the rule's precondition.
+def check_count(rule: str, precondition: Precondition, f: int, count: int | None) -> None:
+    """Raise ByzantineToleranceError when the rule's declared precondition fails on ``count`` nodes.
 
-    Under an outer jit m is None: the check cannot run, and the rule's output is
-    NaN instead when the precondition fails (documented on each rule).
+    A rule calls it with the stack's n before it reads the nodes, and with the valid count m
+    once validity is known: the one precondition its declaration names
+    (:mod:`consensus.specs`), never a copy of it. Under an outer jit m is None: the check
+    cannot run, and the rule's output is NaN instead when the precondition fails
+    (:func:`too_few`, documented on each rule).
     """
-    if m is not None and not ok:
-        raise ByzantineToleranceError(
-            f"{rule}: cannot tolerate f={f} Byzantine nodes with n={m} valid nodes; needs {needed}."
-        )
+    if count is None:
+        return
+    needed = precondition(count, f)
+    require(rule, count, f, needed is None, needed or "")
+
+
+def too_few(precondition: Precondition, f: int, valid: jax.Array) -> jax.Array:
+    """Scalar bool, traced: the valid count is below what the declared precondition needs."""
+    least = least_count(precondition, f, valid.shape[0])
+    return jnp.sum(valid.astype(jnp.int32)) < least
+
+
+def nan_if(bad: jax.Array | None, merged: PyTree) -> PyTree:
+    """Under an outer jit a failed precondition cannot raise: the output is NaN instead."""
+    if bad is None:
+        return merged
+    return jax.tree.map(lambda y: jnp.where(bad, jnp.full_like(y, jnp.nan), y), merged)
+
+
+def require_params(rule: str, params: PyTree | None) -> PyTree:
+    if params is None:
+        raise ValueError(f"{rule}: needs the current global params (the nodes' updates are x_i - params)")
+    return params
+
+
+def require_key(rule: str, key: jax.Array | None) -> jax.Array:
+    if key is None:
+        raise ValueError(f"{rule}: is randomized; pass a jax.random key as update(..., key=key)")
+    return key
+
+
+def top_eigenpair(h: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(largest eigenvalue, its unit eigenvector) of a symmetric PSD (n, n) matrix."""
+    vals, vecs = jnp.linalg.eigh(h)
+    return vals[-1], vecs[:, -1]
 
 
 def check_f(rule: str, f: int) -> int:
@@ -196,9 +231,9 @@ def all_finite(tree_: PyTree) -> jax.Array:
     """Scalar bool: every entry of every leaf is finite (reads the output, 1/n of the stack).
 
     As ``isfinite(sum(y * 0))``: y * 0 is NaN exactly where y is NaN or +-Inf, and a
-    float sum vectorizes where a boolean ``all`` does not (measured ~10x cheaper on
-    XLA:CPU under jit, where the check otherwise cost as much as the rule). The one
-    formula lives in :func:`consensus.tree.is_finite`.
+    float sum vectorizes where a boolean ``all`` does not on XLA:CPU, so under jit the
+    check stays small beside the rule. The one formula lives in
+    :func:`consensus.tree.is_finite`.
     """
     return tree.is_finite(tree_)
 
@@ -210,8 +245,7 @@ def unless_non_finite(value: tuple, fallback, check: int = 0) -> tuple:
     ``lax.cond(all_finite(merged), lambda: value, fallback)`` would be the obvious form,
     but XLA gives a conditional its own output buffer, so the branch that returns the
     precomputed ``merged`` copies it: a fresh output-sized buffer written on every call,
-    measured at +0.3 to +0.4 of a pass over a (16, 1e7) stack, which is what made mean
-    and median slower under a user's jit than eagerly. A while loop carries ``value`` in
+    which would make mean and median slower under a user's jit than eagerly. A while loop carries ``value`` in
     place instead: its condition is the finiteness check, and its body (the fallback)
     runs at most once. The body's ``lax.cond`` on the loop-carried flag makes the
     fallback depend on the loop state; without it XLA's loop-invariant code motion
@@ -273,15 +307,3 @@ def coordinatewise(kernel, stacked: PyTree, **kwargs) -> PyTree:
             y = kernel(x, mixing=mixing, centre=c, diagonal=diagonal, **kwargs)
         out.append(y.astype(x.dtype))
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(views.base_of(stacked)), out)
-
-
-def accepts_views(update):
-    """Mark an update function as able to read a lazy :class:`NodeView`."""
-    update.accepts_views = True
-    return update
-
-
-def accepts_dropped(update):
-    """Mark an update function as able to read DARE's lazy rows (:class:`.view.DroppedRows`)."""
-    update.accepts_dropped = True
-    return update

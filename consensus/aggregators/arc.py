@@ -10,14 +10,15 @@ from consensus import tree
 from consensus.aggregators import view as views
 from consensus.aggregators._common import (
     allowed,
+    check_count,
     check_f,
     check_stacked,
     gram_stats,
-    require_count,
     static_count,
 )
 from consensus.aggregators.pre import ClipState
-from consensus.base import PreAggregator, require
+from consensus.base import PreAggregator
+from consensus.specs import RULES, honest_majority
 
 
 def arc_scales(sq_norms: jax.Array, valid: jax.Array, f: int) -> jax.Array:
@@ -32,6 +33,12 @@ def arc_scales(sq_norms: jax.Array, valid: jax.Array, f: int) -> jax.Array:
     return jnp.where(valid, scale, 0.0)
 
 
+@RULES.declare(
+    kind="pre",
+    takes_f=True,
+    precondition=honest_majority,
+    sensitivity="not bounded by a fixed C (the clip threshold is the data's (k+1)-th largest norm)",
+)
 def arc(num_byzantine: int) -> PreAggregator:
     """Adaptive robust clipping (ARC, Allouah et al. 2024), a pre-aggregator.
 
@@ -57,7 +64,7 @@ def arc(num_byzantine: int) -> PreAggregator:
     def update(stacked, state, params=None, *, mask=None, lazy=False, **extra):
         del state, extra
         n = check_stacked(stacked, params)
-        require("arc", n, f, n > 2 * f, f"n > 2f = {2 * f}")
+        check_count("arc", honest_majority, f, n)
         v = views.with_norms(stacked) if views.is_view(stacked) else views.identity(stacked, params)
         if v.gram is not None:
             sq, valid = jnp.diagonal(v.gram), v.valid
@@ -68,8 +75,7 @@ def arc(num_byzantine: int) -> PreAggregator:
             stats = gram_stats(v, params, None)
             sq, valid = jnp.diagonal(stats.gram), stats.valid
         valid = valid & allowed(mask, n)
-        m = static_count(valid)
-        require_count("arc", m, f, m is not None and m > 2 * f, f"n > 2f = {2 * f}")
+        check_count("arc", honest_majority, f, static_count(valid))
         scale = arc_scales(sq, valid, f)
         gram = None if v.gram is None else v.gram * scale[:, None] * scale[None, :]
         out = views.compose(v, jnp.diag(scale), diagonal=True, gram=gram, valid=valid)

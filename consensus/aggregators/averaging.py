@@ -11,7 +11,6 @@ import numpy as np
 from consensus.aggregators import view as views
 from consensus.aggregators._common import (
     RuleState,
-    accepts_views,
     all_finite,
     allowed,
     check_stacked,
@@ -23,6 +22,7 @@ from consensus.aggregators._common import (
     valid_nodes,
 )
 from consensus.base import AggregationInfo, Aggregator, ByzantineToleranceError
+from consensus.specs import RULES, Precondition, at_least
 
 PyTree = Any
 
@@ -55,12 +55,21 @@ def _optimistic_sum(stacked, mask, n: int, weights_for):
     return unless_non_finite((merged, valid, w), over_finite_nodes)
 
 
-def _require_some(rule: str, valid: jax.Array, n: int) -> None:
+def _require_some(rule: str, precondition: Precondition, valid: jax.Array, n: int) -> None:
+    """Raise when a concrete valid count fails the rule's declared precondition (no valid node at all)."""
     m = static_count(valid)
-    if m is not None and m == 0:
-        raise ByzantineToleranceError(f"{rule}: no valid node out of n={n}; needs at least 1.")
+    needed = None if m is None else precondition(m, 0)
+    if needed is not None:
+        raise ByzantineToleranceError(f"{rule}: no valid node out of n={n}; needs {needed}.")
 
 
+@RULES.declare(
+    kind="coordinatewise",
+    precondition=at_least(1),
+    sensitivity="C / n (uniform mean)",
+    elementwise=True,
+    reads_views=True,
+)
 def mean() -> Aggregator:
     """Uniform mean of the valid nodes (FedAvg with equal weights).
 
@@ -80,7 +89,6 @@ def mean() -> Aggregator:
       Array([2., 3.], dtype=float32)
     """
 
-    @accepts_views
     def update(stacked, state, params=None, *, mask=None, assume_finite=False, **extra):
         del state, extra
         n = check_stacked(stacked, params)
@@ -89,7 +97,7 @@ def mean() -> Aggregator:
             merged, valid, w = fast
             return merged, RuleState(AggregationInfo(valid, valid, w, True))
         valid = valid_nodes(stacked, mask, assume_finite)
-        _require_some("mean", valid, n)
+        _require_some("mean", at_least(1), valid, n)
         w = uniform_over(valid)
         merged = views.weighted_sum(stacked, w)
         return merged, RuleState(AggregationInfo(valid, valid, w, True))
@@ -97,6 +105,14 @@ def mean() -> Aggregator:
     return Aggregator(init_rule_state, update, "mean")
 
 
+@RULES.declare(
+    kind="coordinatewise",
+    precondition=at_least(1),
+    sensitivity="C * max_i w_i (fixed weights)",
+    elementwise=True,
+    needs=("weights",),  # at construction (its parameter) or as update(..., weights=...)
+    reads_views=True,
+)
 def weighted_mean(weights: jax.Array | np.ndarray | None = None) -> Aggregator:
     """Weighted mean with non-negative node weights, renormalized over the valid nodes.
 
@@ -108,7 +124,6 @@ def weighted_mean(weights: jax.Array | np.ndarray | None = None) -> Aggregator:
     """
     fixed = None if weights is None else jnp.asarray(weights, jnp.float32)
 
-    @accepts_views
     def update(stacked, state, params=None, *, mask=None, assume_finite=False, weights=None, **extra):
         del state, extra
         n = check_stacked(stacked, params)

@@ -11,16 +11,20 @@ import jax.numpy as jnp
 from consensus.aggregators import view as views
 from consensus.aggregators._common import (
     RuleState,
+    check_count,
     check_f,
     check_stacked,
     gram_stats,
     init_rule_state,
+    require_key,
     static_count,
     valid_nodes,
 )
-from consensus.aggregators._robust import require_key
-from consensus.base import AggregationInfo, Aggregator, ByzantineToleranceError, get_info
+from consensus.base import AggregationInfo, Aggregator, get_info
+from consensus.specs import RULES, Spec
 from kernels import robust as robust_kernels
+
+DEFAULT_BUCKET_SIZE = 2
 
 
 def bucket_requirement(n: int, f: int, bucket_size: int) -> str | None:
@@ -33,6 +37,33 @@ def bucket_requirement(n: int, f: int, bucket_size: int) -> str | None:
         "Byzantine nodes can spoil a different bucket, so too many buckets can be bad "
         "(use smaller buckets, or fewer f)"
     )
+
+
+def bucketing_precondition(n: int, f: int) -> str | None:
+    """The declared precondition: buckets of the default size, a majority of them free of Byzantine nodes."""
+    return bucket_requirement(n, f, DEFAULT_BUCKET_SIZE)
+
+
+def inner_rule(inner: str | Aggregator, f: int) -> tuple[Spec | None, Aggregator]:
+    """The inner rule's declaration (None for a hand-built Aggregator) and the rule itself.
+
+    A name is looked up in :data:`consensus.specs.RULES` and built with bucketing's f (when
+    the rule takes one); a built rule is used as it is, with its declaration. A declared inner
+    rule must be a plain n -> 1 rule: bucketing consumes the key and hands the rule nothing else.
+    """
+    if isinstance(inner, str):
+        spec: Spec | None = RULES[inner]
+        agg = None
+    elif isinstance(inner, Aggregator):
+        spec, agg = inner.spec, inner
+    else:
+        raise TypeError(f"bucketing: inner must be a rule name or an Aggregator, got {type(inner).__name__}")
+    if spec is not None and (spec.kind not in ("coordinatewise", "vector") or spec.needs):
+        raise ValueError(f"bucketing: inner must be a plain n -> 1 rule, got {spec.name!r} ({spec.kind})")
+    if agg is None:
+        assert spec is not None
+        agg = spec.build(f if spec.takes_f else None)
+    return spec, agg
 
 
 def bucket_matrix(key: jax.Array, valid: jax.Array, bucket_size: int) -> jax.Array:
@@ -48,16 +79,29 @@ def bucket_matrix(key: jax.Array, valid: jax.Array, bucket_size: int) -> jax.Arr
     return member.astype(jnp.float32) / jnp.maximum(count, 1.0)
 
 
+@RULES.declare(
+    kind="vector",
+    takes_f=True,
+    precondition=bucketing_precondition,
+    formula="ceil(n / bucket_size) > 2f, and the inner rule's precondition on the buckets",
+    sensitivity="the inner rule's (geometric median by default: 2C)",
+    needs=("key",),
+)
 def bucketing(
-    num_byzantine: int, bucket_size: int = 2, inner: str | Aggregator = "geometric_median"
+    num_byzantine: int, bucket_size: int = DEFAULT_BUCKET_SIZE, inner: str | Aggregator = "geometric_median"
 ) -> Aggregator:
     """Bucketing (Karimireddy et al. 2022): average random buckets of s nodes, then a robust rule.
 
     A random permutation (from ``key=``, a jax.random key passed to
     ``update``) cuts the n nodes into B = ceil(n / s) buckets of s consecutive
     nodes; each bucket is replaced by the mean of its valid nodes, and the
-    ``inner`` rule (a registered rule name, built with the same f, or an
-    Aggregator) merges the B bucket means. Averaging shrinks the honest
+    ``inner`` rule merges the B bucket means. ``inner`` is a registered rule
+    name, built with bucketing's f, or a built Aggregator, used with its own f:
+    ``bucketing(f, inner="krum")`` and ``bucketing(f, inner=krum(f))`` are the
+    same rule. Either way the inner rule's declaration decides how it runs (in
+    Gram space when it reads views) and its precondition is checked on the B
+    buckets with bucketing's f (up to f buckets can be spoiled); a hand-built
+    Aggregator (no declaration) runs on the written bucket means, unchecked. Averaging shrinks the honest
     buckets' heterogeneity by about 1/s, but each Byzantine node spoils its
     whole bucket: with f Byzantine nodes up to f buckets are bad, so the rule
     needs B > 2f (the paper's condition f s < n / 2, roughly) on top of the
@@ -65,8 +109,8 @@ def bucketing(
     a message saying so (ByzantineToleranceError). At f = 4 of 16 only s = 1
     (no bucketing) satisfies it.
     ``info.weights`` are the inner weights pulled back to the nodes.
-    Cost: with a registered Gram-space inner rule (geometric median, Krum,
-    centered clipping, ...), the bucket means are never written: one Gram
+    Cost: with a declared vector inner rule that reads views (geometric median,
+    Krum, centered clipping, ...), the bucket means are never written: one Gram
     pass over the nodes (their validity from its diagonal) gives the buckets'
     Gram matrix ``A G A^T`` (A the (B, n) averaging matrix), the inner rule
     runs on that lazy view (``consensus.aggregators.view``), and its output
@@ -78,47 +122,28 @@ def bucketing(
     f = check_f("bucketing", num_byzantine)
     if not isinstance(bucket_size, int) or bucket_size < 1:
         raise ValueError(f"bucketing: bucket_size must be a positive int, got {bucket_size!r}")
-    if isinstance(inner, str):
-        from consensus import registry
+    inner_spec, inner_agg = inner_rule(inner, f)
 
-        spec = registry.RULES[inner]
-        if spec.kind not in ("coordinatewise", "vector") or spec.needs:
-            raise ValueError(f"bucketing: inner must be a plain n -> 1 rule, got {inner!r} ({spec.kind})")
-        inner_spec = spec
-        inner_agg = spec.build(f if spec.takes_f else None)
-    elif isinstance(inner, Aggregator):
-        inner_spec, inner_agg = None, inner
-    else:
-        raise TypeError(f"bucketing: inner must be a rule name or an Aggregator, got {type(inner).__name__}")
+    # A declared vector rule that reads lazy views works in Gram space: the bucket means stay lazy.
+    gram_space = inner_spec is not None and inner_spec.kind == "vector" and inner_spec.reads_views
 
-    # A registered vector rule that reads lazy views works in Gram space: the bucket means stay lazy.
-    gram_space = (
-        inner_spec is not None
-        and inner_spec.kind == "vector"
-        and getattr(inner_agg.update, "accepts_views", False)
-    )
-
-    def refuse(n_now: int) -> None:
+    def precondition(n_now: int, f: int) -> str | None:
+        """The declared one at this bucket size, then the inner rule's on the buckets."""
         need = bucket_requirement(n_now, f, bucket_size)
         if need is None and inner_spec is not None:
             need = inner_spec.requirement(math.ceil(n_now / bucket_size), f)
             need = None if need is None else f"the inner {inner_spec.name} on the buckets: {need}"
-        if need is not None:
-            raise ByzantineToleranceError(
-                f"bucketing: cannot tolerate f={f} Byzantine nodes with n={n_now} valid nodes; needs {need}."
-            )
+        return need
 
     def update(stacked, state, params=None, *, mask=None, key=None, **extra):
         del state
         key = require_key("bucketing", key)
         n = check_stacked(stacked, params)
-        refuse(n)
+        check_count("bucketing", precondition, f, n)
         if gram_space and not views.is_view(stacked):
             return gram_route(stacked, params, mask, key, extra)
         valid = valid_nodes(stacked, mask)
-        m = static_count(valid)
-        if m is not None:
-            refuse(m)
+        check_count("bucketing", precondition, f, static_count(valid))
         mixing = bucket_matrix(key, valid, bucket_size)
         # An empty bucket's row comes out NaN (mix_rows), which the inner rule drops.
         means = jax.tree.map(lambda x: robust_kernels.mix_rows(x, mixing).astype(x.dtype), stacked)
@@ -129,9 +154,7 @@ def bucketing(
         # The Gram matrix of the nodes, centred on params (or, without params, on their mean:
         # the bucket rows of A sum to 1, so their distances do not depend on that centre).
         stats = gram_stats(stacked, params, mask)
-        m = static_count(stats.valid)
-        if m is not None:
-            refuse(m)
+        check_count("bucketing", precondition, f, static_count(stats.valid))
         n = stats.valid.shape[0]
         mixing = bucket_matrix(key, stats.valid, bucket_size)
         # Padded to (n, n) with zero rows: the view's rows past B, and empty buckets, are invalid.

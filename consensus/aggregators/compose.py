@@ -21,6 +21,21 @@ from consensus.aggregators.pre import pull_back_weights
 from consensus.base import AggregationInfo, Aggregator, PreAggregator, empty_info
 
 
+def reads_views(agg: Aggregator | PreAggregator) -> bool:
+    """The rule declared that its update reads a lazy view (``spec.reads_views``); hand-built ones do not."""
+    return agg.spec is not None and agg.spec.reads_views
+
+
+def reads_dropped(agg: Aggregator | PreAggregator) -> bool:
+    """The rule declared that its update reads DARE's lazy rows (``spec.reads_dropped``)."""
+    return agg.spec is not None and agg.spec.reads_dropped
+
+
+def view_centre(p: PreAggregator) -> str:
+    """Where a pre-aggregator without params centres its view, as declared; ``"median"`` when hand-built."""
+    return "median" if p.spec is None else p.spec.centre
+
+
 class ProcessState(NamedTuple):
     pre: tuple
     aggregator: Any
@@ -38,12 +53,13 @@ def process(
     The pre-aggregators stay lazy (a linear view of the input, see
     :mod:`consensus.aggregators.view`): the pipeline reads the parameters once
     per Gram or weighted-sum pass and never writes an intermediate stack. A
-    rule that cannot read views gets the view materialized once. The centre of
-    the view is ``params``; without params it is 0 when the pipeline clips
-    (clipping is then around 0), none when it only mixes (nearest-neighbour
-    mixing averages nodes, so its rows need no centre; distances come from a
-    Gram matrix centred on the nodes' mean) and the coordinate-wise median
-    otherwise.
+    rule that cannot read views (``spec.reads_views`` false, or no spec) gets the
+    view materialized once. The centre of the view is ``params``; without params
+    it is what the pre-aggregators declare (``spec.centre``): 0 when one of them
+    centres on zero (clipping is then around 0), none when every one needs no
+    centre (nearest-neighbour mixing averages nodes, so its rows need no centre;
+    distances come from a Gram matrix centred on the nodes' mean) and the
+    coordinate-wise median otherwise.
     ``state.info.weights`` is pulled back through the pre-aggregators, so it is
     each *original* node's weight in the merged tree. With ``post`` the update
     needs ``params``.
@@ -69,10 +85,10 @@ def process(
         if post is not None and params is None:
             raise ValueError(f"{name}: a server optimizer (post) needs the current params")
         x = stacked
-        if pre and not (params is None and all(p.name == "nnm" for p in pre)):
+        if pre and not (params is None and all(view_centre(p) == "none" for p in pre)):
             if params is not None:
                 centre = params
-            elif any(p.name == "clip" for p in pre):
+            elif any(view_centre(p) == "zero" for p in pre):
                 centre = None
             else:
                 centre = robust_centre(stacked)
@@ -85,9 +101,9 @@ def process(
                 x = views.materialize(x)
             x, s = p.update(x, s, params, mask=mask, lazy=True, **extra)
             pre_states.append(s)
-        if views.is_view(x) and not getattr(aggregator.update, "accepts_views", False):
+        if views.is_view(x) and not reads_views(aggregator):
             x = views.materialize(x)
-        if views.is_dropped(x) and not getattr(aggregator.update, "accepts_dropped", False):
+        if views.is_dropped(x) and not reads_dropped(aggregator):
             x = views.materialize(x)
         merged, agg_state = aggregator.update(x, state.aggregator, params, mask=mask, **extra)
         info = agg_state.info

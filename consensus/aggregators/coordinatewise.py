@@ -12,21 +12,21 @@ import jax.numpy as jnp
 from consensus.aggregators import view as views
 from consensus.aggregators._common import (
     RuleState,
-    accepts_views,
     all_finite,
     allowed,
+    check_count,
     check_f,
     check_stacked,
     coordinatewise,
     init_rule_state,
-    require_count,
     static_count,
     under_outer_jit,
     uniform_over,
     unless_non_finite,
     valid_nodes,
 )
-from consensus.base import AggregationInfo, Aggregator, require
+from consensus.base import AggregationInfo, Aggregator
+from consensus.specs import RULES, at_least, honest_majority
 from kernels import sorting
 
 
@@ -77,6 +77,7 @@ def keep_args(valid: jax.Array, n: int):
     return valid, m
 
 
+@RULES.declare(kind="coordinatewise", precondition=at_least(1), elementwise=True, reads_views=True)
 def median() -> Aggregator:
     """Coordinate-wise median (Yin et al. 2018, "Byzantine-Robust Distributed Learning").
 
@@ -88,7 +89,6 @@ def median() -> Aggregator:
     uniform share over valid nodes.
     """
 
-    @accepts_views
     def update(stacked, state, params=None, *, mask=None, assume_finite=False, **extra):
         del state, extra
         n = check_stacked(stacked, params)
@@ -97,7 +97,7 @@ def median() -> Aggregator:
             merged, valid = fast
             return merged, RuleState(AggregationInfo(valid, valid, uniform_over(valid), False))
         valid = valid_nodes(stacked, mask, assume_finite)
-        require_count("median", static_count(valid), 0, static_count(valid) != 0, "at least 1 valid node")
+        check_count("median", at_least(1), 0, static_count(valid))
         keep, m = keep_args(valid, n)
         merged = coordinatewise(sorting.median, stacked, keep=keep, m=m)
         return merged, RuleState(AggregationInfo(valid, valid, uniform_over(valid), False))
@@ -105,6 +105,9 @@ def median() -> Aggregator:
     return Aggregator(init_rule_state, update, "median")
 
 
+@RULES.declare(
+    kind="coordinatewise", takes_f=True, precondition=honest_majority, elementwise=True, reads_views=True
+)
 def trimmed_mean(num_byzantine: int) -> Aggregator:
     """Coordinate-wise trimmed mean (Yin et al. 2018), f removed from *each* side.
 
@@ -115,19 +118,17 @@ def trimmed_mean(num_byzantine: int) -> Aggregator:
     """
     f = check_f("trimmed_mean", num_byzantine)
 
-    @accepts_views
     def update(stacked, state, params=None, *, mask=None, assume_finite=False, **extra):
         del state, extra
         n = check_stacked(stacked, params)
-        require("trimmed_mean", n, f, n > 2 * f, f"n > 2f = {2 * f}")
+        check_count("trimmed_mean", honest_majority, f, n)
         fast = None if assume_finite else optimistic_pass(sorting.trimmed_mean, stacked, mask, n, f=f)
         m_fast = None if fast is None else static_count(fast[1])
-        if fast is not None and (m_fast is None or m_fast > 2 * f):
+        if fast is not None and (m_fast is None or honest_majority(m_fast, f) is None):
             merged, valid = fast
             return merged, RuleState(AggregationInfo(valid, valid, uniform_over(valid), False))
         valid = valid_nodes(stacked, mask, assume_finite)
-        m_now = static_count(valid)
-        require_count("trimmed_mean", m_now, f, m_now is not None and m_now > 2 * f, f"n > 2f = {2 * f}")
+        check_count("trimmed_mean", honest_majority, f, static_count(valid))
         keep, m = keep_args(valid, n)
         merged = coordinatewise(sorting.trimmed_mean, stacked, f=f, keep=keep, m=m)
         return merged, RuleState(AggregationInfo(valid, valid, uniform_over(valid), False))

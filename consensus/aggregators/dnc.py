@@ -13,15 +13,20 @@ from consensus.aggregators import view as views
 from consensus.aggregators._common import (
     RuleState,
     allowed,
+    check_count,
     check_f,
     check_stacked,
     init_rule_state,
-    require_count,
+    nan_if,
+    require_key,
     static_count,
+    too_few,
+    top_eigenpair,
     uniform_over,
 )
-from consensus.aggregators._robust import columns, nan_if, require_key, sample_coordinates, top_eigenpair
-from consensus.base import AggregationInfo, Aggregator, require
+from consensus.aggregators._subsample import columns, sample_coordinates
+from consensus.base import AggregationInfo, Aggregator
+from consensus.specs import RULES, honest_majority
 from kernels.gram import HIGHEST
 
 
@@ -43,6 +48,7 @@ def dnc_outliers(cols: jax.Array, valid: jax.Array, num_removed: int) -> jax.Arr
     return valid & (rank < num_removed)
 
 
+@RULES.declare(kind="vector", takes_f=True, precondition=honest_majority, needs=("key",))
 def dnc(
     num_byzantine: int, subsample_dim: int = 10_000, num_iters: int = 1, filter_frac: float = 1.0
 ) -> Aggregator:
@@ -76,11 +82,11 @@ def dnc(
         del state, extra
         key = require_key("dnc", key)
         n = check_stacked(stacked, params)
-        require("dnc", n, f, n > 2 * f, f"n > 2f = {2 * f}")
+        check_count("dnc", honest_majority, f, n)
         sq = tree.sq_norms(stacked, params)
         valid = allowed(mask, n) & jnp.isfinite(sq)
         m = static_count(valid)
-        require_count("dnc", m, f, m is not None and m > 2 * f, f"n > 2f = {2 * f}")
+        check_count("dnc", honest_majority, f, m)
         total = sum(math.prod(x.shape[1:]) for x in jax.tree_util.tree_leaves(stacked))
         good = valid
         for k in jax.random.split(key, num_iters):
@@ -88,7 +94,7 @@ def dnc(
             good = good & ~dnc_outliers(cols, valid, removed)
         w = uniform_over(good)
         merged = views.combine(stacked, w, params) if params is not None else views.weighted_sum(stacked, w)
-        bad = None if m is not None else jnp.sum(valid.astype(jnp.int32)) <= 2 * f
+        bad = None if m is not None else too_few(honest_majority, f, valid)
         return nan_if(bad, merged), RuleState(AggregationInfo(valid, good, w, True))
 
     return Aggregator(init_rule_state, update, "dnc")

@@ -21,16 +21,18 @@ import numpy as np
 from consensus.aggregators import view as views
 from consensus.aggregators._common import (
     RuleState,
-    accepts_views,
+    check_count,
     check_f,
     check_stacked,
     gram_stats,
     init_rule_state,
-    require_count,
+    nan_if,
     static_count,
+    too_few,
+    top_eigenpair,
 )
-from consensus.aggregators._robust import nan_if, top_eigenpair
-from consensus.base import AggregationInfo, Aggregator, require
+from consensus.base import AggregationInfo, Aggregator
+from consensus.specs import RULES, honest_majority, need
 from kernels.compile_options import kernel_jit
 
 # SMEA enumerates C(n, f) subsets; above this many the rule refuses (memory ~ C(n, f) n^2 floats).
@@ -78,6 +80,7 @@ def caf_weights(g: jax.Array, valid: jax.Array, f: int | jax.Array) -> tuple[jax
     return best_w, best_lam
 
 
+@RULES.declare(kind="vector", takes_f=True, precondition=honest_majority, reads_views=True)
 def caf(num_byzantine: int) -> Aggregator:
     """Covariance-bound agnostic filter (CAF; Allouah, Guerraoui and Stephan 2025, ICML, "Towards
     Trustworthy Federated Learning with Untrusted Participants"; ByzFL's ``CAF``).
@@ -95,17 +98,16 @@ def caf(num_byzantine: int) -> Aggregator:
     """
     f = check_f("caf", num_byzantine)
 
-    @accepts_views
     def update(stacked, state, params=None, *, mask=None, **extra):
         del state, extra
         n = check_stacked(stacked, params)
-        require("caf", n, f, n > 2 * f, f"n > 2f = {2 * f}")
+        check_count("caf", honest_majority, f, n)
         stats = gram_stats(stacked, params, mask)
         m = static_count(stats.valid)
-        require_count("caf", m, f, m is not None and m > 2 * f, f"n > 2f = {2 * f}")
+        check_count("caf", honest_majority, f, m)
         w, _ = caf_weights(stats.gram, stats.valid, f)
         merged = views.combine(stacked, w, stats.centre)
-        bad = None if m is not None else jnp.sum(stats.valid.astype(jnp.int32)) <= 2 * f
+        bad = None if m is not None else too_few(honest_majority, f, stats.valid)
         return nan_if(bad, merged), RuleState(AggregationInfo(stats.valid, w > 0, w, True))
 
     return Aggregator(init_rule_state, update, "caf")
@@ -137,6 +139,21 @@ def smea_choice(g: jax.Array, valid: jax.Array, drops: jax.Array) -> tuple[jax.A
     return keep[best], lam[best]
 
 
+def smea_precondition(n: int, f: int) -> str | None:
+    """SMEA's: an honest majority, and few enough subsets to enumerate."""
+    subsets = math.comb(n, f)
+    return honest_majority(n, f) or need(
+        subsets <= SMEA_MAX_SUBSETS, f"C(n, f) = {subsets} <= {SMEA_MAX_SUBSETS} subsets"
+    )
+
+
+@RULES.declare(
+    kind="vector",
+    takes_f=True,
+    precondition=smea_precondition,
+    formula=f"n > 2f and C(n, f) <= {SMEA_MAX_SUBSETS}",
+    reads_views=True,
+)
 def smea(num_byzantine: int) -> Aggregator:
     """Smallest maximum eigenvalue averaging (SMEA; Allouah, Guerraoui, Gupta, Pinot and Stephan
     2023, ICML, "On the Privacy-Robustness-Utility Trilemma in Distributed Learning").
@@ -151,21 +168,17 @@ def smea(num_byzantine: int) -> Aggregator:
     """
     f = check_f("smea", num_byzantine)
 
-    @accepts_views
     def update(stacked, state, params=None, *, mask=None, **extra):
         del state, extra
         n = check_stacked(stacked, params)
-        require("smea", n, f, n > 2 * f, f"n > 2f = {2 * f}")
-        subsets = math.comb(n, f)
-        need = f"C(n, f) = {subsets} <= {SMEA_MAX_SUBSETS} subsets"
-        require("smea", n, f, subsets <= SMEA_MAX_SUBSETS, need)
+        check_count("smea", smea_precondition, f, n)
         stats = gram_stats(stacked, params, mask)
         m = static_count(stats.valid)
-        require_count("smea", m, f, m is not None and m > 2 * f, f"n > 2f = {2 * f}")
+        check_count("smea", smea_precondition, f, m)
         keep, _ = smea_choice(stats.gram, stats.valid, jnp.asarray(smea_drop_sets(n, f)))
         w = keep.astype(jnp.float32) / jnp.maximum(jnp.sum(keep.astype(jnp.float32)), 1.0)
         merged = views.combine(stacked, w, stats.centre)
-        bad = None if m is not None else jnp.sum(stats.valid.astype(jnp.int32)) <= 2 * f
+        bad = None if m is not None else too_few(smea_precondition, f, stats.valid)
         return nan_if(bad, merged), RuleState(AggregationInfo(stats.valid, keep, w, True))
 
     return Aggregator(init_rule_state, update, "smea")

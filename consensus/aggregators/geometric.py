@@ -8,19 +8,20 @@ import jax.numpy as jnp
 from consensus.aggregators import view as views
 from consensus.aggregators._common import (
     RuleState,
-    accepts_views,
+    check_count,
     check_stacked,
     gram_stats,
     init_rule_state,
     medoid,
     recentre_gram,
-    require_count,
     static_count,
 )
 from consensus.base import AggregationInfo, Aggregator
+from consensus.specs import RULES, at_least
 from kernels import weiszfeld
 
 
+@RULES.declare(kind="vector", precondition=at_least(1), reads_views=True)
 def geometric_median(max_iter: int = 100, eps: float = 1e-8, tol: float = 1e-6) -> Aggregator:
     """Geometric median by smoothed Weiszfeld iterations in Gram space (RFA).
 
@@ -35,13 +36,11 @@ def geometric_median(max_iter: int = 100, eps: float = 1e-8, tol: float = 1e-6) 
     Precondition: m >= 1. ``info.weights`` are the final Weiszfeld weights.
     """
 
-    @accepts_views
     def update(stacked, state, params=None, *, mask=None, weights=None, **extra):
         del state, extra
         n = check_stacked(stacked, params)
         stats = gram_stats(stacked, params, mask)
-        m = static_count(stats.valid)
-        require_count("geometric_median", m, 0, m != 0, "at least 1 valid node")
+        check_count("geometric_median", at_least(1), 0, static_count(stats.valid))
         alpha = None if weights is None else jnp.asarray(weights, jnp.float32).reshape(n)
         w, _ = weiszfeld.geometric_median_weights(
             stats.gram, stats.valid, alpha, max_iter=max_iter, eps=eps, tol=tol
@@ -52,6 +51,7 @@ def geometric_median(max_iter: int = 100, eps: float = 1e-8, tol: float = 1e-6) 
     return Aggregator(init_rule_state, update, "geometric_median")
 
 
+@RULES.declare(kind="vector", precondition=at_least(1), defaults={"clip_radius": 10.0}, reads_views=True)
 def centered_clipping(clip_radius: float, iterations: int = 1) -> Aggregator:
     """Centered clipping (Karimireddy, He and Jaggi 2021, ICML, "Learning from History ...").
 
@@ -74,13 +74,11 @@ def centered_clipping(clip_radius: float, iterations: int = 1) -> Aggregator:
     if not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"centered_clipping: iterations must be a positive int, got {iterations!r}")
 
-    @accepts_views
     def update(stacked, state, params=None, *, mask=None, **extra):
         del state, extra
         check_stacked(stacked, params)
         stats = gram_stats(stacked, params, mask)
-        m = static_count(stats.valid)
-        require_count("centered_clipping", m, 0, m != 0, "at least 1 valid node")
+        check_count("centered_clipping", at_least(1), 0, static_count(stats.valid))
         if stats.centre is None:
             # No params (and no view centre): start from the medoid node r, a robust point of the
             # data found in Gram space. With v_0 = x_r the output is a weighted sum of the rows,

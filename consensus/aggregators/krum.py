@@ -13,28 +13,34 @@ import jax.numpy as jnp
 from consensus.aggregators import view as views
 from consensus.aggregators._common import (
     RuleState,
-    accepts_views,
+    check_count,
     check_f,
     check_stacked,
     coordinatewise,
     gram_stats,
     init_rule_state,
-    require_count,
+    nan_if,
     static_count,
+    too_few,
     uniform_over,
 )
-from consensus.base import AggregationInfo, Aggregator, require
+from consensus.base import AggregationInfo, Aggregator
+from consensus.specs import RULES, need
 from kernels import krum as krum_kernels
 from kernels import sorting
 
 
-def _finish_nan_if(bad, merged):
-    """Under an outer jit a failed precondition cannot raise: return NaN instead."""
-    if bad is None:
-        return merged
-    return jax.tree.map(lambda y: jnp.where(bad, jnp.full_like(y, jnp.nan), y), merged)
+def krum_precondition(n: int, f: int) -> str | None:
+    """Krum's and Multi-Krum's (Blanchard et al. 2017): more than 2f + 2 valid nodes."""
+    return need(n > 2 * f + 2, f"n > 2f + 2 = {2 * f + 2}")
 
 
+def bulyan_precondition(n: int, f: int) -> str | None:
+    """Bulyan's: theta = m - 2f selected nodes leave beta = theta - 2f >= 3 values per coordinate."""
+    return need(n >= 4 * f + 3, f"n >= 4f + 3 = {4 * f + 3}")
+
+
+@RULES.declare(kind="vector", takes_f=True, precondition=krum_precondition, reads_views=True)
 def krum(num_byzantine: int) -> Aggregator:
     """Krum (Blanchard et al. 2017, NeurIPS, "Machine Learning with Adversaries").
 
@@ -51,14 +57,13 @@ def krum(num_byzantine: int) -> Aggregator:
     """
     f = check_f("krum", num_byzantine)
 
-    @accepts_views
     def update(stacked, state, params=None, *, mask=None, **extra):
         del state, extra
         n = check_stacked(stacked, params)
-        require("krum", n, f, n > 2 * f + 2, f"n > 2f + 2 = {2 * f + 2}")
+        check_count("krum", krum_precondition, f, n)
         stats = gram_stats(stacked, params, mask)
         m = static_count(stats.valid)
-        require_count("krum", m, f, m is not None and m > 2 * f + 2, f"n > 2f + 2 = {2 * f + 2}")
+        check_count("krum", krum_precondition, f, m)
         chosen = krum_kernels.krum_select(stats.sq_dists, f, stats.valid)
         w = chosen.astype(jnp.float32)
         if views.is_view(stacked) and stacked.mixing is not None:
@@ -68,12 +73,13 @@ def krum(num_byzantine: int) -> Aggregator:
             # weighted sum would read all of it.
             winner = jnp.argmax(chosen)
             merged = jax.tree.map(lambda x: x[winner], views.base_of(stacked))
-        bad = None if m is not None else jnp.sum(stats.valid) <= 2 * f + 2
-        return _finish_nan_if(bad, merged), RuleState(AggregationInfo(stats.valid, chosen, w, True))
+        bad = None if m is not None else too_few(krum_precondition, f, stats.valid)
+        return nan_if(bad, merged), RuleState(AggregationInfo(stats.valid, chosen, w, True))
 
     return Aggregator(init_rule_state, update, "krum")
 
 
+@RULES.declare(kind="vector", takes_f=True, precondition=krum_precondition, reads_views=True)
 def multi_krum(num_byzantine: int, num_selected: int | None = None) -> Aggregator:
     """Multi-Krum (Blanchard et al. 2017): the mean of the ``num_selected`` best-scored nodes.
 
@@ -86,32 +92,37 @@ def multi_krum(num_byzantine: int, num_selected: int | None = None) -> Aggregato
     if num_selected is not None and (not isinstance(num_selected, int) or num_selected < 1):
         raise ValueError(f"multi_krum: num_selected must be a positive int, got {num_selected!r}")
 
-    @accepts_views
+    def selects(n: int, f: int) -> str | None:
+        """Krum's precondition and, with ``num_selected`` given, room for it: num_selected <= n - f."""
+        if num_selected is None:
+            return krum_precondition(n, f)
+        return krum_precondition(n, f) or need(
+            num_selected <= n - f, f"num_selected = {num_selected} <= n - f"
+        )
+
     def update(stacked, state, params=None, *, mask=None, **extra):
         del state, extra
         n = check_stacked(stacked, params)
-        require("multi_krum", n, f, n > 2 * f + 2, f"n > 2f + 2 = {2 * f + 2}")
+        check_count("multi_krum", selects, f, n)
         stats = gram_stats(stacked, params, mask)
         m = static_count(stats.valid)
-        require_count("multi_krum", m, f, m is not None and m > 2 * f + 2, f"n > 2f + 2 = {2 * f + 2}")
+        check_count("multi_krum", selects, f, m)
         if num_selected is None:
             if m is None:
                 raise ValueError("multi_krum: give num_selected explicitly when the update runs under jit")
             k = m - f
         else:
             k = num_selected
-            need = f"num_selected = {k} <= n - f"
-            require_count("multi_krum", m, f, m is not None and k <= m - f, need)
-            require("multi_krum", n, f, k <= n - f, need)
         chosen = krum_kernels.multi_krum_select(stats.sq_dists, f, stats.valid, k)
         w = uniform_over(chosen)
         merged = views.weighted_sum(stacked, w)
-        bad = None if m is not None else jnp.sum(stats.valid) < jnp.maximum(2 * f + 3, k + f)
-        return _finish_nan_if(bad, merged), RuleState(AggregationInfo(stats.valid, chosen, w, True))
+        bad = None if m is not None else too_few(selects, f, stats.valid)
+        return nan_if(bad, merged), RuleState(AggregationInfo(stats.valid, chosen, w, True))
 
     return Aggregator(init_rule_state, update, "multi_krum")
 
 
+@RULES.declare(kind="vector", takes_f=True, precondition=bulyan_precondition, reads_views=True)
 def bulyan(num_byzantine: int) -> Aggregator:
     """Bulyan (El Mhamdi, Guerraoui and Rouault 2018, ICML, "The Hidden Vulnerability ...").
 
@@ -133,14 +144,13 @@ def bulyan(num_byzantine: int) -> Aggregator:
     """
     f = check_f("bulyan", num_byzantine)
 
-    @accepts_views
     def update(stacked, state, params=None, *, mask=None, **extra):
         del state, extra
         n = check_stacked(stacked, params)
-        require("bulyan", n, f, n >= 4 * f + 3, f"n >= 4f + 3 = {4 * f + 3}")
+        check_count("bulyan", bulyan_precondition, f, n)
         stats = gram_stats(stacked, params, mask)
         m = static_count(stats.valid)
-        require_count("bulyan", m, f, m is not None and m >= 4 * f + 3, f"n >= 4f + 3 = {4 * f + 3}")
+        check_count("bulyan", bulyan_precondition, f, m)
 
         def with_count(count: int):
             """Both stages with m = count valid nodes known statically (theta = m - 2f)."""
@@ -149,8 +159,8 @@ def bulyan(num_byzantine: int) -> Aggregator:
             if theta > sorting.WINDOW_NETWORK_MAX and not views.is_view(stacked):
                 # Selection's cost grows with the rows it reads: gather the theta chosen rows
                 # (one copy of theta/n of the stack) rather than read all n with n - theta
-                # excluded. At n = 1024 the second stage took 19.5x the floor on the gathered
-                # rows against 38x over all of them. Below, the sorting network prefers the mask.
+                # excluded (benchmarks/speed/robust_speed.py). Below, the sorting network
+                # prefers the mask.
                 idx = jnp.flatnonzero(chosen, size=theta)
                 rows = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), stacked)
                 merged = coordinatewise(sorting.closest_to_median_mean, rows, f=f, m=theta)
@@ -166,13 +176,13 @@ def bulyan(num_byzantine: int) -> Aggregator:
             merged = coordinatewise(sorting.closest_to_median_mean, stacked, f=f, keep=chosen)
             # Too few valid nodes: NaN. Applied here, not after the cond: a select over the
             # cond's output would be one more output-sized pass on the fast path too.
-            return _finish_nan_if(jnp.sum(stats.valid) < 4 * f + 3, merged), chosen
+            return nan_if(too_few(bulyan_precondition, f, stats.valid), merged), chosen
 
         if m is not None:
             merged, chosen = with_count(m)
         else:
-            # Every node valid (the common case) takes the static-count kernels, ~3x faster than
-            # traced order positions; the traced path only runs when some node is invalid.
+            # Every node valid (the common case) takes the static-count kernels, with every order
+            # position a Python int; the traced path only runs when some node is invalid.
             # With all n valid the precondition is n >= 4f + 3, checked above.
             merged, chosen = jax.lax.cond(jnp.all(stats.valid), lambda: with_count(n), traced_count)
         info = AggregationInfo(stats.valid, chosen, uniform_over(chosen), False)

@@ -3,27 +3,29 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from consensus.aggregators._common import (
     RuleState,
-    accepts_views,
+    check_count,
     check_f,
     check_stacked,
     coordinatewise,
     init_rule_state,
-    require_count,
+    nan_if,
     static_count,
+    too_few,
     uniform_over,
     valid_nodes,
 )
-from consensus.aggregators._robust import nan_if
 from consensus.aggregators.coordinatewise import keep_args, optimistic_pass
-from consensus.base import AggregationInfo, Aggregator, require
+from consensus.base import AggregationInfo, Aggregator
+from consensus.specs import RULES, honest_majority
 from kernels import robust as robust_kernels
 from kernels.sorting import WINDOW_NETWORK_MAX
 
 
+@RULES.declare(
+    kind="coordinatewise", takes_f=True, precondition=honest_majority, elementwise=True, reads_views=True
+)
 def meamed(num_byzantine: int) -> Aggregator:
     """Mean around the median (Meamed, Xie et al. 2018), coordinate-wise.
 
@@ -43,27 +45,26 @@ def meamed(num_byzantine: int) -> Aggregator:
     """
     f = check_f("meamed", num_byzantine)
 
-    @accepts_views
     def update(stacked, state, params=None, *, mask=None, assume_finite=False, **extra):
         del state, extra
         n = check_stacked(stacked, params)
-        require("meamed", n, f, n > 2 * f, f"n > 2f = {2 * f}")
+        check_count("meamed", honest_majority, f, n)
         fast = None
         if not assume_finite and n <= WINDOW_NETWORK_MAX:
             fast = optimistic_pass(robust_kernels.meamed, stacked, mask, n, f=f)
         m_fast = None if fast is None else static_count(fast[1])
-        if fast is not None and (m_fast is None or m_fast > 2 * f):
+        if fast is not None and (m_fast is None or honest_majority(m_fast, f) is None):
             merged, valid = fast
             if m_fast is None:
-                merged = nan_if(jnp.sum(valid.astype(jnp.int32)) <= 2 * f, merged)
+                merged = nan_if(too_few(honest_majority, f, valid), merged)
             return merged, RuleState(AggregationInfo(valid, valid, uniform_over(valid), False))
         valid = valid_nodes(stacked, mask, assume_finite)
         m = static_count(valid)
-        require_count("meamed", m, f, m is not None and m > 2 * f, f"n > 2f = {2 * f}")
+        check_count("meamed", honest_majority, f, m)
         keep, m_arg = keep_args(valid, n)
         merged = coordinatewise(robust_kernels.meamed, stacked, f=f, keep=keep, m=m_arg)
         if m is None:
-            merged = nan_if(jnp.sum(valid.astype(jnp.int32)) <= 2 * f, merged)
+            merged = nan_if(too_few(honest_majority, f, valid), merged)
         return merged, RuleState(AggregationInfo(valid, valid, uniform_over(valid), False))
 
     return Aggregator(init_rule_state, update, "meamed")

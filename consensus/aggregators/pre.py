@@ -20,13 +20,14 @@ from consensus import tree
 from consensus.aggregators import view as views
 from consensus.aggregators._common import (
     allowed,
+    check_count,
     check_f,
     check_stacked,
     gram_stats,
-    require_count,
     static_count,
 )
-from consensus.base import PreAggregator, require
+from consensus.base import PreAggregator
+from consensus.specs import RULES, at_least, honest_majority
 from kernels import weiszfeld
 
 
@@ -42,6 +43,13 @@ def _finish(view: views.NodeView, lazy: bool):
     return view if lazy else views.materialize(view)
 
 
+@RULES.declare(
+    kind="pre",
+    precondition=at_least(1),
+    defaults={"max_norm": 10.0},
+    sensitivity="C (each node's delta clipped to max_norm = C)",
+    centre="zero",
+)
 def clip(max_norm: float) -> PreAggregator:
     """Per-node L2 clipping of the node's delta over the whole tree.
 
@@ -81,6 +89,7 @@ def clip(max_norm: float) -> PreAggregator:
     return PreAggregator(init, update, "clip")
 
 
+@RULES.declare(kind="pre", takes_f=True, precondition=honest_majority, centre="none")
 def nnm(num_byzantine: int) -> PreAggregator:
     """Nearest-neighbour mixing (Allouah et al. 2023, AISTATS, "Fixing by Mixing").
 
@@ -105,7 +114,7 @@ def nnm(num_byzantine: int) -> PreAggregator:
     def update(stacked, state, params=None, *, mask=None, lazy=False, **extra):
         del state, extra
         n = check_stacked(stacked, params)
-        require("nnm", n, f, n > 2 * f, f"n > 2f = {2 * f}")
+        check_count("nnm", honest_majority, f, n)
         if views.is_view(stacked):
             v, stats = stacked, gram_stats(stacked, params, mask)
         elif params is not None:
@@ -116,8 +125,7 @@ def nnm(num_byzantine: int) -> PreAggregator:
             # nodes); the mixed rows are M x with no centre, so the view floats.
             stats = gram_stats(stacked, None, mask)
             v = views.identity(stacked, None)._replace(floating=True)
-        m = static_count(stats.valid)
-        require_count("nnm", m, f, m is not None and m > 2 * f, f"n > 2f = {2 * f}")
+        check_count("nnm", honest_majority, f, static_count(stats.valid))
         mixing = weiszfeld.nnm_matrix(stats.sq_dists, f, stats.valid)
         out = views.compose(v, mixing, diagonal=False, gram=mixing @ stats.gram @ mixing.T, valid=stats.valid)
         return _finish(out, lazy), MixState(mixing)

@@ -15,24 +15,70 @@ products with g (:func:`kernels.robust.gram_with_rows`) and one weighted-sum pas
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from consensus import tree
 from consensus.aggregators import view as views
 from consensus.aggregators._common import (
     RuleState,
+    allowed,
+    check_count,
     check_f,
     check_stacked,
     init_rule_state,
-    require_count,
-    static_count,
-)
-from consensus.aggregators._robust import (
-    check_server_finite,
+    is_concrete,
     nan_if,
     require_params,
-    server_stats,
+    static_count,
+    too_few,
 )
-from consensus.base import AggregationInfo, Aggregator, require
+from consensus.base import AggregationInfo, Aggregator
+from consensus.specs import RULES, at_least, need
+from kernels import robust as robust_kernels
+
+PyTree = Any
+
+
+class ServerStats(NamedTuple):
+    gram: jax.Array  # (n, n) Gram of the node deltas x_i - params, invalid rows/cols zeroed
+    cross: jax.Array  # (n,) <x_i - params, g>, 0 at invalid nodes
+    server_sq: jax.Array  # ||g||^2
+    valid: jax.Array  # (n,)
+
+
+def server_stats(stacked: PyTree, params: PyTree, server_update: PyTree, mask) -> ServerStats:
+    """One streamed pass: the node deltas' Gram matrix and their inner products with the server's update g."""
+    try:
+        tree.check_stacked_against(tree.broadcast(server_update, 1), params)
+    except ValueError as e:
+        raise ValueError(f"server_update must have the params' structure, shapes and dtypes: {e}") from None
+    n = tree.num_nodes(stacked)
+    total = None
+    for x, p, g in zip(
+        jax.tree_util.tree_leaves(stacked),
+        jax.tree_util.tree_leaves(params),
+        jax.tree_util.tree_leaves(server_update),
+        strict=True,
+    ):
+        part = robust_kernels.gram_with_rows(x, p, jnp.asarray(g)[None])
+        total = part if total is None else total + part
+    g_nodes, cross, server_sq = total[:n, :n], total[:n, n], total[n, n]
+    valid = allowed(mask, n) & jnp.isfinite(jnp.diagonal(g_nodes)) & jnp.isfinite(cross)
+    both = valid[:, None] & valid[None, :]
+    return ServerStats(jnp.where(both, g_nodes, 0.0), jnp.where(valid, cross, 0.0), server_sq, valid)
+
+
+def check_server_finite(rule: str, server_sq: jax.Array) -> jax.Array | None:
+    """Raise (eagerly) when the server's update is not finite; under jit return the NaN flag."""
+    if is_concrete(server_sq):
+        if not np.isfinite(float(server_sq)):
+            raise ValueError(f"{rule}: the server_update holds NaN or Inf")
+        return None
+    return ~jnp.isfinite(server_sq)
 
 
 def _require_server(rule: str, server_update):
@@ -57,6 +103,12 @@ def fltrust_weights(gram, cross, server_sq, valid):
     return a, trust
 
 
+@RULES.declare(
+    kind="vector",
+    precondition=at_least(1),
+    sensitivity="2 ||g|| (the output update lies in the ball of the server update's norm)",
+    needs=("params", "server_update"),
+)
 def fltrust() -> Aggregator:
     """FLTrust (Cao, Fang, Liu and Gong 2021, NDSS, "FLTrust: Byzantine-robust Federated Learning via
     Trust Bootstrapping").
@@ -86,8 +138,7 @@ def fltrust() -> Aggregator:
         check_stacked(stacked, params)
         stats = server_stats(stacked, params, server_update, mask)
         bad = check_server_finite("fltrust", stats.server_sq)
-        m = static_count(stats.valid)
-        require_count("fltrust", m, 0, m != 0, "at least 1 valid node")
+        check_count("fltrust", at_least(1), 0, static_count(stats.valid))
         a, trust = fltrust_weights(stats.gram, stats.cross, stats.server_sq, stats.valid)
         merged = views.combine(stacked, a, params)
         info = AggregationInfo(stats.valid, trust > 0, a, True)
@@ -96,6 +147,18 @@ def fltrust() -> Aggregator:
     return Aggregator(init_rule_state, update, "fltrust")
 
 
+def server_monna_precondition(n: int, f: int) -> str | None:
+    """At least one node to average: n > f."""
+    return need(n > f, f"n > f = {f}")
+
+
+@RULES.declare(
+    kind="vector",
+    takes_f=True,
+    precondition=server_monna_precondition,
+    sensitivity="C / (n - f) once the selection is fixed; 2C in general (output in the C-ball)",
+    needs=("params", "server_update"),
+)
 def server_monna(num_byzantine: int) -> Aggregator:
     """MoNNA with the server's update as the trusted reference (after Farhadkhani et al. 2023, ICML,
     "Robust Collaborative Learning with Linear Gradient Overhead").
@@ -118,11 +181,11 @@ def server_monna(num_byzantine: int) -> Aggregator:
         params = require_params("server_monna", params)
         server_update = _require_server("server_monna", server_update)
         n = check_stacked(stacked, params)
-        require("server_monna", n, f, n > f, f"n > f = {f}")
+        check_count("server_monna", server_monna_precondition, f, n)
         stats = server_stats(stacked, params, server_update, mask)
         bad = check_server_finite("server_monna", stats.server_sq)
         m = static_count(stats.valid)
-        require_count("server_monna", m, f, m is not None and m > f, f"n > f = {f}")
+        check_count("server_monna", server_monna_precondition, f, m)
         d2 = jnp.diagonal(stats.gram) - 2.0 * stats.cross + stats.server_sq
         order = jnp.argsort(jnp.where(stats.valid, d2, jnp.inf), stable=True)
         rank = jnp.argsort(order, stable=True)
@@ -131,8 +194,8 @@ def server_monna(num_byzantine: int) -> Aggregator:
         w = chosen.astype(jnp.float32) / jnp.maximum(k, 1).astype(jnp.float32)
         merged = views.combine(stacked, w, params)
         if m is None:
-            too_few = k < 1
-            bad = too_few if bad is None else bad | too_few
+            short = too_few(server_monna_precondition, f, stats.valid)
+            bad = short if bad is None else bad | short
         return nan_if(bad, merged), RuleState(AggregationInfo(stats.valid, chosen, w, True))
 
     return Aggregator(init_rule_state, update, "server_monna")

@@ -13,13 +13,15 @@ from consensus.aggregators import view as views
 from consensus.aggregators._common import (
     RuleState,
     allowed,
+    check_count,
     check_stacked,
     init_rule_state,
-    require_count,
+    require_key,
     static_count,
 )
-from consensus.aggregators._robust import columns, median_of_valid, require_key, sample_coordinates
+from consensus.aggregators._subsample import columns, sample_coordinates
 from consensus.base import AggregationInfo, Aggregator
+from consensus.specs import RULES, at_least
 
 
 def sign_features(cols: jax.Array) -> jax.Array:
@@ -32,6 +34,15 @@ def sign_features(cols: jax.Array) -> jax.Array:
         ],
         axis=1,
     )
+
+
+def median_of_valid(values: jax.Array, valid: jax.Array) -> jax.Array:
+    """Median of ``values`` over the valid entries (mean of the two middle ones when their count is even)."""
+    s = jnp.sort(jnp.where(valid, values, jnp.inf))
+    m = jnp.sum(valid.astype(jnp.int32))
+    lo = jnp.maximum((m - 1) // 2, 0)
+    hi = jnp.maximum(m // 2, 0)
+    return 0.5 * (s[lo] + s[jnp.minimum(hi, values.shape[0] - 1)])
 
 
 def _dists(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -69,6 +80,12 @@ def largest_mean_shift_cluster(
     return close[jnp.argmax(size)]
 
 
+@RULES.declare(
+    kind="vector",
+    precondition=at_least(1),
+    sensitivity="not bounded by a fixed C (deltas clipped to the median norm)",
+    needs=("key",),
+)
 def signguard(
     lower: float = 0.1, upper: float = 3.0, subsample_dim: int = 10_000, bandwidth_quantile: float = 0.5
 ) -> Aggregator:
@@ -102,8 +119,7 @@ def signguard(
         n = check_stacked(stacked, params)
         sq = tree.sq_norms(stacked, params)
         valid = allowed(mask, n) & jnp.isfinite(sq)
-        m = static_count(valid)
-        require_count("signguard", m, 0, m != 0, "at least 1 valid node")
+        check_count("signguard", at_least(1), 0, static_count(valid))
         norms = jnp.sqrt(jnp.maximum(jnp.where(valid, sq, 0.0), 0.0))
         med = median_of_valid(norms, valid)
         ratio = norms / jnp.where(med > 0, med, 1.0)

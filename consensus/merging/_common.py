@@ -26,6 +26,7 @@ from consensus.aggregators._common import (
     unless_non_finite,
 )
 from consensus.base import AggregationInfo, ByzantineToleranceError
+from consensus.specs import Precondition, least_count
 
 PyTree = Any
 
@@ -54,14 +55,18 @@ def valid_nodes(stacked: PyTree, mask: jax.Array | None, n: int, assume_finite: 
     return valid
 
 
-def require_valid_count(rule: str, valid: jax.Array, n: int, minimum: int, exact: bool = False) -> None:
-    """Raise ByzantineToleranceError when a concrete valid count is below ``minimum`` (or not ``minimum``)."""
+def require_valid_count(rule: str, precondition: Precondition, valid: jax.Array, n: int) -> None:
+    """Raise ByzantineToleranceError when a concrete valid count fails the method's declared precondition."""
     m = static_count(valid)
-    if m is None:
-        return
-    if (exact and m != minimum) or m < minimum:
-        need = f"exactly {minimum}" if exact else f"at least {minimum}"
-        raise ByzantineToleranceError(f"{rule}: {m} valid node(s) out of n={n}; needs {need} valid nodes.")
+    needed = None if m is None else precondition(m, 0)
+    if needed is not None:
+        raise ByzantineToleranceError(f"{rule}: {m} valid node(s) out of n={n}; needs {needed}.")
+
+
+def require_stack(rule: str, precondition: Precondition, n: int) -> None:
+    """Raise ByzantineToleranceError when no valid count of a stack of n nodes meets the precondition."""
+    if least_count(precondition, 0, n) > n:
+        raise ByzantineToleranceError(f"{rule}: needs {precondition(n, 0)}, got a stack of n={n}")
 
 
 def check_density(rule: str, density: float) -> float:

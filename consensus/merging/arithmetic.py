@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 
 from consensus.aggregators import view as views
-from consensus.aggregators._common import accepts_dropped
 from consensus.base import Aggregator
 from consensus.merging._common import (
     RuleState,
@@ -21,6 +20,7 @@ from consensus.merging._common import (
     require_base,
     require_valid_count,
 )
+from consensus.specs import RULES, at_least
 from kernels.compile_options import kernel_jit
 from kernels.dropout import dropped_delta_sum
 from kernels.rows import tree_sum
@@ -43,6 +43,14 @@ def delta_sum(x: jax.Array, base: jax.Array, coeffs: jax.Array) -> jax.Array:
     return (b + tree_sum(terms)).astype(x.dtype)
 
 
+@RULES.declare(
+    kind="merge",
+    precondition=at_least(1),
+    sensitivity="scale * max_i w_i * C (a weighted sum of clipped deltas)",
+    needs=("params",),
+    elementwise=True,
+    reads_dropped=True,
+)
 def task_arithmetic(scale: float = 1.0, weights: Any = None) -> Aggregator:
     """Task arithmetic (Ilharco et al., "Editing Models with Task Arithmetic", ICLR 2023).
 
@@ -67,7 +75,6 @@ def task_arithmetic(scale: float = 1.0, weights: Any = None) -> Aggregator:
     lam = check_scale("task_arithmetic", scale)
     fixed = fixed_weights("task_arithmetic", weights)
 
-    @accepts_dropped
     def update(stacked, state, params=None, *, mask=None, weights=None, assume_finite=False, **extra):
         del state, extra
         # After dare(...) inside process: the drop is fused into the sum (one read, no stack written).
@@ -90,7 +97,7 @@ def task_arithmetic(scale: float = 1.0, weights: Any = None) -> Aggregator:
             return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), leaves)
 
         merged, valid = optimistic(stacked, mask, n, assume_finite, compute)
-        require_valid_count("task_arithmetic", valid, n, 1)
+        require_valid_count("task_arithmetic", at_least(1), valid, n)
         return merged, RuleState(info(valid, w, False))
 
     return Aggregator(init_rule_state, update, "task_arithmetic")

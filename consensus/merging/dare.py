@@ -11,6 +11,7 @@ from consensus.aggregators import view as views
 from consensus.aggregators._common import allowed, check_stacked
 from consensus.base import PreAggregator
 from consensus.merging._common import check_density
+from consensus.specs import RULES, at_least
 from kernels import dropout
 from kernels.compile_options import kernel_jit
 
@@ -44,6 +45,13 @@ def _dare_l1_leaf(x, base, key, density, valid):
     return jnp.where(valid.reshape((n,) + (1,) * (x.ndim - 1)), y, jnp.nan).astype(x.dtype)
 
 
+@RULES.declare(
+    kind="pre",
+    precondition=at_least(1),
+    sensitivity="that of the rule after it (DARE rescales deltas by 1/density: C / density per node)",
+    needs=("params", "key"),
+    defaults={"density": 0.5},
+)
 def dare(density: float, rescale: bool | str = True, *, key: jax.Array | None = None) -> PreAggregator:
     """DARE, Drop And REscale (Yu et al., "Language Models are Super Mario", ICML 2024).
 

@@ -20,6 +20,7 @@ from consensus.merging._common import (
     require_valid_count,
     unflatten_like,
 )
+from consensus.specs import RULES, at_least
 from kernels.compile_options import kernel_jit
 from kernels.rows import tree_sum
 
@@ -39,6 +40,12 @@ def _fisher_leaf(x, base, fisher, w, valid, epsilon):
     return merged.astype(x.dtype)
 
 
+@RULES.declare(
+    kind="merge",
+    precondition=at_least(1),
+    sensitivity="not bounded (data-dependent coordinate weights)",
+    needs=("params", "fisher"),
+)
 def fisher_merge(epsilon: float = 1e-8, weights: Any = None) -> Aggregator:
     """Fisher merging (Matena and Raffel, "Merging Models with Fisher-Weighted Averaging", NeurIPS 2022).
 
@@ -95,7 +102,7 @@ def fisher_merge(epsilon: float = 1e-8, weights: Any = None) -> Aggregator:
 
         merged, valid = optimistic(stacked, mask, n, assume_finite, compute)
         valid = valid & fisher_ok
-        require_valid_count("fisher_merge", valid, n, 1)
+        require_valid_count("fisher_merge", at_least(1), valid, n)
         return merged, RuleState(info(valid, w, False))
 
     return Aggregator(init_rule_state, update, "fisher_merge")

@@ -20,6 +20,7 @@ from consensus.merging._common import (
     require_valid_count,
     unflatten_like,
 )
+from consensus.specs import RULES, at_least
 from kernels import rows as row_kernels
 from kernels.compile_options import kernel_jit
 
@@ -45,6 +46,12 @@ def _regmean_leaf(x, base, grams, valid, off_diagonal_scale, ridge):
     return merged.astype(x.dtype)
 
 
+@RULES.declare(
+    kind="merge",
+    precondition=at_least(1),
+    sensitivity="not bounded (data-dependent layer weights)",
+    needs=("params", "grams"),
+)
 def regmean(off_diagonal_scale: float = 1.0, ridge: float = 1e-6) -> Aggregator:
     """RegMean (Jin, Ren, Preotiuc-Pietro and Cheng, "Dataless Knowledge Fusion by Merging Weights
     of Language Models", ICLR 2023).
@@ -122,7 +129,7 @@ def regmean(off_diagonal_scale: float = 1.0, ridge: float = 1e-6) -> Aggregator:
 
         merged, valid = optimistic(stacked, mask, n, assume_finite, compute)
         valid = valid & grams_ok
-        require_valid_count("regmean", valid, n, 1)
+        require_valid_count("regmean", at_least(1), valid, n)
         return merged, RuleState(info(valid, jnp.ones((n,), jnp.float32), False))
 
     return Aggregator(init_rule_state, update, "regmean")

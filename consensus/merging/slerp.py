@@ -16,9 +16,11 @@ from consensus.merging._common import (
     leaves_of,
     node_weights,
     optimistic,
+    require_stack,
     require_valid_count,
     unflatten_like,
 )
+from consensus.specs import RULES, at_least, exactly
 from kernels import gram as gram_kernels
 from kernels import rows as row_kernels
 from kernels.compile_options import kernel_jit
@@ -86,6 +88,13 @@ def _slerp_leaf(x, ref, t, valid):
     return out.astype(x.dtype), omega
 
 
+@RULES.declare(
+    kind="merge",
+    precondition=exactly(2),
+    sensitivity="not bounded",
+    defaults={"t": 0.5},
+    order_matters=True,  # SLERP(t) goes from the first node towards the second
+)
 def slerp(t: float, *, on: str = "params") -> Aggregator:
     """SLERP of two nodes (Shoemake 1985; mergekit's ``slerp``), leaf by leaf.
 
@@ -115,8 +124,7 @@ def slerp(t: float, *, on: str = "params") -> Aggregator:
     def update(stacked, state, params=None, *, mask=None, assume_finite=False, **extra):
         del state, extra
         stacked, n = _prepare("slerp", stacked, params, on)
-        if n < 2:
-            raise ValueError(f"slerp: needs exactly 2 valid nodes, got a stack of n={n}")
+        require_stack("slerp", exactly(2), n)
 
         def compute(valid):
             refs = (
@@ -130,7 +138,7 @@ def slerp(t: float, *, on: str = "params") -> Aggregator:
             return unflatten_like(stacked, outs), angles
 
         merged, angles, valid = optimistic(stacked, mask, n, assume_finite, compute, aux=True)
-        require_valid_count("slerp", valid, n, 2, exact=True)
+        require_valid_count("slerp", exactly(2), valid, n)
         w = jnp.where(jnp.cumsum(valid) == 1, 1.0 - tt, tt)
         return merged, SphereState(info(valid, w, False), unflatten_like(stacked, angles))
 
@@ -181,6 +189,7 @@ def _karcher_leaf(x, ref, w, valid, tol, *, max_iter: int):
     return out.astype(x.dtype), iters
 
 
+@RULES.declare(kind="merge", precondition=at_least(1), sensitivity="not bounded")
 def karcher_mean(
     max_iter: int = 100, tol: float = 1e-6, weights: Any = None, *, on: str = "params"
 ) -> Aggregator:
@@ -226,7 +235,7 @@ def karcher_mean(
             return unflatten_like(stacked, outs), iters
 
         merged, iters, valid = optimistic(stacked, mask, n, assume_finite, compute, aux=True)
-        require_valid_count("karcher_mean", valid, n, 1)
+        require_valid_count("karcher_mean", at_least(1), valid, n)
         return merged, SphereState(info(valid, w, False), unflatten_like(stacked, iters))
 
     return Aggregator(_init, update, "karcher_mean")

@@ -17,6 +17,7 @@ from consensus.merging._common import (
     require_valid_count,
     unflatten_like,
 )
+from consensus.specs import RULES, at_least
 from kernels import gram as gram_kernels
 from kernels.compile_options import kernel_jit
 
@@ -78,10 +79,10 @@ def _gram_and_sum(x: jax.Array, base: jax.Array, valid: jax.Array) -> tuple[jax.
         if unrolled:
             # Inside the loop the column sums are an unrolled sum of the rows (a scalar select
             # per row), which XLA:CPU fuses into the chunk's loop; a (1, n) x (n, c) product
-            # cost ~0.25x one pass more over the whole stack.
+            # would not fuse and adds a pass over the chunk.
             return g, sum(kept[1:], kept[0])
         # The tail's sums as a product: fused into the update of the whole (s,) buffer, the
-        # unrolled sum was evaluated at every coordinate (1.3x one pass more).
+        # unrolled sum would be evaluated at every coordinate of it.
         return g, jnp.dot(valid.astype(jnp.float32)[None], jnp.stack(kept), precision=gram_kernels.HIGHEST)[0]
 
     k = s // chunk
@@ -120,6 +121,12 @@ def _stock_leaf(x, base, valid):
     return out.astype(x.dtype), t
 
 
+@RULES.declare(
+    kind="merge",
+    precondition=at_least(2),
+    sensitivity="not bounded (t depends on every node)",
+    needs=("params",),
+)
 def model_stock() -> Aggregator:
     """Model Stock (Jang, Yun and Han, "Model Stock: All we need is just a few fine-tuned models", ECCV 2024).
 
@@ -158,7 +165,7 @@ def model_stock() -> Aggregator:
         merged, ratios, valid = optimistic(
             stacked, mask, n, assume_finite, compute, aux=True, aux_proves=True
         )
-        require_valid_count("model_stock", valid, n, 2)
+        require_valid_count("model_stock", at_least(2), valid, n)
         return merged, StockState(
             info(valid, jnp.ones((n,), jnp.float32), False), unflatten_like(params, ratios)
         )

@@ -24,6 +24,7 @@ from consensus.merging._common import (
     unflatten_like,
 )
 from consensus.merging._select import kth_largest_delta_bits
+from consensus.specs import RULES, at_least
 from kernels.compile_options import kernel_jit
 from kernels.rows import tree_sum
 
@@ -79,6 +80,13 @@ def _ties_leaf(x, base, thresholds, w, valid, scale, *, election: str):
     return (b + scale * (num / den) + poison).astype(x.dtype)
 
 
+@RULES.declare(
+    kind="merge",
+    precondition=at_least(1),
+    sensitivity="not bounded (one node can flip every elected sign)",
+    needs=("params",),
+    defaults={"density": 0.2},
+)
 def ties(density: float, election: str = "sum", scale: float = 1.0, weights: Any = None) -> Aggregator:
     """TIES-merging (Yadav et al., "TIES-Merging: Resolving Interference When Merging Models", NeurIPS 2023).
 
@@ -135,7 +143,7 @@ def ties(density: float, election: str = "sum", scale: float = 1.0, weights: Any
             return unflatten_like(params, out)
 
         merged, valid = optimistic(stacked, mask, n, assume_finite, compute)
-        require_valid_count("ties", valid, n, 1)
+        require_valid_count("ties", at_least(1), valid, n)
         return merged, RuleState(info(valid, w, False))
 
     return Aggregator(init_rule_state, update, "ties")
