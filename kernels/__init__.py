@@ -4,6 +4,8 @@
 * :mod:`kernels.sorting` - sorting-network order statistics (median, trimmed mean, Bulyan);
 * :mod:`kernels.selection` - the same order statistics above 128 rows (64 for traced positions),
   by exact bitwise selection;
+* :mod:`kernels.stack_sort` - the same order statistics by ``jnp.sort`` over the node axis;
+* :mod:`kernels.backend` - which of those formulations runs on which backend (and overrides);
 * :mod:`kernels.gram` - streamed Gram matrices and pairwise distances;
 * :mod:`kernels.krum` - Krum scores and selections from distances;
 * :mod:`kernels.weiszfeld` - geometric median, centered clipping, NNM in Gram space.

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from kernels import rows as row_kernels
-from kernels import selection
+from kernels import selection, stack_sort
+from kernels.backend import order_impl
 from kernels.compile_options import kernel_jit
 from kernels.gram import HIGHEST, chunk_columns
 from kernels.sorting import WINDOW_NETWORK_MAX, count, exclude, pick, sort_rows, window_sum
@@ -83,6 +84,8 @@ def meamed(
     centre: jax.Array | None = None,
     diagonal: bool = True,
     poison: bool = False,
+    *,
+    impl: str | None = None,
 ) -> jax.Array:
     """Mean around the median (Xie et al. 2018): per coordinate, the mean of the m - f values nearest it.
 
@@ -104,7 +107,10 @@ def meamed(
     (:func:`kernels.selection.nearest_to_median_mean`, the same rule).
     ``poison``: any NaN/Inf in a kept row makes the result NaN at that
     coordinate (as :func:`kernels.sorting.median`), for the one-pass optimistic path.
+    ``impl``: the formulation (:func:`kernels.backend.order_impl`; default: the backend's).
     """
+    if order_impl(impl) == "sort":
+        return stack_sort.nearest_to_median_mean(x, f, keep, m, mixing, centre, diagonal, poison)
     if x.shape[0] > WINDOW_NETWORK_MAX:
         if poison:
             raise ValueError(f"meamed: poison is for the sorting network (at most {WINDOW_NETWORK_MAX} rows)")

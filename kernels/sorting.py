@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import selection
+from kernels import selection, stack_sort
+from kernels.backend import order_impl
 from kernels.compile_options import kernel_jit
 from kernels.rows import UNROLL_MAX, rows, tree_sum, view_rows
 
@@ -184,13 +185,18 @@ def median(
     centre: jax.Array | None = None,
     diagonal: bool = True,
     poison: bool = False,
+    *,
+    impl: str | None = None,
 ) -> jax.Array:
     """Coordinate-wise median over the kept rows (mean of the two middle values when m is even).
 
     ``m``, if given, must equal the number of True entries of ``keep``. With
     ``poison``, a NaN or Inf in any kept row makes the result NaN at that
     coordinate, so a finite result certifies that every kept row was finite.
+    ``impl``: the formulation (:func:`kernels.backend.order_impl`; default: the backend's).
     """
+    if order_impl(impl) == "sort":
+        return stack_sort.median(x, keep, m, mixing, centre, diagonal, poison)
     if not network_fits(x.shape[0], _static_count(keep, x.shape[0], m), mixing, diagonal):
         return selection.median(x, keep, m, mixing, centre, diagonal, poison)
     return _network_median(x, keep, m, mixing, centre, diagonal, poison)
@@ -211,12 +217,16 @@ def trimmed_mean(
     centre: jax.Array | None = None,
     diagonal: bool = True,
     poison: bool = False,
+    *,
+    impl: str | None = None,
 ) -> jax.Array:
     """Coordinate-wise mean after removing the f smallest and f largest kept values.
 
     Needs m > 2f kept rows; with fewer the result is NaN (callers check first).
-    ``poison`` as in :func:`median`.
+    ``poison`` and ``impl`` as in :func:`median`.
     """
+    if order_impl(impl) == "sort":
+        return stack_sort.trimmed_mean(x, f, keep, m, mixing, centre, diagonal, poison)
     if not network_fits(x.shape[0], _static_count(keep, x.shape[0], m), mixing, diagonal):
         return selection.trimmed_mean(x, f, keep, m, mixing, centre, diagonal, poison)
     return _network_trimmed_mean(x, f, keep, m, mixing, centre, diagonal, poison)
@@ -233,8 +243,12 @@ def _network_trimmed_mean(x, f, keep, m, mixing, centre, diagonal, poison) -> ja
     return jnp.where(denom > 0, total / jnp.maximum(denom, 1).astype(jnp.float32), jnp.nan)
 
 
-def order_statistic(x: jax.Array, k: int, keep: jax.Array | None = None) -> jax.Array:
+def order_statistic(
+    x: jax.Array, k: int, keep: jax.Array | None = None, *, impl: str | None = None
+) -> jax.Array:
     """The k-th smallest value (0-based) over the kept rows, coordinate-wise (+inf if k >= m)."""
+    if order_impl(impl) == "sort":
+        return stack_sort.order_statistic(x, k, keep)
     if not network_fits(x.shape[0], k):  # k is static: the one position read is a constant
         return selection.order_statistic(x, k, keep)
     return _network_order_statistic(x, k, keep)
@@ -253,6 +267,8 @@ def closest_to_median_mean(
     mixing: jax.Array | None = None,
     centre: jax.Array | None = None,
     diagonal: bool = True,
+    *,
+    impl: str | None = None,
 ) -> jax.Array:
     """Bulyan's second stage: per coordinate, the mean of the beta = m - 2f kept values nearest their median.
 
@@ -271,8 +287,10 @@ def closest_to_median_mean(
     holds the first beta values in the order (distance to the median, value).
     Comparing the farther ends only would leave several windows tied when
     attackers send one vector f times, and keeping the first of them could keep
-    the attackers' copies.
+    the attackers' copies. ``impl`` as in :func:`median`.
     """
+    if order_impl(impl) == "sort":
+        return stack_sort.nearest_to_median_mean(x, 2 * f, keep, m, mixing, centre, diagonal)
     if x.shape[0] > WINDOW_NETWORK_MAX:
         return selection.closest_to_median_mean(x, f, keep, m, mixing, centre, diagonal)
     return _network_closest_to_median_mean(x, f, keep, m, mixing, centre, diagonal)
