@@ -37,13 +37,13 @@ test-fast: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow and not multiprocess and not notebooks"
 
-BENCHMARKS := aggregators privacy convex trainers rounds robustness soups convex_quality privacy_quality meta_consensus
+# Every benchmark that `python -m benchmarks` lists (benchmarks/speed, quality, tuning), each in
+# its own process, stopping at the first failure; fashion_mnist needs the data of `make data`.
+bench: $(STAMP) data
+	$(BIN)/python -m benchmarks all
 
-bench: $(STAMP)
-	for b in $(BENCHMARKS); do $(BIN)/python -m benchmarks.$$b || exit 1; done
-
-bench-quick: $(STAMP)
-	for b in $(BENCHMARKS); do $(BIN)/python -m benchmarks.$$b --quick || exit 1; done
+bench-quick: $(STAMP) data
+	$(BIN)/python -m benchmarks all --quick
 
 # Fashion-MNIST's IDX files (Debian's dataset-fashion-mnist, under /usr/share/datasets/fashion-mnist/).
 data:

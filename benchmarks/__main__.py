@@ -76,10 +76,15 @@ def run(name: str, argv: Sequence[str]) -> object:
         raise SystemExit(f"no benchmark {name!r}; `python -m benchmarks` lists them")
     from benchmarks import harness
 
-    harness.run_as(name)  # the command recorded in its results is `python -m benchmarks NAME ...`
     module = importlib.import_module(benchmarks[name].module)
+    saved = sys.argv
     sys.argv = [f"python -m benchmarks {name}", *argv]  # argparse's prog, for --help and errors
-    return module.main(list(argv))
+    harness.run_as(name)  # the command recorded in its results is `python -m benchmarks NAME ...`
+    try:
+        return module.main(list(argv))
+    finally:
+        harness.run_as(None)
+        sys.argv = saved
 
 
 def run_all(argv: Sequence[str]) -> int:

@@ -96,8 +96,8 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argp
 _entry: str | None = None  # the NAME of ``python -m benchmarks NAME``, set before its main runs
 
 
-def run_as(name: str) -> None:
-    """Record that ``python -m benchmarks NAME`` runs: the command :func:`command` writes names it."""
+def run_as(name: str | None) -> None:
+    """Record that ``python -m benchmarks NAME`` runs (None: it has returned), for :func:`command`."""
     global _script, _entry
     _script = _entry = name
 
@@ -234,9 +234,14 @@ def save(
     *,
     out: Path | str | None = None,
     settings: Mapping[str, Any] | None = None,
+    benchmark: str | None = None,
 ) -> tuple[Path, Path]:
-    """Write ``<name>[_quick].json`` / ``.md`` with the command, machine and settings record added."""
-    record: dict[str, Any] = {"command": command(name, quick), "argv": sys.argv, "machine": machine()}
+    """Write ``<name>[_quick].json`` / ``.md`` with the command, machine and settings record added.
+
+    ``benchmark``: the benchmark's name where the results' name differs (for the command).
+    """
+    cmd = command(benchmark or name, quick)
+    record: dict[str, Any] = {"command": cmd, "argv": sys.argv, "machine": machine()}
     record["load_average"] = load_average()
     if settings is not None:
         record["settings"] = dict(settings)
