@@ -26,6 +26,7 @@ a few DP steps and a round of the default run cut to 4 local steps.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -245,6 +246,7 @@ def markdown(res: dict[str, Any], quick: bool) -> str:
         "a warm-up call that compiles. Load averages when written: "
         f"{res['load_average']} (1/5/15 min)."
     )
+    lines.append(f"Date: {res['date']}.")
     if res.get("note"):
         lines += ["", res["note"]]
     lines.append("")
@@ -368,6 +370,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res["order_impl_remark"] = remark(backend, faster)
     res["total_s"] = time.perf_counter() - t0
     res["load_average"] = harness.load_average()
+    res["date"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     res["settings"] = settings
     md = markdown(res, args.quick)
     harness.save(f"{NAME}_{backend}", args.quick, res, md, settings=settings, benchmark=NAME)
