@@ -23,7 +23,7 @@ it; docs/merging.md says how each part was chosen):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -178,7 +178,7 @@ class Pipeline:
     def __init__(self, work: Any, pieces: Sequence[Piece], workers: int = 2, ahead: int = 2):
         self.work, self.pieces, self.workers, self.ahead = work, list(pieces), workers, ahead
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         import collections
         import threading
 
