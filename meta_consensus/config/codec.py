@@ -94,7 +94,7 @@ def _convert(key: str, value: Any, hint: Any) -> Any:
     return value
 
 
-def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+def _build(cls: Any, data: Mapping[str, Any], prefix: str = "") -> Any:
     hints = _hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(names))

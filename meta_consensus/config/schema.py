@@ -83,18 +83,23 @@ class NodesConfig:
         """Whether only a sample of the nodes takes part in a round."""
         return self.sampling != "full"
 
+    def _given_per_round(self) -> int:
+        if self.per_round is None:
+            raise ValueError(f"nodes.sampling = {self.sampling!r} without a rate needs nodes.per_round")
+        return self.per_round
+
     def poisson_rate(self) -> float:
         """q of Poisson sampling (1.0 under full participation or a uniform sample)."""
         if self.sampling != "poisson":
             return 1.0
         if self.sampling_rate is not None:
             return float(self.sampling_rate)
-        return float(self.per_round) / self.count
+        return float(self._given_per_round()) / self.count
 
     def expected_per_round(self) -> float:
         """The expected number of nodes in a round's sample (n under full participation)."""
         if self.sampling == "uniform":
-            return float(self.per_round)
+            return float(self._given_per_round())
         if self.sampling == "poisson":
             return self.poisson_rate() * self.count
         return float(self.count)
