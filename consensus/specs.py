@@ -199,9 +199,7 @@ class Spec:
         valid = list(self.params)
         unknown = sorted(set(params) - set(valid))
         if unknown:
-            raise RegistryError(
-                f"{self.family} {self.name!r} takes no parameter(s) {unknown}; valid parameters: {valid}"
-            )
+            raise RegistryError(f"{self.name} takes no parameter(s) {unknown}; valid parameters: {valid}")
 
     def build(self, f: int | None = None, **params: Any) -> Any:
         """The entry with f (when it takes one) and the given parameters over ``defaults``, checked first."""
