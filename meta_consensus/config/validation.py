@@ -7,7 +7,9 @@ entry points) are imported first, so their entries are valid values.
 
 from __future__ import annotations
 
+import functools
 import math
+import typing
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +25,17 @@ from strategies import registry as node_registry
 
 if TYPE_CHECKING:
     from meta_consensus.config.schema import Config
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check_literal(section: str, obj: Any, field: str) -> None:
+    """A Literal field holds one of its type's values (read from the dataclass, never restated)."""
+    key = f"{section}.{field}" if section else field
+    _choices(key, getattr(obj, field), typing.get_args(_field_types(type(obj))[field]))
 
 
 def _registered(key: str, build: Any) -> Any:
@@ -114,8 +127,8 @@ def _check_vote(cfg: Config) -> None:
 def _check_sampling(cfg: Config) -> None:
     """Client sampling: a size or rate that fits the fleet, and the features it does not combine with."""
     nd, n = cfg.nodes, cfg.nodes.count
-    _choices("nodes.sampling", nd.sampling, ("full", "uniform", "poisson"))
-    _choices("nodes.optimizer", nd.optimizer, ("adam", "sgd"))
+    _check_literal("nodes", nd, "sampling")
+    _check_literal("nodes", nd, "optimizer")
     _check(nd.chunk >= 0, "nodes.chunk", nd.chunk, "need >= 0 (0: all the round's nodes in one fit call)")
     if not nd.sampled:
         for key, value in (("per_round", nd.per_round), ("sampling_rate", nd.sampling_rate)):
@@ -197,7 +210,7 @@ def validate(cfg: Config) -> None:
     _check(cfg.eval_every >= 1, "eval_every", cfg.eval_every, "need >= 1")
     _check(cfg.keep_checkpoints >= 1, "keep_checkpoints", cfg.keep_checkpoints, "need >= 1")
     _check(cfg.heartbeat_timeout_s >= 1, "heartbeat_timeout_s", cfg.heartbeat_timeout_s, "need >= 1")
-    _choices("on_failure", cfg.on_failure, ("continue", "stop"))
+    _check_literal("", cfg, "on_failure")
     if cfg.init_from is not None:
         _check(
             isinstance(cfg.init_from, str) and cfg.init_from.strip() != "",
@@ -259,13 +272,13 @@ def validate(cfg: Config) -> None:
     if w.max_weight is not None:
         _check(0.0 < w.max_weight <= 1.0, "weights.max_weight", w.max_weight, "need (0, 1]")
     _check(w.lambda_reg >= 0, "weights.lambda_reg", w.lambda_reg, "need >= 0")
-    _choices("weights.on_solver_failure", w.on_solver_failure, ("fail", "uniform"))
+    _check_literal("weights", w, "on_solver_failure")
     if w.max_examples is not None:
         _check(w.max_examples >= 1, "weights.max_examples", w.max_examples, "need >= 1 (or none: all)")
     # dp
     d = cfg.dp
-    _choices("dp.accountant", d.accountant, ("rdp", "pld"))
-    _choices("dp.level", d.level, ("node", "example"))
+    _check_literal("dp", d, "accountant")
+    _check_literal("dp", d, "level")
     _check(d.microbatch >= 0, "dp.microbatch", d.microbatch, "need >= 0 (0: the whole batch)")
     if d.enabled and d.level == "example":
         _check(not d.adaptive, "dp.adaptive", d.adaptive, "adaptive clipping is node-level only")
