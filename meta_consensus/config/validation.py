@@ -7,7 +7,6 @@ entry points) are imported first, so their entries are valid values.
 
 from __future__ import annotations
 
-import functools
 import math
 import typing
 from collections.abc import Mapping
@@ -27,9 +26,13 @@ if TYPE_CHECKING:
     from meta_consensus.config.schema import Config
 
 
-@functools.cache
+_FIELD_TYPES: dict[type, dict[str, Any]] = {}
+
+
 def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    if cls not in _FIELD_TYPES:
+        _FIELD_TYPES[cls] = typing.get_type_hints(cls)
+    return _FIELD_TYPES[cls]
 
 
 def _check_literal(section: str, obj: Any, field: str) -> None:
