@@ -291,10 +291,12 @@ class RunCheckpoints:
                 restored.append(jnp.asarray(a))
             else:  # Python scalars (a rule's ``linear`` flag)
                 restored.append(type(like)(a.item()))
+        node_states = nodes(arrays.get("nodes"), template.nodes)
+        assert node_states is not None  # template.nodes is a TrainState, so its arrays were restored
         state = CoordinatorState(
             round=int(meta["round"]),
             consensus=arrays["consensus"],
-            nodes=nodes(arrays.get("nodes"), template.nodes),
+            nodes=node_states,
             aggregator=jax.tree.unflatten(treedef, restored),
             fedavg=arrays.get("fedavg"),
             fedavg_nodes=nodes(arrays.get("fedavg_nodes"), template.fedavg_nodes),

@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -177,7 +178,7 @@ class Coordinator:
             pipe_cfg, self.fleet.task, self.fleet.data.heldout, self.noise_multiplier
         )
         self.aggregator = self.pipeline.aggregator
-        self._eval_jit = None  # built on the first evaluated round
+        self._eval_jit: Callable[..., Any] | None = None  # built on the first evaluated round
         self.dp = cfg.dp.enabled and self.example is None  # node-level DP (the ledger)
 
     def _server_reference(self, process_count: int) -> ServerReference | None:
@@ -223,6 +224,7 @@ class Coordinator:
         return steps
 
     def _example_epsilons(self, info: RoundInfo, steps: np.ndarray, pld: bool) -> None:
+        assert self.example is not None  # called under example-level DP only
         nodes = self.example.nodes(steps, pld=pld)
         own = "epsilon_rdp" if self.cfg.dp.accountant == "rdp" else "epsilon_pld"
         info.node_epsilon = [getattr(p, own) for p in nodes]
@@ -255,6 +257,7 @@ class Coordinator:
         if d.noise_multiplier is not None:
             return float(d.noise_multiplier)
         q = sampling.privacy_sampling_rate(self.cfg.nodes)
+        assert d.epsilon is not None  # the config requires a target without noise_multiplier
         return calibrate_noise(d.epsilon, d.delta, q, self.cfg.rounds, d.accountant)
 
     # ------------------------------------------------------------------ init
@@ -353,11 +356,13 @@ class Coordinator:
         agg_state = self.pipeline.with_key(state.aggregator, k_dp)
         ledger = state.ledger
         event = self.pipeline.privacy_event(agg_state)
-        if event is not None and not ledger.can_spend(event):
-            raise PrivacyBudgetStop(
-                f"round {state.round}: epsilon would reach {ledger.epsilon_after(event):.3g}, "
-                f"over the budget {ledger.budget}"
-            )
+        if event is not None:
+            assert ledger is not None  # an event means node-level DP, for which init made the ledger
+            if not ledger.can_spend(event):
+                raise PrivacyBudgetStop(
+                    f"round {state.round}: epsilon would reach {ledger.epsilon_after(event):.3g}, "
+                    f"over the budget {ledger.budget}"
+                )
         try:
             extra = round_extra(self.round_needs, self.server, state.consensus, key)
             # vote.server_step's update is the round's, not the vote's, unless a rule asks for it.
@@ -377,6 +382,7 @@ class Coordinator:
             return state, self._fail(info, str(e))
         if event is not None:
             # The DP release happened: it is charged even if the round is rejected below.
+            assert ledger is not None  # checked before the merge
             ledger = copy.deepcopy(ledger)
             ledger.spend(event)
         merge = time.perf_counter() - t
@@ -397,6 +403,7 @@ class Coordinator:
         fedavg, fedavg_nodes = state.fedavg, state.fedavg_nodes
         if fedavg is not None:
             t = time.perf_counter()
+            assert fedavg_nodes is not None  # the baseline's params and nodes are set together
             b = self.fleet.fit(fedavg_nodes, fedavg, k_fit, sample)
             ok = b.answered & np.asarray(to_host(tree.finite_mask(b.submitted)), bool)
             if ok.any():
@@ -519,10 +526,12 @@ class Coordinator:
                 setattr(info, other, math.inf)
             elif not second_accountant:
                 setattr(info, other, math.nan)
-            elif other == "epsilon_pld":
-                info.epsilon_pld = _pld(z, q, rounds, delta, info.epsilon)
             else:
-                info.epsilon_rdp = rdp_epsilon(z, q, rounds, delta)
+                assert z is not None  # node-level DP: the coordinator calibrated it
+                if other == "epsilon_pld":
+                    info.epsilon_pld = _pld(z, q, rounds, delta, info.epsilon)
+                else:
+                    info.epsilon_rdp = rdp_epsilon(z, q, rounds, delta)
 
     @staticmethod
     def _fail(info: RoundInfo, reason: str) -> RoundInfo:

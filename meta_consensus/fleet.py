@@ -45,6 +45,7 @@ from consensus import mesh as mesh_lib
 from meta_consensus.config import Config, ConfigError
 from meta_consensus.sampling import ClientSample
 from strategies import byzantine as byz_lib
+from strategies.dpsgd import ExampleDP
 from strategies.hierarchical import Level, plan
 from strategies.node import LEVELS
 from strategies.registry import check_task, resolve_task
@@ -139,7 +140,7 @@ class Fleet:
         self._own_data: NodeData | None = None  # TaskData.own(), built once for sampled rounds
         self._key_impl: Any = None  # the PRNG impl of the node keys (host state keeps raw key data)
         # Example-level DP-SGD settings (strategies.dpsgd.ExampleDP), set by the coordinator.
-        self.example_dp = None
+        self.example_dp: ExampleDP | None = None
 
     # ------------------------------------------------------------------ setup
 
