@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
+from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from meta_consensus.flower.node import PARTITION_KEY
@@ -31,7 +32,7 @@ class InProcessGrid(Grid):
 
     def __init__(self, client_app: ClientApp, num_nodes: int, run_config: dict | None = None):
         self.client_app = client_app
-        self._run = None
+        self._run: Run | None = None
         # Messages read this process's task identity, which a ServerApp process gets from the SuperLink.
         for name, value in (("run_id", 1), ("node_id", 0), ("task_id", 0)):
             if getattr(TaskIdentity, f"_{name}") is None:
@@ -54,8 +55,8 @@ class InProcessGrid(Grid):
 
     # ------------------------------------------------------------------ Grid
 
-    def set_run(self, run_id: int) -> None:
-        self._run = run_id
+    def set_run(self, run: Run) -> None:
+        self._run = run
 
     @property
     def run(self):
@@ -70,7 +71,7 @@ class InProcessGrid(Grid):
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         raise NotImplementedError("InProcessGrid answers in send_and_receive only")
 
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[str]:
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         raise NotImplementedError("InProcessGrid answers in send_and_receive only")
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:

@@ -45,7 +45,7 @@ from meta_consensus.flower.arrays import from_array_record, to_array_record
 from strategies.hierarchical import Level, plan
 from strategies.node import LEVELS
 from strategies.registry import check_task
-from strategies.tasks.base import Task
+from strategies.tasks.base import NodeData, Task
 from strategies.trainer import Proximal, Schedule, TrainState
 
 PyTree = Any
@@ -105,13 +105,20 @@ class FlowerNode:
         self.data = self.task.splits(
             n, seed=cfg.task.data_seed, alpha=cfg.task.alpha, process_index=self.index, process_count=n
         )
-        self.trainer = _trainer(self.task, cfg.nodes.learning_rate, cfg.nodes.batch_size, None)
+        self.trainer = _trainer(
+            self.task,  # type: ignore[arg-type]  # tasks are hashable; the Task protocol does not say so
+            cfg.nodes.learning_rate,
+            cfg.nodes.batch_size,
+            None,
+        )
         strategies = cfg.nodes.build_strategies()
         self.strategy = strategies[self.index]
         settings = [s.settings(cfg.nodes.local_steps, cfg.nodes.learning_rate) for s in strategies]
         self.settings = settings[self.index]
         row = slice(self.index, self.index + 1)
         level_steps = np.asarray([st.level_steps for st in settings], np.int64)
+        self._levels: tuple[tuple[NodeData, ...], np.ndarray, np.ndarray] | None
+        self._hp: dict[str, np.ndarray] | None
         if level_steps[:, :2].any():
             # The whole config's plan (its length is the longest node's), then this node's row.
             level_lr = np.asarray([st.level_lr for st in settings], np.float32)
@@ -169,6 +176,9 @@ class FlowerNode:
         """One round from the consensus ``anchor``: (new state, the candidate, mean training loss)."""
         anchor = jax.tree.map(jnp.asarray, anchor)
         state = state._replace(params=jax.tree.map(lambda p: p[None], anchor))
+        data: NodeData | tuple[NodeData, ...]
+        level: np.ndarray | None
+        active: np.ndarray | None
         if self._levels is not None:
             data, level, active = self._levels
         else:
@@ -176,7 +186,8 @@ class FlowerNode:
         prox = None if self._proximal is None else Proximal(anchor, *self._proximal)
         snapshots, losses = [], []
         for seg in self._segments:
-            schedule = None if level is None else Schedule(level[:, seg], active[:, seg])
+            # level and active are both set (the curriculum) or both None
+            schedule = None if level is None or active is None else Schedule(level[:, seg], active[:, seg])
             state, log = self.trainer.fit(
                 state, data, len(seg), schedule=schedule, hyperparams=self._hp, proximal=prox
             )
@@ -247,9 +258,11 @@ def _partition(context: Context) -> int:
 
 
 def _node_of(msg: Message, context: Context, task: Task | None) -> tuple[FlowerNode, int]:
-    cfg_record: ConfigRecord = msg.content["config"]
+    # flwr types a RecordDict value as any record and a ConfigRecord value as any config value;
+    # the strategy sends "config" as a ConfigRecord whose ROUND_KEY is an int.
+    cfg_record: ConfigRecord = msg.content["config"]  # type: ignore[assignment]
     cfg = parse_config(str(cfg_record[CONFIG_KEY]))
-    return node_for(cfg, _partition(context), task), int(cfg_record[ROUND_KEY])
+    return node_for(cfg, _partition(context), task), int(cfg_record[ROUND_KEY])  # type: ignore[arg-type]
 
 
 def train_reply(msg: Message, context: Context, task: Task | None = None) -> Message:

@@ -133,13 +133,13 @@ class ConsensusStrategy(Strategy):
         )
         self.heldout, self.test = data.heldout, data.test
         d = cfg.dp
-        self.noise_multiplier = None
+        self.noise_multiplier: float | None = None
         if d.enabled:
-            self.noise_multiplier = (
-                float(d.noise_multiplier)
-                if d.noise_multiplier is not None
-                else calibrate_noise(d.epsilon, d.delta, 1.0, cfg.rounds, d.accountant)
-            )
+            if d.noise_multiplier is not None:
+                self.noise_multiplier = float(d.noise_multiplier)
+            else:
+                assert d.epsilon is not None  # the config requires a target without noise_multiplier
+                self.noise_multiplier = calibrate_noise(d.epsilon, d.delta, 1.0, cfg.rounds, d.accountant)
         self.pipeline = MergePipeline(cfg, self.task, self.heldout, self.noise_multiplier)
         root = jax.random.key(cfg.seed)
         self.key_data = jax.random.key_data(root)
@@ -215,7 +215,8 @@ class ConsensusStrategy(Strategy):
         good = [
             m.content
             for m in replies
-            if not m.has_error() and int(m.content["metrics"].get(ROUND_KEY, -1)) == server_round
+            # flwr types a record value as any record's value; the nodes send ROUND_KEY as an int.
+            if not m.has_error() and int(m.content["metrics"].get(ROUND_KEY, -1)) == server_round  # type: ignore[arg-type]
         ]
         return node_weighted_mean(good) if good else None
 
@@ -252,7 +253,8 @@ class ConsensusStrategy(Strategy):
                 continue
             try:
                 metrics = msg.content["metrics"]
-                pid, answered_round = int(metrics[PARTITION_KEY]), int(metrics[ROUND_KEY])
+                # flwr types these as any record's value: one that is no number raises, caught below.
+                pid, answered_round = int(metrics[PARTITION_KEY]), int(metrics[ROUND_KEY])  # type: ignore[arg-type]
             except (KeyError, TypeError, ValueError) as e:
                 errors[f"node {src}"] = f"reply without {PARTITION_KEY!r} and {ROUND_KEY!r} metrics ({e})"
                 continue
@@ -324,17 +326,20 @@ class ConsensusStrategy(Strategy):
         _, k_dp = jax.random.split(round_key(self.key_data, self.rounds_done, 0))
         agg_state = self.pipeline.with_key(self.agg_state, k_dp)
         event = self.pipeline.privacy_event(agg_state)
-        if event is not None and not self.ledger.can_spend(event):
-            self.stopped = (
-                f"privacy budget: epsilon would reach {self.ledger.epsilon_after(event):.3g}, "
-                f"over the budget {self.ledger.budget}"
-            )
-            return None, self.stopped
+        if event is not None:
+            assert self.ledger is not None  # an event means DP, for which __init__ made the ledger
+            if not self.ledger.can_spend(event):
+                self.stopped = (
+                    f"privacy budget: epsilon would reach {self.ledger.epsilon_after(event):.3g}, "
+                    f"over the budget {self.ledger.budget}"
+                )
+                return None, self.stopped
         try:
             merged, new_agg = self.pipeline.update(stacked, agg_state, self.consensus, valid)
         except (RoundFailure, ByzantineToleranceError) as e:
             return None, str(e)  # nothing was released, nothing is charged
         if event is not None:
+            assert self.ledger is not None  # checked before the merge
             self.ledger = copy.deepcopy(self.ledger)
             self.ledger.spend(event)  # charged even if the round is rejected below
             info.epsilon = self.ledger.epsilon()
@@ -364,7 +369,8 @@ class ConsensusStrategy(Strategy):
         }
         if records:
             # Flower's convention: node metrics averaged with weights num-examples.
-            out["train_loss"] = float(node_weighted_mean(records)["train_loss"])
+            # flwr types a MetricRecord value as a number or a list; train_loss is a number.
+            out["train_loss"] = float(node_weighted_mean(records)["train_loss"])  # type: ignore[arg-type]
         return MetricRecord(out)
 
 
@@ -372,7 +378,7 @@ def node_weighted_mean(contents: list[RecordDict]) -> MetricRecord:
     """Flower's aggregation of node metrics (means weighted by ``num-examples``), ids and rounds left out."""
     keep = []
     for content in contents:
-        m = content["metrics"]
+        m: MetricRecord = content["metrics"]  # type: ignore[assignment]  # flwr: any record; the nodes send a MetricRecord
         keep.append(
             RecordDict(
                 {"metrics": MetricRecord({k: v for k, v in m.items() if k not in (PARTITION_KEY, ROUND_KEY)})}
