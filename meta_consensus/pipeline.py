@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +40,7 @@ import numpy as np
 
 from consensus import registry
 from consensus.aggregators import grouped_vote, process
-from consensus.base import Aggregator, get_info
+from consensus.base import Aggregator, PreAggregator, get_info
 from consensus.convex.merge import SolverFailure, convex_merge
 from consensus.dp import AdaptiveClipConfig, dp_fedavg, privacy_event, privatize
 from consensus.mesh import to_host
@@ -65,12 +65,14 @@ def build_vote(cfg: Config, answered: int | None = None) -> Aggregator:
     """The vote of a config for a round in which ``answered`` nodes answered (default: all)."""
     v = cfg.vote
     f = vote_f(cfg, cfg.nodes.count if answered is None else answered)
-    pre = [registry.make(p, f, **v.pre_options.get(p, {})) for p in v.pre]
-    inner = registry.make(v.rule, f, **v.options)
+    # The config's validation checked the kinds: vote.pre names pre-aggregators, vote.rule and
+    # vote.top_rule vote rules (registry.make returns either kind).
+    pre = [cast(PreAggregator, registry.make(p, f, **v.pre_options.get(p, {}))) for p in v.pre]
+    inner = cast(Aggregator, registry.make(v.rule, f, **v.options))
     inner = process(inner, pre=pre) if pre else inner
     if v.groups <= 1:
         return inner
-    top = registry.make(v.top_rule, v.top_num_byzantine, **v.top_options)
+    top = cast(Aggregator, registry.make(v.top_rule, v.top_num_byzantine, **v.top_options))
     return grouped_vote(inner, top, v.groups)
 
 

@@ -151,6 +151,11 @@ def _slot(choice: RuleChoice, shape: Sequence[int], dtype: Any, has_base: bool) 
     return (choice.key, tuple(shape), np.dtype(dtype).name, has_base)
 
 
+def _compile(fn: Any, *args: Any) -> Any:
+    """The jitted ``fn`` lowered for the abstract ``args`` and compiled (on the compile thread)."""
+    return fn.lower(*args).compile()
+
+
 class Compiled:
     """The plan's leaf updates, compiled ahead of time in a background thread, one per distinct
     (rule, leaf shape, compute dtype, base given).
@@ -179,7 +184,7 @@ class Compiled:
             x = jax.ShapeDtypeStruct(shape, dtype)
             params = {"x": jax.ShapeDtypeStruct(shape[1:], dtype)} if has_base else None
             key = key_spec if choice.spec.randomized else None
-            self.futures[slot] = self.pool.submit(lambda f=fn, a=(x, params, key): f.lower(*a).compile())
+            self.futures[slot] = self.pool.submit(_compile, fn, x, params, key)
 
     def get(self, shape: tuple[int, ...], dtype: Any, has_base: bool, choice: RuleChoice) -> Any:
         future = self.futures.get(_slot(choice, shape, dtype, has_base))

@@ -260,7 +260,8 @@ def assign_rules(keys: Sequence[str], plan: MergePlan) -> dict[str, RuleChoice]:
         choice = plan.rule
         for i, (rx, o) in enumerate(compiled):
             if rx.search(k):
-                choice, _ = o, used.add(i)
+                choice = o
+                used.add(i)
                 break
         out[k] = choice
     unused = [o.pattern for i, (_, o) in enumerate(compiled) if i not in used]

@@ -57,8 +57,8 @@ def vector_rule_report(
     return {
         "leaves": leaves,
         "weights": _rounded(weights),
-        "selected": [inputs[i] for i in np.flatnonzero(selected)],
-        "excluded_nonfinite": [inputs[i] for i in np.flatnonzero(~finite)],
+        "selected": [inputs[int(i)] for i in np.flatnonzero(selected)],
+        "excluded_nonfinite": [inputs[int(i)] for i in np.flatnonzero(~finite)],
     }
 
 

@@ -27,7 +27,7 @@ import dataclasses
 import functools
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -273,7 +273,7 @@ def fashion_mnist(
     return FashionMNISTTask(
         model=model,
         hidden=tuple(hidden),
-        channels=tuple(channels),
+        channels=cast("tuple[int, int]", tuple(channels)),  # a config's list, as the tuple it holds
         data_dir=data_dir,
         heldout_size=heldout_size,
         limit=limit,
