@@ -73,7 +73,10 @@ def test_every_prompt_is_collected(module_name):
     assert collected == prompts, f"{prompts - collected} '>>>' lines of {module_name} are not doctests"
 
 
-@pytest.mark.parametrize("module_name", WITH_EXAMPLES)
+@pytest.mark.parametrize(
+    "module_name",
+    [pytest.param(m, marks=pytest.mark.slow) if m == "strategies.tasks.digits" else m for m in WITH_EXAMPLES],
+)
 def test_docstring_examples_run(module_name):
     runner = doctest.DocTestRunner(optionflags=FLAGS)
     failures = []

@@ -159,9 +159,17 @@ def test_task_arithmetic_matches_reference(n):
     assert_tree_close(mean, [x.mean(0) for x in leaves64(stacked)])
 
 
-@pytest.mark.parametrize("election", ["sum", "count"])
-@pytest.mark.parametrize("density", [0.1, 0.35, 1.0])
-@pytest.mark.parametrize("n", [1, N])
+@pytest.mark.parametrize(
+    "n,density,election",
+    [
+        pytest.param(
+            n, density, election, marks=[pytest.mark.slow] if (density, election) == (0.1, "sum") else []
+        )
+        for election in ("sum", "count")
+        for density in (0.1, 0.35, 1.0)
+        for n in (1, N)
+    ],
+)
 def test_ties_matches_reference(election, density, n):
     base = make_base()
     stacked = make_nodes(base, n, seed=n)
@@ -204,7 +212,9 @@ def test_ties_count_election_resists_one_large_delta():
 # 50_000 columns: a full chunk of the counting pass plus a partial one, several chunks of the
 # extraction pass, the continuous rows found by the extraction pass, the tied rows (lanes over 3
 # entries) by the fallback.
-@pytest.mark.parametrize("s", [1, 3, 100, 4099, 50_000])
+@pytest.mark.parametrize(
+    "s", [1, 3, pytest.param(100, marks=pytest.mark.slow), pytest.param(4099, marks=pytest.mark.slow), 50_000]
+)
 def test_kth_largest_magnitude_is_exact(s):
     rng = np.random.default_rng(s)
     x = rng.standard_normal((5, s)).astype(np.float32)
@@ -508,6 +518,7 @@ def test_dare_drops_and_rescales_reproducibly():
     assert not np.array_equal(np.asarray(a["w"]), np.asarray(b["w"]))
 
 
+@pytest.mark.slow
 def test_dare_ties_is_ties_of_the_dropped_nodes():
     base = make_base()
     stacked = make_nodes(base, 4)
@@ -601,6 +612,10 @@ def factories():
 PROPERTY = sorted(factories())
 
 
+def _marked_slow(names, slow):
+    return [pytest.param(name, marks=pytest.mark.slow) if name in slow else name for name in names]
+
+
 def run(name, stacked, base, *, mask=None, jit=False):
     agg = factories()[name]()
     extra = {"fisher": jax.tree.map(lambda x: jnp.abs(x) + 0.1, stacked)} if name == "fisher_merge" else {}
@@ -610,7 +625,9 @@ def run(name, stacked, base, *, mask=None, jit=False):
     return agg.update(stacked, agg.init(base), base, mask=mask, **extra)[0]
 
 
-@pytest.mark.parametrize("name", PROPERTY)
+@pytest.mark.parametrize(
+    "name", _marked_slow(PROPERTY, {"karcher_mean", "model_stock", "nnm+ties", "ties_count", "ties_sum"})
+)
 def test_jit_equals_eager(name):
     base = make_base()
     stacked = make_nodes(base)
@@ -621,7 +638,7 @@ def test_jit_equals_eager(name):
         )
 
 
-@pytest.mark.parametrize("name", PROPERTY)
+@pytest.mark.parametrize("name", _marked_slow(PROPERTY, {"fisher_merge", "nnm+ties"}))
 def test_sharded_equals_unsharded(name):
     base = make_base()
     stacked = make_nodes(base)
@@ -670,7 +687,10 @@ def test_model_stock_excludes_a_node_non_finite_in_one_entry_of_one_leaf(bad):
         assert_tree_close(out, leaves64(want), 1e-5, 1e-6)
 
 
-@pytest.mark.parametrize("name", ["task_arithmetic", "ties_sum", "model_stock", "fisher_merge"])
+@pytest.mark.parametrize(
+    "name",
+    ["task_arithmetic", pytest.param("ties_sum", marks=pytest.mark.slow), "model_stock", "fisher_merge"],
+)
 def test_every_node_at_the_base_gives_the_base(name):
     base = make_base()
     stacked = consensus.broadcast(base, 4)
@@ -704,6 +724,7 @@ def test_missing_base_is_refused():
         consensus.dare(0.5).update(stacked, consensus.dare(0.5).init(None), make_base())
 
 
+@pytest.mark.slow
 def test_node_count_preconditions():
     base = make_base()
     with pytest.raises(ByzantineToleranceError, match="model_stock.*at least 2"):

@@ -32,6 +32,7 @@ def setup(seed=0, n=4):
     return base, stacked, grad, curv, model_fn
 
 
+@pytest.mark.slow
 def test_one_group_is_the_task_wise_qp():
     base, stacked, grad, curv, model_fn = setup()
     agg = consensus.layerwise_weights(model_fn, groups="all")

@@ -17,6 +17,7 @@ def softmax(z):
     return e / e.sum(1, keepdims=True)
 
 
+@pytest.mark.slow
 def test_fisher_and_grams_of_a_two_layer_mlp_match_closed_forms():
     task = DigitsTask(hidden=(8,))
     params = task.init(jax.random.key(0))

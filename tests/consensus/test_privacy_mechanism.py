@@ -135,6 +135,7 @@ def test_same_key_same_noise_and_state_key_advances():
     np.testing.assert_array_equal(np.asarray(c1["w"]), np.asarray(a1["w"]))
 
 
+@pytest.mark.slow
 def test_sharded_params_keep_sharding_and_match_unsharded():
     devices = np.array(jax.devices()[:8])
     if devices.size < 8:
@@ -196,6 +197,7 @@ def test_server_optimizer_receives_the_noised_mean_as_pseudo_gradient():
         np.testing.assert_allclose(np.asarray(p2[k]), base + 0.5 * 1.9 * want[k], atol=2e-6)
 
 
+@pytest.mark.slow
 def test_weighted_mean_caps_weights_and_scales_noise_by_max_weight():
     rng = np.random.default_rng(5)
     params = make_params(rng)
@@ -238,6 +240,7 @@ def _fixed_denominator_sum(m):
     return Aggregator(init, update, "fixed_sum", sensitivity=lambda c, n: c / m)
 
 
+@pytest.mark.slow
 def test_privatize_generic_rule_equals_dp_fedavg():
     rng = np.random.default_rng(6)
     params = make_params(rng)
@@ -282,6 +285,7 @@ def test_ledger_refuses_the_round_before_it_runs():
     assert ledger.entries[-1]["clip_norm"] == 1.0 and ledger.entries[-1]["sampling_rate"] == 0.5
 
 
+@pytest.mark.slow
 def test_bfloat16_params_and_jit_of_update():
     rng = np.random.default_rng(8)
     params = {"w": jnp.asarray(rng.normal(size=(8,)), jnp.bfloat16)}

@@ -38,6 +38,7 @@ def _clean():
     return state, TRAINER.fit(state, DATA.own(), 20)[0]
 
 
+@pytest.mark.slow
 def test_label_flipping_nodes_train_in_the_same_step():
     state = TRAINER.init(jax.random.key(1), INIT, N)
     byz = byz_lib.Byzantine(MASK, "label_flip")
@@ -59,6 +60,7 @@ def test_label_flipping_nodes_train_in_the_same_step():
             assert _max_diff(_node(out.params, i), _node(clean.params, i)) > 1e-2
 
 
+@pytest.mark.slow
 def test_model_attacks_replace_byzantine_rows():
     trained = _clean()[1]
     anchor = INIT
@@ -95,6 +97,7 @@ def test_model_attacks_replace_byzantine_rows():
     assert _max_diff(a1, a2) == 0.0 and _max_diff(a1, a3) > 0.0
 
 
+@pytest.mark.slow
 def test_data_and_model_poisoning_together():
     state = TRAINER.init(jax.random.key(1), INIT, N)
     byz = dataclasses.replace(byz_lib.last_nodes(N, 2, "alie"), label_flip=True)

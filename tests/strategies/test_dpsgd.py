@@ -59,7 +59,7 @@ def _problem(rows=12, seed=0):
     return params, batch, mask
 
 
-@pytest.mark.parametrize("microbatch", [0, 4])
+@pytest.mark.parametrize("microbatch", [pytest.param(0, marks=pytest.mark.slow), 4])
 def test_private_gradient_equals_a_float64_loop_with_the_noise_of_its_key(microbatch):
     params, batch, mask = _problem()
     clip, z, expected = 0.8, 1.3, 7.5
@@ -92,6 +92,7 @@ def test_private_gradient_equals_a_float64_loop_with_the_noise_of_its_key(microb
     assert float(loss) == pytest.approx(-lp[np.arange(len(y)), y][m].mean(), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_noise_std_is_z_c_over_expected_batch():
     params = {"w": jnp.zeros((200, 60), jnp.float32)}
     batch = {"x": jnp.zeros((4, 200), jnp.float32)}
@@ -112,6 +113,7 @@ def test_noise_std_is_z_c_over_expected_batch():
     assert stats.kstest(v / sd, "norm").pvalue > 1e-4
 
 
+@pytest.mark.slow
 def test_poisson_rows_include_each_valid_row_at_rate_q():
     rows, count, q, pad, draws = 50, 40, 0.3, 50, 4000
     index = jnp.asarray(np.arange(rows)[::-1].copy(), jnp.int32)  # candidate j is pool row 49 - j
@@ -168,6 +170,7 @@ def test_effective_rate_is_the_float32_uniform_inclusion_probability():
         dpsgd.sampling_rates([0, 5], 4)
 
 
+@pytest.mark.slow
 def test_trainer_dp_step_without_noise_or_clipping_is_a_full_batch_step():
     """q = 1 (batch_size >= rows), z = 0, C huge: one DP-SGD step is SGD on the mean gradient."""
 

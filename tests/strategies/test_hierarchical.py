@@ -51,6 +51,7 @@ def test_plan_tables():
         hier.plan(LEVELS, DATA, node_orders=[[(3, 1)]] * N)
 
 
+@pytest.mark.slow
 def test_levels_run_in_order_on_the_right_data():
     state = TRAINER.init(jax.random.key(1), INIT, N)
     orders = [
@@ -80,6 +81,7 @@ def test_levels_run_in_order_on_the_right_data():
     assert saw_other_classes
 
 
+@pytest.mark.slow
 def test_hierarchical_equals_sequential_fits_level_by_level():
     """One multi-level call == one call per level, each pinned to its level, carrying the state over."""
     state = TRAINER.init(jax.random.key(1), INIT, N)
@@ -97,6 +99,7 @@ def test_hierarchical_equals_sequential_fits_level_by_level():
     assert p.hyperparams["learning_rate"][0].tolist() == pytest.approx([0.1, 0.05, 0.02])
 
 
+@pytest.mark.slow
 def test_specialised_levels_specialize():
     """After general -> groups -> own, nodes are better on their own classes than on the others."""
     trainer = NodeTrainer(TASK, optax.adam, {"learning_rate": 1e-2}, batch_size=32)

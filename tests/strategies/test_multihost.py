@@ -64,6 +64,7 @@ def _logged(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("[process ")]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_processes_train_disjoint_shards_to_the_single_process_params(tmp_path):
     multi, single = tmp_path / "multi", tmp_path / "single"

@@ -57,6 +57,7 @@ def _replay_greedy(vecs: list[np.ndarray], scores: list[float], order: list[int]
 # ----------------------------------------------------------------------------- uniform / weighted
 
 
+@pytest.mark.slow
 def test_uniform_soup_is_the_float64_mean_with_constant_memory():
     rng = np.random.default_rng(0)
     center = rng.normal(size=19)
@@ -231,6 +232,7 @@ def test_greedy_keeps_ties_and_rejects_non_finite():
 # ----------------------------------------------------------------------------- orbax
 
 
+@pytest.mark.slow
 def test_orbax_ingredients_give_the_same_soups(tmp_path):
     ings, _, metrics = _greedy_fixture(5)
     paths = [sp.save_ingredient(tmp_path / f"ing{i}", x) for i, x in enumerate(ings)]
@@ -275,6 +277,7 @@ def _logits(p, x):
     return x @ p["w"] + p["b"]
 
 
+@pytest.mark.slow
 def test_greedy_soup_of_digits_finetunes_beats_every_ingredient_on_the_selection_set():
     (Xtr, ytr), (Xsel, ysel) = _digits_splits()
     rng = np.random.default_rng(6)

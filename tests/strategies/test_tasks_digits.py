@@ -165,6 +165,7 @@ def test_bad_configuration():
     assert isinstance(TASK, base.Task)
 
 
+@pytest.mark.slow
 def test_single_node_on_all_data_beats_90_percent():
     task = DigitsTask()  # 64-128-10
     d = task.splits(1, seed=0)

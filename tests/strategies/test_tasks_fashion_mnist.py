@@ -110,7 +110,7 @@ def test_splits_follow_the_node_protocol(idx_dir):
     np.testing.assert_array_equal(again.meta["example_ids"], ids)
 
 
-@pytest.mark.parametrize("model", ["mlp", "cnn"])
+@pytest.mark.parametrize("model", ["mlp", pytest.param("cnn", marks=pytest.mark.slow)])
 def test_models_learn_the_tiny_set(idx_dir, model):
     task = fm.FashionMNISTTask(
         model=model, hidden=(32,), channels=(2, 4), data_dir=str(idx_dir), heldout_size=100

@@ -123,6 +123,7 @@ def forward():
     return params, x, y, mask, out
 
 
+@pytest.mark.slow
 def test_forward_and_metrics_match_float64_reference(forward):
     params, x, y, mask, out = forward
     want = reference_logits(params, x, 2)
@@ -328,6 +329,7 @@ def test_splits_are_deterministic_and_each_process_reads_its_nodes_only(small, d
 # --------------------------------------------------------------------------- training
 
 
+@pytest.mark.slow
 def test_single_node_learns_bytes_well_below_uniform_and_unigram():
     task = TextTask(context=32, d_model=32, num_heads=4, num_layers=1, d_mlp=128, windows_per_node=32,
                     general_windows=1024, heldout_windows=128, test_windows=32)  # fmt: skip

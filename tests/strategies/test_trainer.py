@@ -90,6 +90,7 @@ def test_vmapped_nodes_equal_independent_single_model_loops():
     assert not np.array_equal(rows[:, 0], rows[:, 1])  # own keys: different draws
 
 
+@pytest.mark.slow
 def test_single_node_equals_hand_written_loop():
     """n = 1 runs the unbatched step (no vmap); same result as the hand-written loop."""
     trainer = NodeTrainer(TASK, optax.adam, {"learning_rate": LR[2]}, batch_size=B)
@@ -100,6 +101,7 @@ def test_single_node_equals_hand_written_loop():
     assert _max_diff(_node(out.params, 0), ref) < 2e-6
 
 
+@pytest.mark.slow
 def test_grad_accumulation_is_one_update_with_the_mean_gradient():
     trainer = NodeTrainer(TASK, optax.sgd, {"learning_rate": LR}, batch_size=B, grad_accum=3)
     state = trainer.init(jax.random.key(0), INIT, N)
@@ -163,6 +165,7 @@ def test_sharded_equals_unsharded(config):
     )
 
 
+@pytest.mark.slow
 def test_projection_and_prox_per_node():
     _, free, _ = _trained()
     # node 0, 1: hard balls; node 2: off (mu 0, r inf); node 3: proximal pull only.
@@ -181,6 +184,7 @@ def test_projection_and_prox_per_node():
     assert _dist(mix, INIT)[0] <= radius[1] * (1 + 1e-5)
 
 
+@pytest.mark.slow
 def test_schedule_gates_nodes():
     active = np.ones((N, STEPS), bool)
     active[1] = False
@@ -212,6 +216,7 @@ def test_bf16_remat_and_evaluate():
         np.testing.assert_allclose(ev["loss"][i], float(m["loss"]), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_fresh_inits_per_node_and_errors():
     state = TRAINER.init(jax.random.key(0), None, N)
     k = np.asarray(state.params["dense_0"]["kernel"])

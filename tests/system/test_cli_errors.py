@@ -152,6 +152,7 @@ def test_overwrite_moves_the_earlier_run_aside(capsys, tmp_path):
     assert len((first / "metrics.jsonl").read_text().splitlines()) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_entry_point_refuses_an_existing_run(finished_run):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -166,6 +167,7 @@ def test_entry_point_refuses_an_existing_run(finished_run):
     assert _snapshot(finished_run) == before
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_importing_the_package_leaves_the_device_count_to_the_cli():
     """No jax computation at import: --local-devices and jax.distributed must come first."""

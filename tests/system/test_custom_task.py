@@ -51,6 +51,7 @@ def test_task_from_arrays_splits_and_metrics_match_numpy():
     assert got["accuracy"] == pytest.approx(np.mean(logits.argmax(1) == batch["y"]))
 
 
+@pytest.mark.slow
 def test_cli_runs_a_task_given_by_import_path(tmp_path, capsys):
     overrides = [*SMALL, f"output_dir={tmp_path}", "name=blobs", "task.name=blobs_task:make_task"]
     code = cli.main(

@@ -94,6 +94,7 @@ def _one_step_epsilon(q: float, z: float, delta: float) -> float:
 # ----------------------------------------------------------------------------- accounting
 
 
+@pytest.mark.slow
 def test_node_epsilons_match_a_numerical_reference_of_the_subsampled_gaussian(tmp_path):
     cfg = _cfg(tmp_path, "dp.noise_multiplier=1.1", "nodes.batch_size=32")
     counts = [290, 517]
@@ -204,6 +205,7 @@ def _saved(state):
     return (state.consensus, state.nodes.params, state.nodes.opt_state, state.nodes.step)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sigkill_then_resume_with_dp_sgd_is_bit_exact(tmp_path):
     full = subprocess.run(_cmd(tmp_path, "full"), env=_env(), capture_output=True, text=True, timeout=300)

@@ -101,6 +101,7 @@ def test_array_record_whose_bytes_lie_about_their_shape_is_refused():
 # ------------------------------------------------------------------ the node
 
 
+@pytest.mark.slow
 def test_flower_node_is_the_in_process_fleets_node(tmp_path):
     cfg = flower_config(tmp_path)
     co = Coordinator(cfg)

@@ -62,6 +62,7 @@ def _receipts(log: Path) -> int:
     return log.read_text(errors="replace").count("Receiving: train message") if log.exists() else 0
 
 
+@pytest.mark.slow
 def test_loopback_deployment_with_a_node_killed_mid_round_equals_the_in_process_run(tmp_path):
     cfg = _config(tmp_path / "runs")
     cfg_file = tmp_path / "config.toml"

@@ -64,6 +64,7 @@ def _kill_tree(procs: list[subprocess.Popen]) -> None:
         p.log.close()
 
 
+@pytest.mark.slow
 def test_simulation_engine_runs_the_package_apps_and_equals_the_in_process_run(tmp_path):
     cfg = flower_config(
         tmp_path / "runs",

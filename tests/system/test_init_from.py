@@ -61,6 +61,7 @@ def finished(tmp_path_factory):
     return cfg.run_dir, result
 
 
+@pytest.mark.slow
 def test_run_writes_its_consensus_as_safetensors_bit_exact(finished):
     run_dir, result = finished
     path = run_dir / "consensus.safetensors"
@@ -97,6 +98,7 @@ def test_init_from_starts_from_the_file_bit_exact(finished, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_cli_init_runs_from_the_file_and_records_it(finished, tmp_path, capsys):
     run_dir, _ = finished
     source = run_dir / "consensus.safetensors"

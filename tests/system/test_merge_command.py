@@ -50,9 +50,9 @@ def _library(rule, models, params=None) -> dict:
 @pytest.mark.parametrize(
     ("argv", "rule", "tol"),
     [
-        (["--method", "median"], consensus.median(), 0),
+        pytest.param(["--method", "median"], consensus.median(), 0, marks=pytest.mark.slow),
         (["--method", "trimmed_mean", "-f", "1"], consensus.trimmed_mean(1), 1e-6),
-        (["--method", "krum", "-f", "1"], consensus.krum(1), 1e-6),
+        pytest.param(["--method", "krum", "-f", "1"], consensus.krum(1), 1e-6, marks=pytest.mark.slow),
         (["--method", "multi_krum", "-f", "1"], consensus.multi_krum(1), 1e-6),
         (
             ["--method", "geometric_median", "--set", "method.max_iter=200"],
@@ -215,7 +215,7 @@ def _ties_reference(models: list[dict], base: dict, density: float) -> dict:
     return out
 
 
-@pytest.mark.parametrize("method", ["task_arithmetic", "ties"])
+@pytest.mark.parametrize("method", ["task_arithmetic", pytest.param("ties", marks=pytest.mark.slow)])
 def test_task_vector_merges_over_a_base_equal_the_library_and_float64(tmp_path, method):
     models = _models(3)
     rng = np.random.default_rng(7)

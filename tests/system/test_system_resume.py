@@ -81,6 +81,7 @@ def uninterrupted(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, uninterrupted):
     killed = subprocess.Popen(
@@ -144,6 +145,7 @@ def test_resume_refuses_a_different_config(tmp_path):
         MetaConsensus(other, progress=False).train(resume=True)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sigterm_saves_the_last_round_and_resume_is_bit_exact(tmp_path, uninterrupted):
     """SIGTERM mid-run: the round in flight finishes, its checkpoint is saved, exit 143; resume ends equal."""
@@ -292,6 +294,7 @@ def _assert_mesh_run_equals(tmp_path, reference, rounds):
     assert [h.weights for h in history] == [h.weights for h in reference.history]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_resume_on_a_two_device_mesh_is_bit_exact(tmp_path):
     """One process, 2 local devices, mesh.node = 2: 2 rounds, then --resume to 3."""

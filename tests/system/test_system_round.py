@@ -34,6 +34,7 @@ def small_run(tmp_path_factory):
     return cfg, MetaConsensus(cfg, progress=False).train()
 
 
+@pytest.mark.slow
 def test_end_to_end_run_writes_every_output(small_run):
     cfg, result = small_run
     run = cfg.run_dir
@@ -168,6 +169,7 @@ def test_uniform_weights_are_the_mean_of_the_accepted_nodes(tmp_path):
         np.testing.assert_allclose(c, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_grouped_vote_is_the_top_rule_over_group_votes(tmp_path):
     cfg = small_config(
         tmp_path,
@@ -188,6 +190,7 @@ def test_grouped_vote_is_the_top_rule_over_group_votes(tmp_path):
         np.testing.assert_allclose(c, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_plain_dp_fedavg_uses_sensitivity_c_over_n(tmp_path):
     cfg = small_config(
         tmp_path,
