@@ -95,14 +95,27 @@ def register(
     return RULES.register(name, spec, replace=replace)
 
 
+def _kind_rank(spec: Spec) -> int:
+    return KIND_ORDER.index(spec.kind) if spec.kind in KIND_ORDER else len(KIND_ORDER)
+
+
+def by_kind() -> list[tuple[str, Spec]]:
+    """The declared rules grouped by kind (KIND_ORDER), in declaration order within a kind.
+
+    Configs' "choose one of" lists and the docs table read this order, so it does not
+    depend on which rule module happens to be imported first within the package.
+    """
+    return sorted(RULES.items(), key=lambda item: _kind_rank(item[1]))
+
+
 def vote_rules() -> list[str]:
-    """Names of the registered n -> 1 rules (everything but pre-aggregators)."""
-    return RULES.names(lambda s: s.kind != "pre")
+    """Names of the registered n -> 1 rules (everything but pre-aggregators), grouped by kind."""
+    return [name for name, spec in by_kind() if spec.kind != "pre"]
 
 
 def pre_aggregators() -> list[str]:
     """Names of the registered pre-aggregators (n -> n)."""
-    return RULES.names(lambda s: s.kind == "pre")
+    return [name for name, spec in by_kind() if spec.kind == "pre"]
 
 
 def make(name: str, f: int | None = None, **params: Any) -> Aggregator | PreAggregator:
@@ -127,11 +140,7 @@ def markdown_table() -> str:
     header = ["name", "kind", "takes f", "precondition (n valid nodes)", "DP sensitivity", "needs"]
     header += ["parameters", "module"]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    specs = sorted(
-        RULES.items(),
-        key=lambda item: KIND_ORDER.index(item[1].kind) if item[1].kind in KIND_ORDER else len(KIND_ORDER),
-    )
-    for name, spec in specs:
+    for name, spec in by_kind():
         params = ", ".join(
             k if p.default is inspect.Parameter.empty else f"{k}={p.default!r}"
             for k, p in spec.params.items()
