@@ -44,7 +44,8 @@ def needs_classification(spec: Spec) -> bool:
     return bool(spec.traits.get("classification", False))
 
 
-@OBJECTIVES.declare("vote")
+# Both keep a uniform-mean vote a uniform mean, so DP-FedAvg's C / n sensitivity still holds.
+@OBJECTIVES.declare("vote", traits={"keeps_uniform_mean": True})
 def _vote(cfg, task, heldout) -> None:
     """the vote's own output is the consensus"""
     return None
@@ -64,7 +65,7 @@ def _options(cfg: Any, mask: np.ndarray, cache: ProblemCache) -> dict[str, Any]:
     }
 
 
-@OBJECTIVES.declare("uniform")
+@OBJECTIVES.declare("uniform", traits={"keeps_uniform_mean": True})
 def _uniform(cfg, task, heldout) -> Weigher:
     """plain mean of the nodes the vote accepted"""
 

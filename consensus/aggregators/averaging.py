@@ -69,6 +69,8 @@ def _require_some(rule: str, precondition: Precondition, valid: jax.Array, n: in
     sensitivity="C / n (uniform mean)",
     elementwise=True,
     reads_views=True,
+    # DP-FedAvg's C / n sensitivity holds for a uniform mean of clipped updates only.
+    traits={"uniform_mean": True},
 )
 def mean() -> Aggregator:
     """Uniform mean of the valid nodes (FedAvg with equal weights).

@@ -366,6 +366,15 @@ class Config:
 
 
 def plain_fedavg(cfg: Config) -> bool:
-    """Whether the merge is plain DP-FedAvg (sensitivity C / n) rather than a robust pipeline (2C)."""
+    """Whether the merge is plain DP-FedAvg (sensitivity C / n) rather than a robust pipeline (2C).
+
+    Read from the declarations: the vote rule's trait ``uniform_mean`` and the weight
+    objective's trait ``keeps_uniform_mean`` (one group, no pre-aggregator).
+    """
+    from consensus.registry import RULES
+    from meta_consensus.objectives import OBJECTIVES
+
     v = cfg.vote
-    return v.rule == "mean" and cfg.weights.objective in ("vote", "uniform") and v.groups <= 1 and not v.pre
+    uniform_vote = bool(RULES[v.rule].traits.get("uniform_mean", False))
+    keeps_it = bool(OBJECTIVES[cfg.weights.objective].traits.get("keeps_uniform_mean", False))
+    return uniform_vote and keeps_it and v.groups <= 1 and not v.pre
