@@ -15,8 +15,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
 	@touch $(STAMP)
 
+# A finished runs/default/ is moved aside to runs/default.old-K (never deleted); an interrupted one
+# (a checkpoint before its last round, e.g. after Ctrl-C) is kept, and the command to resume it shown.
 run: $(STAMP)
-	$(BIN)/meta-consensus run --overwrite  # an earlier runs/default/ is moved aside to runs/default.old-K, never deleted
+	@last=$$(ls runs/default/checkpoints 2>/dev/null | grep -E '^[0-9]+$$' | sort -n | tail -1); \
+	rounds=$$(sed -n 's/^rounds = \([0-9]*\)$$/\1/p' runs/default/config.toml 2>/dev/null); \
+	if [ -n "$$last" ] && [ "$$last" != "$$rounds" ]; then \
+	  echo "meta-consensus: runs/default holds an interrupted run (checkpoint of round $$last of $${rounds:-?}):" \
+	    "continue it with '$(BIN)/meta-consensus run --resume', or start over with" \
+	    "'$(BIN)/meta-consensus run --overwrite' (moves it aside to runs/default.old-K)" >&2; exit 2; \
+	fi
+	$(BIN)/meta-consensus run --overwrite
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

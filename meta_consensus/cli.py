@@ -2,8 +2,8 @@
 
 ::
 
-    meta-consensus run [--config FILE] [--set key=value ...] [--plugin MODULE ...] [--resume | --overwrite]
-                       [--quiet] [--init FILE]
+    meta-consensus run [--config FILE | --preset NAME] [--set key=value ...] [--plugin MODULE ...]
+                       [--resume | --overwrite] [--quiet] [--init FILE]
     meta-consensus report runs/<name>
     meta-consensus merge --method NAME [--set method.PARAM=VALUE ...] [--plugin MODULE ...] [--base BASE]
                          --out DIR INPUT...
@@ -82,12 +82,27 @@ def _load_plugins(modules: list[str]) -> None:
         raise UserError(str(e)) from e
 
 
+def _preset_names() -> list[str]:
+    """The presets shipped with the package (as ``config.preset_names``, without importing jax)."""
+    import importlib.resources
+
+    folder = importlib.resources.files("meta_consensus").joinpath("presets")
+    return sorted(p.name[: -len(".toml")] for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="meta-consensus", description="Model merging by consensus on JAX.")
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the rounds of a config (default: the embedded demo)")
-    run.add_argument("--config", help="TOML config file (default: the embedded default)")
+    source = run.add_mutually_exclusive_group()
+    source.add_argument("--config", help="TOML config file (default: the embedded default)")
+    source.add_argument(
+        "--preset",
+        choices=_preset_names(),
+        help="a config shipped with the package: robust (16 nodes, DnC, quadratic weights), "
+        "private (example-level DP-SGD)",
+    )
     run.add_argument(
         "--set",
         action="append",
@@ -179,7 +194,10 @@ def _heartbeat_timeout(args: argparse.Namespace) -> int:
     from meta_consensus.config import Config, apply_overrides, default_text
 
     try:
+        from meta_consensus.config import preset_text
+
         text = Path(args.config).read_text() if args.config else default_text()
+        text = preset_text(args.preset) if args.preset else text
         value = apply_overrides(tomllib.loads(text), args.set).get("heartbeat_timeout_s")
         return int(value) if value is not None and int(value) >= 1 else Config.heartbeat_timeout_s
     except Exception:  # noqa: BLE001 - the real load below says what is wrong
@@ -196,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     from meta_consensus import config
 
     try:
-        cfg = config.load(args.config, args.set, plugins=args.plugin)
+        cfg, notes = config.load_with_notes(args.config, args.set, plugins=args.plugin, preset=args.preset)
         if args.init is not None:
             cfg = cfg.replace(init_from=args.init)
     except config.ConfigError as e:
@@ -214,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # e.g. too many Byzantine nodes for the rule
         raise UserError(f"bad config: {e}") from e
     if main:
+        for note in notes:
+            print(f"meta-consensus: note: {note}")
         print(
             f"meta-consensus: run {cfg.name!r} -> {cfg.run_dir}/ "
             f"({cfg.rounds} rounds, {cfg.nodes.count} nodes)"

@@ -20,7 +20,14 @@ with the same keys, so the result equals an uninterrupted run's bit for bit.
 The user's files are never lost: a fresh run into a directory that already
 holds a run raises :class:`RunDirectoryError` before any file is touched, unless
 ``overwrite=True`` moves the earlier run aside to ``<name>.old-<k>`` (never
-deleted). SIGTERM (a preempted machine, a scheduler's stop) lets the current
+deleted); ``resume=True`` on a directory that holds no run is a :class:`RunDirectoryError`
+naming it. A start that fails before its first checkpoint removes what it created (the run
+directory, when it created it), so the name is free again; it never removes a directory it did
+not create. A task given from Python (``MetaConsensus(cfg, task=...)``) is recorded in
+``config.toml`` by its import path when a module holds it, otherwise as
+``"<python object: NAME>"``, which a run from the config alone refuses.
+
+SIGTERM (a preempted machine, a scheduler's stop) lets the current
 round finish, saves its checkpoint and returns with ``RunResult.terminated``.
 """
 
@@ -28,6 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
 import signal
 import sys
 import threading
@@ -40,7 +49,7 @@ import numpy as np
 
 from meta_consensus import report
 from meta_consensus.checkpoint import RunCheckpoints
-from meta_consensus.config import Config, dumps
+from meta_consensus.config import Config, ConfigError, dumps, to_dict
 from meta_consensus.coordinator import Coordinator, CoordinatorState, PrivacyBudgetStop, RoundInfo
 from strategies.tasks.base import Task
 
@@ -86,6 +95,58 @@ def save_consensus(run_dir: str | Path, consensus: PyTree, metadata: dict[str, s
 
 class RunDirectoryError(RuntimeError):
     """The run directory cannot be used as asked (a user error; nothing was written)."""
+
+
+# How config.toml records a task given from Python that no module holds: a run from the config
+# alone is refused (:func:`check_task_recorded`).
+PYTHON_TASK_MARK = "<python object: {}>"
+
+
+def is_python_task_mark(name: str) -> bool:
+    """Whether a config's ``task.name`` is the record of a task object given from Python."""
+    return name.startswith(PYTHON_TASK_MARK.split("{")[0])
+
+
+def check_task_recorded(cfg: Config) -> None:
+    """A ConfigError when ``cfg`` names a task object given from Python that no module holds."""
+    if is_python_task_mark(cfg.task.name):
+        raise ConfigError(
+            f"task.name = {cfg.task.name!r}: this config was written by a run whose task was given from "
+            "Python (MetaConsensus(cfg, task=...)) and no module holds it; pass the task again from "
+            "Python, or name a factory with --set task.name=module:factory"
+        )
+
+
+def task_import_path(task: Any) -> str | None:
+    """``"module:attribute"`` of an importable module (not ``__main__``) holding ``task`` itself."""
+    for name, module in list(sys.modules.items()):
+        if module is None or name == "__main__" or name.startswith("_"):
+            continue
+        try:
+            items = list(vars(module).items())
+        except TypeError:
+            continue
+        for attr, value in items:
+            if value is task and not attr.startswith("_"):
+                return f"{name}:{attr}"
+    return None
+
+
+def recorded_config(cfg: Config, task: Any | None) -> str:
+    """The TOML text of ``config.toml``: ``cfg``, with a task given from Python recorded by import
+    path when it has one and marked otherwise, so the file never names another task."""
+    if task is None:
+        return dumps(cfg)
+    import tomli_w
+
+    data = to_dict(cfg)
+    path = task_import_path(task)
+    if path is None:
+        data["task"]["name"] = PYTHON_TASK_MARK.format(getattr(task, "name", type(task).__name__))
+    else:
+        data["task"]["name"] = path
+    data["task"]["options"] = {}
+    return tomli_w.dumps(data)
 
 
 def existing_run_files(run_dir: Path) -> list[str]:
@@ -152,7 +213,10 @@ class MetaConsensus:
     def __init__(
         self, config: Config, *, task: Task | None = None, write: bool = True, progress: bool = True
     ):
+        if task is None:
+            check_task_recorded(config)
         self.cfg = config
+        self.task = task
         self.process_index = jax.process_index()
         self.process_count = jax.process_count()
         self.coordinator = Coordinator(
@@ -174,9 +238,10 @@ class MetaConsensus:
         """Run the rounds (all of them, or up to ``max_rounds`` more).
 
         Args:
-          resume: continue from the newest intact checkpoint of ``runs/<name>`` (a fresh start
-            when there is none; :class:`~meta_consensus.checkpoint.CheckpointError` when there
-            are checkpoints but none restores, or they are of another config).
+          resume: continue from the newest intact checkpoint of ``runs/<name>``
+            (:class:`RunDirectoryError` when the directory holds no run; a fresh start when it
+            holds one without checkpoints; :class:`~meta_consensus.checkpoint.CheckpointError`
+            when there are checkpoints but none restores, or they are of another config).
           overwrite: when ``runs/<name>`` already holds a run and ``resume`` is False, move it
             aside to ``runs/<name>.old-<k>`` (without it: :class:`RunDirectoryError`).
           max_rounds: stop after this many rounds of this call (for tests and notebooks).
@@ -190,8 +255,21 @@ class MetaConsensus:
             initial_params = load_initial_params(cfg.init_from, fresh)
         state = co.init(cfg.seed, initial_params)
         notes: list[str] = []
+        created = None
         if self.write:
             self._claim_run_dir(resume, overwrite, notes)
+            created = _created_by_us(self.run_dir)
+        try:
+            return self._train(state, resume, max_rounds, notes)
+        except BaseException:
+            if created is not None and self.is_main and not _has_checkpoint(self.run_dir):
+                created.undo()
+            raise
+
+    def _train(
+        self, state: CoordinatorState, resume: bool, max_rounds: int | None, notes: list[str]
+    ) -> RunResult:
+        cfg = self.cfg
         history: list[RoundInfo] = []
         ckpt = RunCheckpoints(self.run_dir, cfg) if self.write and cfg.checkpoint_every > 0 else None
         log = report.RunLog(self.run_dir, enabled=self.write and self.is_main)
@@ -215,7 +293,7 @@ class MetaConsensus:
         if self.write and self.is_main:
             for line in notes:
                 print(f"meta-consensus: {line}", file=sys.stderr)
-            (self.run_dir / "config.toml").write_text(dumps(cfg))
+            (self.run_dir / "config.toml").write_text(recorded_config(cfg, self.task))
 
         bar = self._bar(state.round)
         stopped = ""
@@ -300,14 +378,22 @@ class MetaConsensus:
         problem = ""
         if self.is_main:
             found = existing_run_files(self.run_dir)
-            if found and not resume:
+            if resume and not found:
+                problem = (
+                    f"cannot resume {self.run_dir}: it holds no run (no config.toml, metrics.jsonl or "
+                    "checkpoints); start it without --resume (resume=False), or give the name of an "
+                    "earlier run (--set name=..., cfg.replace(name=...))"
+                )
+            elif found and not resume:
                 if overwrite:
                     moved = move_aside(self.run_dir)
                     notes.append(f"moved the earlier run in {self.run_dir} to {moved}")
                 else:
                     problem = (
                         f"{self.run_dir} already holds a run ({', '.join(found)}): continue it with "
-                        "--resume, move it aside with --overwrite, or choose another name (--set name=...)"
+                        "--resume (train(resume=True)), move it aside with --overwrite "
+                        "(train(overwrite=True)), or choose another name (--set name=..., "
+                        "cfg.replace(name=...))"
                     )
             elif found and resume and self.cfg.checkpoint_every == 0:
                 problem = (
@@ -355,6 +441,43 @@ class MetaConsensus:
         if info.epsilon:
             s += f" eps {info.epsilon:.3g}"
         return s
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    ckpts = Path(run_dir) / "checkpoints"
+    return ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir())
+
+
+@dataclasses.dataclass
+class _Created:
+    """What a start is about to create: the highest missing directory on the way to the run
+    directory, or the entries a run directory that already existed did not hold."""
+
+    root: Path | None
+    run_dir: Path
+    before: frozenset[str]
+
+    def undo(self) -> None:
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+            return
+        for entry in set(os.listdir(self.run_dir)) - self.before if self.run_dir.is_dir() else ():
+            p = self.run_dir / entry
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+
+def _created_by_us(run_dir: Path) -> _Created:
+    run_dir = Path(run_dir).absolute()
+    missing = None
+    for p in (run_dir, *run_dir.parents):
+        if p.exists():
+            break
+        missing = p
+    before = frozenset(os.listdir(run_dir)) if missing is None and run_dir.is_dir() else frozenset()
+    return _Created(missing, run_dir, before)
 
 
 class _SigtermFlag:

@@ -32,18 +32,26 @@ declared entry is a valid value at once. The modules named by ``plugins = [...]`
 their entries are valid too. A rule's precondition on (n, f) is checked when the
 config is built, before any training. ``--set section.key=value`` overrides
 (:func:`apply_overrides`) parse ``value`` as a TOML value (``3``, ``0.5``,
-``"alie"``, ``[6, 7]``, ``true``); a bare word is taken as a string.
+``"alie"``, ``[6, 7]``, ``true``); a bare word is taken as a string. A whole options table is
+replaced with ``--set 'byzantine.options={scale = 3.0}'`` (``{}``: none). Changing an option's
+owner (``byzantine.attack``, ``vote.rule``, ``vote.top_rule``) drops the options of the default
+or preset that the new choice does not take, with a note; options the user gave are checked.
+The presets shipped with the package (:func:`preset_names`) load with ``load(preset=NAME)``.
 """
 
 from __future__ import annotations
 
 from meta_consensus.config.codec import (
     DEFAULT_FILE,
+    OWNED_OPTIONS,
     apply_overrides,
     default_text,
     dumps,
     from_dict,
     load,
+    load_with_notes,
+    preset_names,
+    preset_text,
     to_dict,
     with_plugins,
 )
@@ -64,6 +72,7 @@ from meta_consensus.config.validation import SYSTEM_PROVIDES, load_config_plugin
 
 __all__ = [
     "DEFAULT_FILE",
+    "OWNED_OPTIONS",
     "SYSTEM_PROVIDES",
     "ByzantineConfig",
     "Config",
@@ -81,7 +90,10 @@ __all__ = [
     "from_dict",
     "load",
     "load_config_plugins",
+    "load_with_notes",
     "plain_fedavg",
+    "preset_names",
+    "preset_text",
     "to_dict",
     "validate",
     "with_plugins",

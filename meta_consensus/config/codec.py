@@ -5,12 +5,21 @@ value (``3``, ``0.5``, ``"alie"``, ``[6, 7]``, ``true``); a bare word is taken a
 Values are coerced to the dataclasses' field types (:func:`from_dict`), and TOML's missing
 null is written as ``"none"`` (:func:`to_dict`), so :func:`load` of :func:`dumps` gives back
 an equal config.
+
+Presets are package data (``meta_consensus/presets/<name>.toml``, :func:`preset_names`): ``load``
+takes one as ``preset=NAME``, and a config file that sets ``preset = "NAME"`` starts from it and
+changes the keys it gives. Options follow their owner (:data:`OWNED_OPTIONS`): when an override
+changes ``byzantine.attack``, ``vote.rule`` or ``vote.top_rule``, the options of the old choice
+that came from the embedded default or a preset and that the new choice does not take are
+dropped, with a note (:func:`load_with_notes`); options the user gave (in a file or a
+``--set``) are kept, and the config check refuses them with the valid ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import logging
 import math
 import tomllib
 import types
@@ -26,11 +35,32 @@ from meta_consensus.config.errors import check_choice as _choices
 from meta_consensus.config.schema import Config
 
 DEFAULT_FILE = "default.toml"  # package data of meta_consensus: the embedded default of `meta-consensus run`
+PRESETS_DIR = "presets"  # package data of meta_consensus: the named presets, one TOML file each
+PRESET_KEY = "preset"  # a config file's top-level key naming the preset it starts from
+
+# (owner key, its options key): the options belong to the owner's current choice.
+OWNED_OPTIONS = (
+    ("byzantine.attack", "byzantine.options"),
+    ("vote.rule", "vote.options"),
+    ("vote.top_rule", "vote.top_options"),
+)
 
 
 def default_text() -> str:
     """The TOML text of the embedded default config."""
     return importlib.resources.files("meta_consensus").joinpath(DEFAULT_FILE).read_text()
+
+
+def preset_names() -> list[str]:
+    """The presets shipped with the package (``meta-consensus run --preset NAME``), sorted."""
+    folder = importlib.resources.files("meta_consensus").joinpath(PRESETS_DIR)
+    return sorted(p.name[: -len(".toml")] for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def preset_text(name: str) -> str:
+    """The TOML text of the preset ``name`` (a ConfigError listing the presets when there is none)."""
+    _choices("preset", name, preset_names())
+    return importlib.resources.files("meta_consensus").joinpath(PRESETS_DIR, f"{name}.toml").read_text()
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -127,20 +157,135 @@ def from_dict(data: Mapping[str, Any], plugins: Sequence[str] = ()) -> Config:
 
 
 def load(
-    path: str | Path | None = None, overrides: Sequence[str] = (), plugins: Sequence[str] = ()
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    plugins: Sequence[str] = (),
+    *,
+    preset: str | None = None,
 ) -> Config:
-    """The config of a file (None: the embedded default) with ``key=value`` overrides and plug-ins."""
+    """The config of a file (None: the embedded default, or ``preset``) with ``key=value``
+    overrides and plug-ins; options dropped with their owner are logged (:func:`load_with_notes`)."""
+    cfg, notes = load_with_notes(path, overrides, plugins, preset=preset)
+    for note in notes:
+        logging.getLogger(__name__).warning("meta-consensus: note: %s", note)
+    return cfg
+
+
+def _read_toml(p: Path) -> dict[str, Any]:
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from e
+
+
+def _merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``top``'s keys over it, tables merged key by key."""
+    out = _deep_copy(dict(base))
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+    return out
+
+
+def _keys(data: Mapping[str, Any], prefix: str = "") -> set[str]:
+    """Every dotted key of nested tables, tables included."""
+    out = set()
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else k
+        out.add(key)
+        if isinstance(v, Mapping):
+            out |= _keys(v, key)
+    return out
+
+
+def load_with_notes(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    plugins: Sequence[str] = (),
+    *,
+    preset: str | None = None,
+) -> tuple[Config, list[str]]:
+    """:func:`load`, and one line per option dropped because its owner changed (see the module)."""
+    if path is not None and preset is not None:
+        raise ConfigError("give a config file or a preset, not both")
     if path is None:
-        data = tomllib.loads(default_text())
+        data = tomllib.loads(preset_text(preset) if preset is not None else default_text())
+        user_keys: set[str] = set()
     else:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from e
-    return from_dict(apply_overrides(data, overrides), plugins)
+        data = _read_toml(Path(path))
+        user_keys = _keys(data)
+        if PRESET_KEY in data:
+            name = data.pop(PRESET_KEY)
+            if not isinstance(name, str):
+                raise ConfigError(f"preset = {name!r} must be a string; choose one of {preset_names()}")
+            user_keys = _keys(data)
+            data = _merge(tomllib.loads(preset_text(name)), data)
+    changed = {item.split("=", 1)[0].strip() for item in overrides if "=" in item}
+    merged = apply_overrides(data, overrides)
+    notes = _drop_orphaned_options(merged, changed, user_keys | changed, with_plugins(merged, plugins))
+    return from_dict(merged, plugins), notes
+
+
+def _taken_options(owner: str, choice: Any) -> list[str] | None:
+    """The options ``choice`` of ``owner`` takes (None: any, or a choice the config check refuses)."""
+    try:
+        if owner == "byzantine.attack":
+            from strategies import attacks
+            from strategies import registry as node_registry
+
+            spec = node_registry.ATTACKS[choice]
+            return None if spec.takes_any_option else attacks.attack_options(spec)
+        from consensus.registry import RULES
+
+        rule = RULES[choice]
+        return None if rule.takes_any_option else list(rule.params)
+    except Exception:  # noqa: BLE001 - an unknown choice: the config check names it
+        return None
+
+
+def _get(data: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = data
+    for k in dotted.split("."):
+        if not isinstance(node, Mapping) or k not in node:
+            return None
+        node = node[k]
+    return node
+
+
+def _drop_orphaned_options(
+    data: dict[str, Any], changed: set[str], user_keys: set[str], with_plugin_list: Mapping[str, Any]
+) -> list[str]:
+    """Drop (in place) the default's options that a changed owner's new choice does not take."""
+    notes: list[str] = []
+    if not any(owner in changed for owner, _ in OWNED_OPTIONS):
+        return notes
+    try:  # the choice may be a plug-in's; a plug-in that fails to import is reported by the check
+        from consensus.plugins import load_entry_points, load_plugins
+
+        load_entry_points()
+        listed = with_plugin_list.get("plugins", [])
+        load_plugins([listed] if isinstance(listed, str) else list(listed))
+    except Exception:  # noqa: BLE001
+        pass
+    for owner, key in OWNED_OPTIONS:
+        options, choice = _get(data, key), _get(data, owner)
+        if owner not in changed or not isinstance(options, dict) or not options:
+            continue
+        taken = _taken_options(owner, choice)
+        if taken is None:
+            continue
+        dropped = sorted(
+            k for k in options if k not in taken and key not in user_keys and f"{key}.{k}" not in user_keys
+        )
+        for k in dropped:
+            del options[k]
+        if dropped:
+            notes.append(
+                f"{owner} = {choice!r} does not take the default's {key} {dropped}; dropped them "
+                f"(its options: {taken}; set some with --set '{key}={{...}}')"
+            )
+    return notes
 
 
 def _deep_copy(d: Any) -> Any:

@@ -41,12 +41,12 @@ def _check_literal(section: str, obj: Any, field: str) -> None:
     _choices(key, getattr(obj, field), typing.get_args(_field_types(type(obj))[field]))
 
 
-def _registered(key: str, build: Any) -> Any:
+def _registered(key: str, build: Any, hint: str = "") -> Any:
     """Run a registry build/check; its RegistryError or ValueError becomes a ConfigError naming ``key``."""
     try:
         return build()
     except (RegistryError, ValueError, TypeError) as e:
-        raise ConfigError(f"{key}: {e}") from None
+        raise ConfigError(f"{key}: {e}{hint}") from None
 
 
 # What the system's round hands a rule besides the stacked candidates: the last consensus
@@ -57,7 +57,14 @@ def _registered(key: str, build: Any) -> Any:
 SYSTEM_PROVIDES = frozenset({"params", "key", "server_update", "fisher", "grams"})
 
 
-def _check_rule(key: str, name: str, f: int, n: int, options: Mapping[str, Any], where: str) -> None:
+def _clear_hint(options_key: str) -> str:
+    """How to give another choice's options, or none, from the command line."""
+    return f" (replace them with --set '{options_key}={{...}}', or none with --set '{options_key}={{}}')"
+
+
+def _check_rule(
+    key: str, name: str, f: int, n: int, options: Mapping[str, Any], where: str, options_key: str = ""
+) -> None:
     """A registered rule that takes these options and whose precondition holds on n nodes with f."""
     spec = _registered(key, lambda: rules.RULES[name])
     missing = sorted(spec.needs - SYSTEM_PROVIDES - set(options))  # e.g. weighted_mean's weights=
@@ -66,7 +73,7 @@ def _check_rule(key: str, name: str, f: int, n: int, options: Mapping[str, Any],
             f"{key} = {name!r} needs {missing}, which the system's round does not provide yet; "
             "use it through the library (consensus.registry.make) or choose another rule"
         )
-    _registered(f"{key} options", lambda: spec.check_params(options))
+    _registered(f"{key} options", lambda: spec.check_params(options), _clear_hint(options_key))
     need = spec.requirement(n, f) if spec.takes_f else spec.requirement(n, 0)
     if need is not None:
         raise ConfigError(
@@ -118,12 +125,18 @@ def _check_vote(cfg: Config) -> None:
     where = f"each of the {v.groups} groups" if grouped else "all"
     for p in v.pre:
         _choices("vote.pre", p, rules.pre_aggregators())
-        _check_rule(f"vote.pre[{p}]", p, f, size, v.pre_options.get(p, {}), where)
-    _check_rule("vote.rule", v.rule, f, size, v.options, where)
+        _check_rule(f"vote.pre[{p}]", p, f, size, v.pre_options.get(p, {}), where, f"vote.pre_options.{p}")
+    _check_rule("vote.rule", v.rule, f, size, v.options, where, "vote.options")
     if grouped:
         _choices("vote.top_rule", v.top_rule, vote_rules)
         _check_rule(
-            "vote.top_rule", v.top_rule, v.top_num_byzantine, v.groups, v.top_options, "the group results"
+            "vote.top_rule",
+            v.top_rule,
+            v.top_num_byzantine,
+            v.groups,
+            v.top_options,
+            "the group results",
+            "vote.top_options",
         )
 
 
@@ -260,7 +273,13 @@ def validate(cfg: Config) -> None:
     # byzantine
     byz = cfg.byzantine
     _choices("byzantine.attack", byz.attack, node_registry.ATTACKS.names())
-    _registered("byzantine.options", lambda: attacks.check_options(byz.attack, byz.options))
+    _registered(
+        "byzantine.options",
+        lambda: attacks.check_options(byz.attack, byz.options),
+        _clear_hint("byzantine.options"),
+    )
+    if node_registry.ATTACKS[byz.attack].kind == "data":  # bound once per run: its options must hash
+        _registered("byzantine.options", lambda: attacks.data_attack(byz.attack, byz.options))
     _check(
         all(0 <= i < n for i in byz.nodes) and len(set(byz.nodes)) == len(byz.nodes),
         "byzantine.nodes",

@@ -38,7 +38,7 @@ def open_input(path: str | Path) -> Any:
                 f"{p}: not a checkpoint: no .safetensors files and no orbax checkpoint of this package "
                 "(<run>/checkpoints/<round>/arrays)"
             )
-        return TreeReader(p)
+        return TreeReader(p.absolute())  # orbax reads absolute paths only; the user's may be relative
     return io.CheckpointReader(p)
 
 
