@@ -78,6 +78,13 @@ def unflatten(flat: Mapping[str, Any], like: PyTree | None = None) -> PyTree:
     return root
 
 
+def _dtype_of(leaf: Any) -> np.dtype:
+    """A template leaf's dtype: an array's or ``ShapeDtypeStruct``'s, or numpy's for a Python scalar
+    (a step counter ``0`` in a template is saved and read back as a 0-d int64 array)."""
+    dtype = getattr(leaf, "dtype", None)
+    return np.dtype(dtype) if dtype is not None else np.asarray(leaf).dtype
+
+
 def check_against(
     flat_specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], like: PyTree, origin: str
 ) -> None:
@@ -88,7 +95,7 @@ def check_against(
       like: the template tree (arrays or ``jax.ShapeDtypeStruct``).
       origin: what to call the checkpoint in messages (its path).
     """
-    expected = {k: (tuple(np.shape(v)), np.dtype(v.dtype)) for k, v in flatten(like).items()}
+    expected = {k: (tuple(np.shape(v)), _dtype_of(v)) for k, v in flatten(like).items()}
     missing = [k for k in expected if k not in flat_specs]
     extra = [k for k in flat_specs if k not in expected]
     if missing or extra:

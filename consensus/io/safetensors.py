@@ -26,6 +26,11 @@ model larger than memory: shapes and dtypes are known up front, so the header
 is written first and the data appended in order. Every write goes to a
 temporary name and is renamed into place at the end (readers never see half a
 checkpoint), and an existing path is never replaced unless ``overwrite=True``.
+
+Every file this module writes carries ``{"format": "pt"}`` in its ``__metadata__`` (beside the
+caller's own keys), which Hugging Face's readers require, and its header is written in a fixed
+order (metadata keys sorted, tensors in the tree's order), so the same tree gives the same bytes.
+A scalar leaf is stored with shape ``()`` and reads back as one.
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ from consensus.io.keys import CheckpointKeyError, KeyMapping, check_against, fla
 PyTree = Any
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+# The metadata Hugging Face's loaders ask for ("format" must be one of pt, tf, flax, mlx); the
+# tensors are plain little-endian arrays, which every framework's reader takes.
+FORMAT_METADATA = {"format": "pt"}
 
 # safetensors dtype codes <-> numpy dtypes (bfloat16 and float8 from ml_dtypes).
 DTYPE_CODES: dict[str, np.dtype] = {
@@ -258,7 +266,8 @@ class ShardedWriter:
       directory: an existing (temporary) folder to write into, see :func:`atomic_directory`.
       specs: key -> (shape, dtype), in write order.
       shard_size: bytes per shard (None: one file).
-      metadata: str -> str stored in every shard's header (``__metadata__``).
+      metadata: str -> str stored in every shard's header (``__metadata__``) beside
+        :data:`FORMAT_METADATA`, keys sorted (a caller's own ``format`` wins).
       direct: write the shards with ``O_DIRECT`` (:class:`DirectFile`), bypassing the page cache.
     """
 
@@ -274,7 +283,7 @@ class ShardedWriter:
         self.direct = direct
         self.directory = Path(directory)
         self.specs = {k: (tuple(int(d) for d in s), np.dtype(t)) for k, (s, t) in specs.items()}
-        self.metadata = {str(k): str(v) for k, v in (metadata or {}).items()}
+        self.metadata = metadata_of(metadata)
         nbytes = {k: int(np.prod(s, dtype=np.int64)) * t.itemsize for k, (s, t) in self.specs.items()}
         self.nbytes = nbytes
         self.shards = plan_shards(nbytes, shard_size)
@@ -365,7 +374,7 @@ class ShardedWriter:
             self.abort()
         if len(self.shards) > 1:
             index = {
-                "metadata": {"total_size": sum(self.nbytes.values()), **self.metadata},
+                "metadata": {"total_size": sum(self.nbytes.values()), **self.metadata},  # total_size first
                 "weight_map": {k: self.names[self._shard_of[k]] for k in self._order},
             }
             (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
@@ -375,6 +384,12 @@ class ShardedWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def metadata_of(metadata: Mapping[str, Any] | None) -> dict[str, str]:
+    """The ``__metadata__`` written: :data:`FORMAT_METADATA` and the caller's keys, as strings, sorted."""
+    merged = {**FORMAT_METADATA, **{str(k): str(v) for k, v in (metadata or {}).items()}}
+    return dict(sorted(merged.items()))
 
 
 def save_safetensors(
@@ -392,7 +407,7 @@ def save_safetensors(
       path: ``*.safetensors`` (one file) or a folder (``model.safetensors``, or shards
         and ``model.safetensors.index.json`` when the tree exceeds ``shard_size``).
       shard_size: bytes (or ``"2GB"``) per shard of a folder; None writes one shard.
-      metadata: str -> str stored in the header.
+      metadata: str -> str stored in the header, beside ``{"format": "pt"}`` (keys sorted).
       overwrite: replace an existing path (by default an existing path is an error).
     Returns:
       the path written.
@@ -408,33 +423,35 @@ def save_safetensors(
             and len(plan_shards({k: v.nbytes for k, v in flat.items()}, shard_size)) > 1
         ):
             raise CheckpointError(f"{path}: a single .safetensors file cannot be sharded; give a folder path")
-        from safetensors.numpy import save_file
-
+        # The package's own writer (the safetensors package's save_file stores a 0-d array as
+        # shape (1,) and writes metadata in hash order): one shard in a temporary folder, moved.
         _refuse_existing(path, overwrite)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _temp_sibling(path)
+        folder = _temp_sibling(path)
+        folder.mkdir()
         try:
-            save_file(
-                {k: np.ascontiguousarray(v) for k, v in flat.items()},
-                str(tmp),
-                metadata=dict(metadata or {}) or None,
-            )
-            _replace(tmp, path, overwrite)
+            _write_flat(folder, flat, None, metadata)
+            _replace(folder / SINGLE_NAME, path, overwrite)
         finally:
-            if tmp.exists():
-                tmp.unlink()
+            shutil.rmtree(folder, ignore_errors=True)
         return path
     with atomic_directory(path, overwrite=overwrite) as tmp:
-        writer = ShardedWriter(
-            tmp, {k: (v.shape, v.dtype) for k, v in flat.items()}, shard_size=shard_size, metadata=metadata
-        )
-        try:
-            for k, v in flat.items():
-                writer.write(k, v)
-        finally:
-            writer.abort()
-        writer.close()
+        _write_flat(tmp, flat, shard_size, metadata)
     return path
+
+
+def _write_flat(
+    folder: Path, flat: Mapping[str, np.ndarray], shard_size: int | None, metadata: Mapping[str, str] | None
+) -> None:
+    writer = ShardedWriter(
+        folder, {k: (v.shape, v.dtype) for k, v in flat.items()}, shard_size=shard_size, metadata=metadata
+    )
+    try:
+        for k, v in flat.items():
+            writer.write(k, v)
+    finally:
+        writer.abort()
+    writer.close()
 
 
 # ----------------------------------------------------------------------------- reading

@@ -59,7 +59,21 @@ def add_parser(sub: Any) -> None:
         "--base", help="the common base model, any input kind (needed by merge methods over task vectors)"
     )
     p.add_argument("--out", help="output folder (must not exist)")
-    p.add_argument("--dtype", help="output dtype of float tensors (default: the inputs')")
+    p.add_argument(
+        "--dtype",
+        help="output dtype of float tensors (default: the inputs'; needed when they differ: fp32 and bf16)",
+    )
+    p.add_argument(
+        "--config-from",
+        metavar="DIR",
+        help="Hugging Face model folder whose config.json, generation config and tokenizer files the "
+        "output gets (default: the first input, when it is one)",
+    )
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="an input holding NaN or Inf is an error (default: left out of that tensor and named on stderr)",
+    )
     p.add_argument("--shard-size", help="shard the output above this size, e.g. 2GB")
     p.add_argument("--seed", type=int, default=None, help="seed of randomized rules (default 0)")
     p.add_argument("--config", help="merge TOML file (command-line options win)")
@@ -101,12 +115,59 @@ def plan_from_args(args: Any) -> MergePlan:
     )
 
 
+class Interrupted(Exception):
+    """SIGTERM (or SIGINT) during a merge, raised in the main thread so the partial output is removed."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def merge_cmd(args: Any) -> int:
-    """The ``merge`` subcommand: 0 on success; user errors raise (the CLI prints one line, exit 2)."""
+    """The ``merge`` subcommand: 0 on success; user errors raise (the CLI prints one line, exit 2).
+
+    SIGINT and SIGTERM stop the merge, remove the partial output (written to a temporary folder
+    until the end) and exit 128 + the signal's number; nothing is kept to continue from.
+    """
+    import signal
+    import sys
+    import threading
+
     plan = plan_from_args(args)
-    report = merge_checkpoints(plan, progress=not args.quiet)
+
+    def stop(signum: int, frame: Any) -> None:
+        raise Interrupted(signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there
+    previous = signal.signal(signal.SIGTERM, stop) if main_thread else None
+    try:
+        report = merge_checkpoints(
+            plan,
+            progress=not args.quiet,
+            strict=getattr(args, "strict", False),
+            config_from=getattr(args, "config_from", None),
+        )
+    except (Interrupted, KeyboardInterrupt) as e:
+        signum = e.signum if isinstance(e, Interrupted) else int(signal.SIGINT)
+        print(
+            f"meta-consensus merge: stopped by {signal.Signals(signum).name}; the partial output was "
+            f"removed, nothing was written to {plan.out}",
+            file=sys.stderr,
+        )
+        return 128 + signum
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+    for name, keys in report["nonfinite"].items():
+        shown = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+        print(
+            f"meta-consensus merge: warning: {name} holds NaN or Inf in {len(keys)} tensor(s) ({shown}); "
+            "it was left out of them (--strict makes this an error)",
+            file=sys.stderr,
+        )
+    flagged = f" ({len(report['nonfinite'])} with NaN or Inf, see above)" if report["nonfinite"] else ""
     print(
-        f"meta-consensus merge: {len(plan.inputs)} inputs, {len(report['leaves'])} tensors, "
+        f"meta-consensus merge: {len(plan.inputs)} inputs{flagged}, {len(report['leaves'])} tensors, "
         f"method {plan.rule.method} -> {plan.out}/ ({REPORT_NAME})"
     )
     return 0

@@ -24,25 +24,38 @@ from meta_consensus.merge.compute import (
     merge_leaf,
     vector_weights,
 )
-from meta_consensus.merge.inputs import check_inputs, open_input
+from meta_consensus.merge.errors import MergeError
+from meta_consensus.merge.inputs import copy_model_files, model_folder, open_input, prepare_inputs
 from meta_consensus.merge.plan import MergePlan, RuleChoice, assign_rules, check_plan
 from meta_consensus.merge.report import leaf_report, new_report, vector_rule_report, write_report
 
 
 def merge_checkpoints(
-    plan: MergePlan, *, progress: bool = True, overwrite: bool = False, chunk_bytes: int = stream.CHUNK_BYTES
+    plan: MergePlan,
+    *,
+    progress: bool = True,
+    overwrite: bool = False,
+    chunk_bytes: int = stream.CHUNK_BYTES,
+    strict: bool = False,
+    config_from: str | None = None,
 ) -> dict[str, Any]:
     """Run a merge plan: check everything, then stream the inputs into ``plan.out``; returns the report.
 
     ``chunk_bytes``: the size of the column chunks that element-wise and vector rules are
     streamed in (see :mod:`meta_consensus.merge.streaming`; 0 merges every leaf whole, as
-    other rules are).
+    other rules are). ``strict``: an input with a non-finite value is an error (by default
+    the rules leave it out of that tensor, and the report's ``nonfinite`` names it).
+    ``config_from``: the Hugging Face model folder whose ``config.json``, generation config
+    and tokenizer files the output gets (default: the first input, when it is such a folder).
     """
     from tqdm.auto import tqdm
 
     from consensus import io as ckpt
 
+    if len(plan.inputs) == 1:
+        raise MergeError(f"one input ({plan.inputs[0]}): a merge needs at least 2")
     out_dtype = check_plan(plan, overwrite=overwrite)
+    model_files = model_folder(plan.inputs, config_from) if plan.inputs else None
     readers: list[Any] = []
     base = None
     compiled: Compiled | None = None
@@ -50,7 +63,8 @@ def merge_checkpoints(
         for p in plan.inputs:
             readers.append(open_input(p))
         base = open_input(plan.base) if plan.base else None
-        check_inputs(readers, base)
+        float_dtypes = [d for _, d in readers[0].specs.values() if is_float(d)]
+        readers, base = prepare_inputs(readers, base, out_dtype)
         keys = list(readers[0].specs)
         rules = assign_rules(keys, plan)
         n = len(readers)
@@ -60,6 +74,7 @@ def merge_checkpoints(
             for k, (shape, dtype) in in_specs.items()
         }
         report = new_report(plan, readers, base)
+        report["strict"] = strict
         vector_groups: dict[str, list[str]] = {}
         for k in keys:
             if rules[k].spec.kind == "vector" and is_float(in_specs[k][1]):
@@ -90,7 +105,7 @@ def merge_checkpoints(
                 if is_float(dtype) and rules[p.key].spec.kind != "vector"
             ]
         )
-        run = _Run(plan, readers, base, rules, specs, {k: i for i, k in enumerate(keys)}, compiled)
+        run = _Run(plan, readers, base, rules, specs, {k: i for i, k in enumerate(keys)}, compiled, strict)
         for group_keys in vector_groups.values():
             run.vector_pass(group_keys, pieces, report, bar)
         with ckpt.atomic_directory(Path(plan.out), overwrite=overwrite) as tmp:
@@ -106,6 +121,13 @@ def merge_checkpoints(
             finally:
                 writer.abort()
             writer.close()
+            report["nonfinite"] = run.nonfinite_report()
+            if model_files is not None:
+                float_dtype = out_dtype if out_dtype is not None else (float_dtypes or [None])[0]
+                report["model_files"] = {
+                    "from": str(model_files),
+                    "files": copy_model_files(model_files, tmp, float_dtype),
+                }
             write_report(tmp, report)
         bar.close()
     finally:
@@ -127,7 +149,28 @@ class _Run:
     specs: dict[str, tuple[tuple[int, ...], Any]]  # key -> (shape, output dtype)
     index_of: dict[str, int]  # key -> its position (a randomized rule's key is folded in with it)
     compiled: Compiled
+    strict: bool = False
     weights: dict[str, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
+    # key -> the inputs (indices) with a non-finite value in it
+    nonfinite: dict[str, set[int]] = dataclasses.field(default_factory=dict)
+
+    def check_finite(self, key: str, stacked: np.ndarray) -> None:
+        """Note the inputs whose rows of ``stacked`` hold NaN or Inf (an error when ``strict``)."""
+        rows = np.flatnonzero(~np.isfinite(stacked.reshape(len(self.readers), -1)).all(axis=1))
+        if rows.size == 0:
+            return
+        if self.strict:
+            names = ", ".join(str(self.plan.inputs[int(i)]) for i in rows)
+            raise MergeError(f"--strict: {key!r} holds NaN or Inf in {names}")
+        self.nonfinite.setdefault(key, set()).update(int(i) for i in rows)
+
+    def nonfinite_report(self) -> dict[str, list[str]]:
+        """input -> the tensors in which it held NaN or Inf (the rules left it out there)."""
+        out: dict[str, list[str]] = {}
+        for key in self.index_of:  # in the checkpoint's order
+            for i in sorted(self.nonfinite.get(key, ())):
+                out.setdefault(str(self.plan.inputs[i]), []).append(key)
+        return out
 
     def vector_pass(
         self, group_keys: list[str], pieces: Sequence[stream.Piece], report: dict[str, Any], bar: Any
@@ -151,7 +194,7 @@ class _Run:
             if piece.last:
                 bar.update(1)
         choice = self.rules[group_keys[0]]
-        w, selected = vector_weights(choice, gram, finite)
+        w, selected = vector_weights(choice, gram, finite, self.plan.seed)
         self.weights[choice.key] = (w, selected)
         report["vector_rules"][choice.label()] = vector_rule_report(
             self.plan.inputs, len(group_keys), w, selected, finite
@@ -163,6 +206,8 @@ class _Run:
         shape, dtype = self.specs[k]
         choice = self.rules[k]
         stacked, base_piece = stream.read_piece(self.readers, self.base, piece, buffers)
+        if is_float(stacked.dtype):
+            self.check_finite(k, stacked)
         where = (self.plan.seed, self.index_of[k], self.compiled)  # the rule's key, its compiled updates
         if piece.whole or choice.spec.kind == "vector":
             vector = self.weights.get(choice.key)

@@ -22,8 +22,8 @@ def _rounded(values: Any) -> list[float]:
 def new_report(plan: MergePlan, readers: Sequence[Any], base: Any | None) -> dict[str, Any]:
     """The report's header (the plan as run); ``vector_rules`` and ``leaves`` fill in as the merge goes."""
     return {
-        **plan.rule.as_dict(),
-        "overrides": [o.as_dict() for o in plan.overrides],
+        **rule_record(plan.rule),
+        "overrides": [rule_record(o) for o in plan.overrides],
         "inputs": [str(p) for p in plan.inputs],
         "base": plan.base,
         # the round each orbax input was read from (a checkpoints or run folder: its latest)
@@ -37,6 +37,20 @@ def new_report(plan: MergePlan, readers: Sequence[Any], base: Any | None) -> dic
         "vector_rules": {},
         "leaves": {},
     }
+
+
+def rule_record(choice: RuleChoice) -> dict[str, Any]:
+    """A rule as the report records it: ``params`` holds every parameter the rule ran with, each
+    given one and each default (the factory's, or the registry's declared default), and
+    ``params_given`` the names given on the command line or in the config."""
+    import inspect
+
+    spec = choice.spec
+    defaults = {k: p.default for k, p in spec.params.items() if p.default is not inspect.Parameter.empty}
+    out = choice.as_dict()
+    out["params"] = {**defaults, **spec.defaults, **dict(choice.params)}
+    out["params_given"] = sorted(choice.params)
+    return out
 
 
 def leaf_report(choice: RuleChoice, info: Any) -> dict[str, Any]:
@@ -63,4 +77,5 @@ def vector_rule_report(
 
 
 def write_report(folder: Path, report: dict[str, Any]) -> None:
-    (folder / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
+    # default=str: a parameter's default that is no JSON value (a dtype, a function) as its text
+    (folder / REPORT_NAME).write_text(json.dumps(report, indent=2, default=str) + "\n")

@@ -390,3 +390,19 @@ def test_direct_writer_reports_a_full_disk_instead_of_falling_back(tmp_path, mon
         w.close()
     monkeypatch.setattr(os, "write", real_write)
     assert opened == [direct_flag]  # opened once, direct: no silent switch to buffered writes
+
+
+@pytest.mark.parametrize("name", ["one.safetensors", "folder"])
+def test_scalars_round_trip_as_scalars_and_the_same_tree_gives_the_same_bytes(tmp_path, name):
+    tree = {"step": np.int32(7), "count": 3, "w": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    meta = {"z": "1", "a": "2"}
+    first = io.save_safetensors(tree, tmp_path / "a" / name, metadata=meta)
+    second = io.save_safetensors(tree, tmp_path / "b" / name, metadata=dict(reversed(meta.items())))
+    files = sorted(p.relative_to(first) for p in first.rglob("*")) if first.is_dir() else [None]
+    for rel in files:
+        a, b = (first / rel, second / rel) if rel is not None else (first, second)
+        assert a.read_bytes() == b.read_bytes()
+    back = io.load_safetensors(first, like=tree)
+    assert back["step"].shape == () and back["step"] == 7 and back["count"].shape == ()
+    with io.CheckpointReader(first) as r:
+        assert r.metadata == {"a": "2", "format": "pt", "z": "1"}  # Hugging Face's loaders need "format"
