@@ -90,8 +90,31 @@ def stack(trees: Sequence[PyTree], *, reference: PyTree | None = None) -> PyTree
     return jax.tree.map(lambda *xs: jnp.stack([jnp.asarray(x) for x in xs]), *trees)
 
 
+def _signature(tree: PyTree) -> tuple[Any, ...]:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return (treedef, *((np.shape(x), jnp.result_type(x)) for x in leaves))
+
+
+def refuse_unstacked(stacked: PyTree) -> None:
+    """Raise TreeMismatchError when ``stacked`` is a list or tuple of like trees, not one stacked tree."""
+    if type(stacked) not in (list, tuple) or len(stacked) < 2:
+        return
+    first = _signature(stacked[0])
+    if all(_signature(t) == first for t in stacked[1:]):
+        raise TreeMismatchError(
+            f"got a {type(stacked).__name__} of {len(stacked)} trees, not one stacked tree; "
+            "stack them first with consensus.stack(trees) (a leading node axis on every leaf)"
+        )
+
+
 def num_nodes(stacked: PyTree) -> int:
-    """The size n of the leading node axis (checked to agree across leaves)."""
+    """The size n of the leading node axis (checked to agree across leaves).
+
+    A plain list or tuple of trees of one structure, shape and dtype is refused: it is n
+    unstacked node trees (stack them with :func:`stack`), whose leaves' first dimension
+    would otherwise be read as the node axis.
+    """
+    refuse_unstacked(stacked)
     leaves = jax.tree_util.tree_leaves(stacked)
     if not leaves:
         raise ValueError("stacked tree has no leaves")
@@ -99,7 +122,10 @@ def num_nodes(stacked: PyTree) -> int:
     if len(sizes) != 1 or None in sizes:
         paths = leaf_paths(stacked)
         detail = {p: (np.shape(x)[0] if np.ndim(x) else "scalar") for p, x in zip(paths, leaves, strict=True)}
-        raise TreeMismatchError(f"stacked tree: leaves disagree on the node axis size: {detail}")
+        raise TreeMismatchError(
+            f"stacked tree: leaves disagree on the node axis size: {detail}; every leaf needs a leading "
+            "node axis of the same size n (consensus.stack(trees) builds one from n trees)"
+        )
     n = sizes.pop()
     assert n is not None  # ruled out above
     return n

@@ -22,8 +22,9 @@ user error.
 
 Exit codes: 0 done; 1 no round succeeded, or a process of a multi-process run was
 lost; 2 a user error (bad arguments or config, a run directory that holds another
-run, checkpoints of another config or none intact), always one line on stderr
-and no file changed; 130 interrupted (Ctrl-C); 143 stopped by SIGTERM after
+run, checkpoints of another config or none intact, a task whose model, data or
+factory fails its checks before training), always one line on stderr (``--debug``
+adds the traceback) and no file changed; 130 interrupted (Ctrl-C); 143 stopped by SIGTERM after
 saving a checkpoint (continue with ``--resume``). See docs/operations.md.
 """
 
@@ -71,6 +72,16 @@ def _add_plugin_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_debug_option(parser: argparse.ArgumentParser, default: object = argparse.SUPPRESS) -> None:
+    """``--debug``: a user error prints its traceback before its one line (still exit 2)."""
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=default,
+        help="on an error of the config, the task, the model or the data, show the traceback too",
+    )
+
+
 def _load_plugins(modules: list[str]) -> None:
     """The installed plug-ins and ``modules``; a failure is one line naming the module (exit 2)."""
     from consensus.plugins import PluginError, load_entry_points, load_plugins
@@ -93,6 +104,7 @@ def _preset_names() -> list[str]:
 def _parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="meta-consensus", description="Model merging by consensus on JAX.")
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    _add_debug_option(ap, default=False)
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the rounds of a config (default: the embedded demo)")
     source = run.add_mutually_exclusive_group()
@@ -141,6 +153,8 @@ def _parser() -> argparse.ArgumentParser:
 
     merging.add_parser(sub)
     _add_plugin_option(sub.choices["merge"])
+    for command in sub.choices.values():
+        _add_debug_option(command)
     return ap
 
 
@@ -225,10 +239,13 @@ def run(args: argparse.Namespace) -> int:
     from meta_consensus import MetaConsensus
     from meta_consensus.checkpoint import CheckpointError
     from meta_consensus.run import RunDirectoryError
+    from strategies.tasks.checks import TaskError
 
     main = jax.process_index() == 0
     try:
         system = MetaConsensus(cfg, progress=not args.quiet)
+    except TaskError as e:  # the user's model, data or task factory, checked before training
+        raise UserError(str(e)) from e
     except ValueError as e:  # e.g. too many Byzantine nodes for the rule
         raise UserError(f"bad config: {e}") from e
     if main:
@@ -347,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
         _check_environment()
         return COMMANDS[args.command](args)
     except UserError as e:
+        if getattr(args, "debug", False):
+            import traceback
+
+            traceback.print_exception(e)
         return _fail(str(e))
     except KeyboardInterrupt:
         print("meta-consensus: interrupted; continue with --resume from the last checkpoint", file=sys.stderr)

@@ -22,6 +22,7 @@ from consensus.specs import Registry, RegistryError, Spec
 from strategies.attacks import ATTACKS, attack_options
 from strategies.node import STRATEGIES, build_strategy, strategy_options
 from strategies.tasks.base import TASKS, Task
+from strategies.tasks.checks import NotATaskError, TaskError, one_line
 
 __all__ = [
     "ATTACKS",
@@ -48,7 +49,7 @@ def check_task(obj: Any, origin: str) -> Task:
     if not isinstance(getattr(obj, "name", None), str):
         missing.insert(0, "name (a str attribute)")
     if missing:
-        raise TypeError(
+        raise NotATaskError(
             f"{origin} is not a Task: it has no {', '.join(missing)} "
             "(see strategies.tasks.base.Task, or build one with strategies.tasks.task_from_arrays)"
         )
@@ -62,7 +63,12 @@ def build_task(name: str, options: Mapping[str, Any] | None = None) -> Task:
     unknown = sorted(set(options) - set(spec.params))
     if unknown and not spec.takes_any_option:
         raise RegistryError(f"task {name!r} takes no option(s) {unknown}; valid options: {list(spec.params)}")
-    return spec.factory(**options)
+    try:
+        return spec.factory(**options)
+    except (ValueError, KeyboardInterrupt):  # a bad option (or an already one-line TaskError)
+        raise
+    except Exception as e:  # the factory fails: a plug-in's code, a data file it reads
+        raise TaskError(f"task {name!r}: its factory failed: {one_line(e)}") from e
 
 
 def resolve_task(name: str, options: Mapping[str, Any] | None = None) -> Task:
@@ -80,14 +86,22 @@ def resolve_task(name: str, options: Mapping[str, Any] | None = None) -> Task:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise RegistryError(f"task {name!r}: cannot import module {module_name!r} ({e})") from e
+    except Exception as e:  # the user's module fails while it imports
+        raise TaskError(f"task {name!r}: importing {module_name!r} failed: {one_line(e)}") from e
     if not hasattr(module, attr):
         raise RegistryError(f"task {name!r}: module {module_name!r} has no attribute {attr!r}")
     target = getattr(module, attr)
     if isinstance(target, type) or (callable(target) and not hasattr(target, "splits")):
         try:
             obj = target(**options)
+        except TaskError as e:  # already one line (task_from_arrays' checks)
+            raise TaskError(f"task {name!r}: {e}") from e
         except TypeError as e:
-            raise RegistryError(f"task {name!r}: calling {attr}(**{options}) failed: {e}") from e
+            if e.__traceback__ is not None and e.__traceback__.tb_next is None:  # the call's arguments
+                raise RegistryError(f"task {name!r}: calling {attr}(**{options}) failed: {e}") from e
+            raise TaskError(f"task {name!r}: {attr}(**{options}) failed: {one_line(e)}") from e
+        except Exception as e:  # the user's factory fails
+            raise TaskError(f"task {name!r}: {attr}(**{options}) failed: {one_line(e)}") from e
     else:
         if options:
             raise RegistryError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any, NamedTuple
 
 import jax
@@ -10,7 +11,7 @@ import numpy as np
 
 from consensus import tree
 from consensus.aggregators import view as views
-from consensus.base import AggregationInfo, empty_info, require
+from consensus.base import AggregationInfo, ByzantineToleranceError, empty_info, require
 from consensus.specs import Precondition, least_count
 from kernels import gram as gram_kernels
 from kernels import sorting
@@ -79,8 +80,21 @@ def valid_nodes(stacked: PyTree, mask: jax.Array | None, assume_finite: bool = F
     if views.is_view(stacked) and stacked.valid is not None:
         return valid & stacked.valid
     if not assume_finite:
-        valid = valid & tree.finite_mask(base)
+        finite = tree.finite_mask(base)
+        if is_concrete(finite) and is_concrete(valid):
+            allowed_count = int(np.sum(host_value(valid)))
+            valid = valid & finite
+            _last_validity.set((allowed_count, allowed_count - int(np.sum(host_value(valid)))))
+        else:
+            valid = valid & finite
     return valid
+
+
+# (allowed nodes, of which non-finite) of the latest concrete validity computed in this context:
+# a precondition that fails on no valid node then says whether NaN or Inf emptied the stack.
+_last_validity: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "last_validity", default=None
+)
 
 
 def check_count(rule: str, precondition: Precondition, f: int, count: int | None) -> None:
@@ -95,7 +109,21 @@ def check_count(rule: str, precondition: Precondition, f: int, count: int | None
     if count is None:
         return
     needed = precondition(count, f)
-    require(rule, count, f, needed is None, needed or "")
+    try:
+        require(rule, count, f, needed is None, needed or "")
+    except ByzantineToleranceError as e:
+        note = non_finite_note(count)
+        if note:
+            raise ByzantineToleranceError(f"{e}{note}") from None
+        raise
+
+
+def non_finite_note(count: int | None) -> str:
+    """`` All k nodes hold NaN or Inf.`` when no node is valid because every allowed one is non-finite."""
+    last = _last_validity.get()
+    if count == 0 and last is not None and last[0] > 0 and last[1] == last[0]:
+        return f" All {last[0]} nodes hold NaN or Inf."
+    return ""
 
 
 def too_few(precondition: Precondition, f: int, valid: jax.Array) -> jax.Array:

@@ -15,6 +15,7 @@ from consensus.aggregators._common import (
     allowed,
     check_stacked,
     init_rule_state,
+    non_finite_note,
     static_count,
     under_outer_jit,
     uniform_over,
@@ -60,7 +61,9 @@ def _require_some(rule: str, precondition: Precondition, valid: jax.Array, n: in
     m = static_count(valid)
     needed = None if m is None else precondition(m, 0)
     if needed is not None:
-        raise ByzantineToleranceError(f"{rule}: no valid node out of n={n}; needs {needed}.")
+        raise ByzantineToleranceError(
+            f"{rule}: no valid node out of n={n}; needs {needed}.{non_finite_note(m)}"
+        )
 
 
 @RULES.declare(

@@ -34,6 +34,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from strategies.tasks.base import Array, Batch, PyTree, TaskData, cross_entropy, masked_mean, split_module
+from strategies.tasks.checks import (
+    CHECK_ROWS,
+    TaskError,
+    TaskTypeError,
+    check_features,
+    check_labels,
+    logit_count,
+    one_line,
+)
 from strategies.tasks.classification import classification_splits
 
 # (logits (B, C), labels (B,)) -> per-row values (B,)
@@ -141,18 +150,21 @@ def _model_functions(model: Any, example: np.ndarray) -> tuple[Callable, Callabl
 
         return init_linen, lambda params, x: model.apply({"params": params}, x)
     if isinstance(model, nnx.Module):
-        raise TypeError(
+        raise TaskTypeError(
             "task_from_arrays: pass a constructor of the NNX module (`lambda rngs: MyModel(rngs=rngs)`), "
             "not a built module: the task must make fresh parameters from a key"
         )
     if callable(model):
-        graphdef = nnx.graphdef(nnx.eval_shape(lambda: model(nnx.Rngs(0))))
+        try:
+            graphdef = nnx.graphdef(nnx.eval_shape(lambda: model(nnx.Rngs(0))))
+        except Exception as e:  # the user's constructor
+            raise TaskError(f"the model's constructor fails: {one_line(e)}") from e
 
         def init_nnx(key):
             return split_module(model(nnx.Rngs(params=key)))[1]
 
         return init_nnx, lambda params, x: nnx.merge(graphdef, params)(x)
-    raise TypeError(
+    raise TaskTypeError(
         "task_from_arrays: model must be an NNX constructor `rngs -> nnx.Module`, a flax.linen Module, "
         f"or a pair (init_fn(key) -> params, apply_fn(params, x) -> logits); got {type(model).__name__}"
     )
@@ -200,7 +212,8 @@ def task_from_arrays(
       heldout, test: optional ``(x, y)`` of the held-out split (the coordinator's data for
         weights and gates) and the test split (reported numbers only).
       fractions: train / held-out / test shares when splitting one set.
-      num_classes: C (default: max label + 1).
+      num_classes: C, checked against the model's logit count (default: that count); every
+        label must be in ``[0, C)``.
       loss: ``(logits, y) -> (B,)`` per-row loss (default cross entropy).
       metrics: name -> ``(logits, y) -> (B,)`` per-row values averaged over the rows
         (default ``{"accuracy": ...}``; the system reports "accuracy").
@@ -214,34 +227,50 @@ def task_from_arrays(
     """
     x, y = np.asarray(x), np.asarray(y)
     if x.ndim < 2 or y.ndim != 1 or len(x) != len(y):
-        raise ValueError(f"task_from_arrays: x must be (N, ...) and y (N,); got {x.shape} and {y.shape}")
-    if not np.issubdtype(y.dtype, np.integer) or (y.size and y.min() < 0):
-        raise ValueError("task_from_arrays: y must hold non-negative integer classes")
+        raise TaskError(f"task_from_arrays: x must be (N, ...) and y (N,); got {x.shape} and {y.shape}")
     if (heldout is None) != (test is None):
-        raise ValueError("task_from_arrays: give both heldout and test, or neither (one set is split)")
+        raise TaskError("task_from_arrays: give both heldout and test, or neither (one set is split)")
+    arrays = [("x", "y", x, y)]
+    if heldout is not None:
+        assert test is not None  # given together with heldout, checked above
+        hx, hy = (np.asarray(a) for a in heldout)
+        tx, ty = (np.asarray(a) for a in test)
+        arrays += [("heldout x", "heldout y", hx, hy), ("test x", "test y", tx, ty)]
+        for xs, _, a, b in arrays[1:]:
+            if a.shape[1:] != x.shape[1:] or np.ndim(b) != 1 or len(a) != len(b):
+                raise TaskError(
+                    f"task_from_arrays: {xs} must be (M, {x.shape[1:]}) with one label per row; "
+                    f"got {a.shape} and {np.shape(b)}"
+                )
+    try:
+        for xs, ys, a, b in arrays:
+            check_features(a, xs)
+            check_labels(b, None, ys)
+    except TaskError as e:
+        raise TaskError(f"task_from_arrays: {e}") from None
     if heldout is None:
         if len(fractions) != 3 or min(fractions) <= 0 or abs(sum(fractions) - 1) > 1e-6:
-            raise ValueError(
+            raise TaskError(
                 f"task_from_arrays: fractions must be three shares > 0 summing to 1, got {fractions}"
             )
         rows = _stratified_split(y, (fractions[0], fractions[1], fractions[2]), split_seed)
         all_x, all_y = x, y
     else:
-        assert test is not None  # given together with heldout, checked above
-        hx, hy = (np.asarray(a) for a in heldout)
-        tx, ty = (np.asarray(a) for a in test)
-        for what, (a, b) in (("heldout", (hx, hy)), ("test", (tx, ty))):
-            if a.shape[1:] != x.shape[1:] or len(a) != len(b):
-                raise ValueError(
-                    f"task_from_arrays: {what} x must be (M, {x.shape[1:]}) with one label per row"
-                )
-        all_x, all_y = np.concatenate([x, hx, tx]), np.concatenate([y, hy, ty]).astype(y.dtype)
-        n, h = len(x), len(hx)
+        all_x = np.concatenate([a for _, _, a, _ in arrays])
+        all_y = np.concatenate([b for _, _, _, b in arrays]).astype(y.dtype)
+        n, h = len(x), len(arrays[1][2])
         rows = (np.arange(n), np.arange(n, n + h), np.arange(n + h, len(all_y)))
-    c = int(all_y.max()) + 1 if num_classes is None else int(num_classes)
-    if all_y.max() >= c:
-        raise ValueError(f"task_from_arrays: labels go up to {int(all_y.max())}, num_classes is {c}")
-    init_fn, apply_fn = _model_functions(model, all_x)
+    try:
+        init_fn, apply_fn = _model_functions(model, all_x)
+        probe = ArrayTask(name, init_fn, apply_fn, all_x[:CHECK_ROWS], all_y[:CHECK_ROWS], rows, 1)
+        c = logit_count(probe.init, probe.apply, x, num_classes, "x")
+        # Labels the model cannot predict would train silently and count as wrong (or, past the
+        # logits, be read out of range): they are refused here, naming the row.
+        for _, ys, _, b in arrays:
+            check_labels(b, c, ys, f", but the model gives {c} logits")
+    except TaskError as e:
+        message = str(e) if str(e).startswith("task_from_arrays:") else f"task_from_arrays: {e}"
+        raise type(e)(message) from e.__cause__
     return ArrayTask(
         name=name,
         init_fn=init_fn,
