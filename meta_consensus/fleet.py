@@ -51,8 +51,8 @@ from strategies.node import LEVELS
 from strategies.registry import check_task, resolve_task
 from strategies.tasks import TaskData
 from strategies.tasks.base import NodeData, Task
-from strategies.trainer import NodeTrainer, Proximal, Schedule, TrainState
 from strategies.tasks.checks import check_task_data
+from strategies.trainer import NodeTrainer, Proximal, Schedule, TrainState
 
 PyTree = Any
 
@@ -107,9 +107,9 @@ class Fleet:
             process_index=process_index,
             process_count=process_count,
         )
-        mesh = (
         # Finite features, labels the model's logits can predict, a forward pass that fits the input.
         check_task_data(self.task, self.data, f"task {getattr(self.task, 'name', cfg.task.name)!r}")
+        mesh = (
             (cfg.mesh.node, cfg.mesh.data, cfg.mesh.model) if cfg.mesh.enabled or process_count > 1 else None
         )
         self.trainer = _trainer(
