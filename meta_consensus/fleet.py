@@ -13,8 +13,9 @@ together in the node trainer's vmapped step, whatever their strategy:
 * ``soup``: the round's training is cut into ``soup_snapshots`` segments; the
   node submits the greedy soup of its snapshots on held-out accuracy
   (:func:`strategies.soup.greedy_soup`);
-* Byzantine nodes train like the others (on flipped labels for label
-  flipping) and submit the model attack of :mod:`strategies.byzantine`.
+* Byzantine nodes train like the others (on batches the configured data
+  attack rewrote: label flipping, or a plug-in's) and submit the model attack
+  of :mod:`strategies.byzantine`.
 
 Failures are answers, not crashes: a fit call that raises or runs past the
 timeout marks its nodes as not answering, and simulated faults (a drop rate,
@@ -357,7 +358,7 @@ class Fleet:
         if self._proximal is not None:
             mu, radius = self._proximal
             prox = Proximal(anchor, mu[pick], radius[pick])
-        flip = self.byzantine.flip_mask[pick]
+        poisoned = self.byzantine.poisoned[pick]
         snapshots, losses = [], []
         for seg in self._segments:
             schedule = None if level is None or active is None else Schedule(level[:, seg], active[:, seg])
@@ -367,7 +368,8 @@ class Fleet:
                 len(seg),
                 schedule=schedule,
                 hyperparams=hp,
-                flip_labels=flip if flip.any() else None,
+                poisoned=poisoned if poisoned.any() else None,
+                data_attack=self.byzantine.data_attack,
                 proximal=prox,
                 dp=self.example_dp,
             )

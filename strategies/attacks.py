@@ -9,14 +9,17 @@ update), the standard worst case of the robust-aggregation literature.
 
 Each attack is declared beside its function with ``@ATTACKS.declare(kind=...)``
 (:mod:`consensus.specs`): ``kind="update"`` replaces the submitted update,
-``kind="data"`` poisons training (label flipping). Its keyword options are its
-parameters after the ones :func:`apply_attack` passes itself (:data:`PASSED`); an
-attack that takes ``num_nodes`` receives the node count. A user's module declares
+``kind="data"`` poisons the Byzantine nodes' training batches: the trainer calls
+``attack(task, batch, **options)`` on every batch they draw, inside its jitted step
+(label flipping; see :func:`data_attack`). Its keyword options are its parameters
+after the ones the system passes itself (:data:`PASSED`); an update attack that takes
+``num_nodes`` receives the node count. A user's module declares
 its own attacks the same way and names itself as a plug-in (:mod:`consensus.plugins`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -273,10 +276,55 @@ def fltrust_aware(key: jax.Array, honest: PyTree, num_byzantine: int, cosine: fl
 def label_flip(task: Any, batch: PyTree) -> PyTree:
     """Byzantine nodes train on flipped labels (a data attack).
 
-    The trainer applies it through the task's ``flip_labels`` on the Byzantine nodes'
-    batches (see :mod:`strategies.byzantine`); it never replaces a submitted update.
+    The trainer calls it on the Byzantine nodes' batches (see :mod:`strategies.byzantine`);
+    it never replaces a submitted update. A plug-in's data attack has this signature, with
+    its options as keyword parameters after ``batch``; it must be jittable and return a
+    batch of the same structure, shapes and dtypes.
     """
     return task.flip_labels(batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataAttack:
+    """A data attack bound to its options: ``attack(task, batch)`` is ``fn(task, batch, **options)``.
+
+    The trainer takes it as a static argument of its jitted step: two bindings of one function
+    with equal options are equal and hash alike, so each configuration compiles once.
+    """
+
+    name: str
+    fn: Callable[..., PyTree]
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def __call__(self, task: Any, batch: PyTree) -> PyTree:
+        return self.fn(task, batch, **dict(self.options))
+
+
+def _frozen(value: Any) -> Any:
+    """Lists (TOML arrays) as tuples, so that a data attack's options hash."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, list | tuple) else value
+
+
+def data_attack(name: str, options: Mapping[str, Any] | None = None) -> DataAttack:
+    """The data attack ``name`` bound to ``options`` (checked against its declared options).
+
+    Raises a RegistryError for unknown names and options, a ValueError for an update attack
+    or for options that do not hash (numbers, strings, booleans and lists of them do).
+    """
+    spec = ATTACKS[name]
+    if spec.kind != "data":
+        raise ValueError(f"attack {name!r} is an {spec.kind} attack, not a data attack")
+    options = dict(options or {})
+    check_options(name, options)
+    items = tuple(sorted((k, _frozen(v)) for k, v in options.items()))
+    try:
+        hash(items)
+    except TypeError:
+        raise ValueError(
+            f"the options of the data attack {name!r} must be numbers, strings, booleans or lists "
+            f"of them, got {options}"
+        ) from None
+    return DataAttack(name, spec.factory, items)
 
 
 def attack_options(spec: Spec) -> list[str]:

@@ -1,8 +1,9 @@
 """Byzantine nodes as node strategies, chosen by a node mask.
 
 Honest and Byzantine nodes train in the same jitted step: a Byzantine node is
-an ordinary node whose *data* is poisoned during training (label flipping,
-through the task's ``flip_labels``) and/or whose *submitted params* are
+an ordinary node whose *data* is poisoned during training (a data attack:
+label flipping, through the task's ``flip_labels``, or one a plug-in declares
+with ``kind="data"``) and/or whose *submitted params* are
 replaced after training by a model attack computed from the honest nodes'
 updates (:mod:`strategies.attacks`: sign flip, ALIE, IPM, Gaussian, NaN/Inf,
 mimic). Model attacks act on updates relative to the anchor (the last
@@ -37,19 +38,23 @@ class Byzantine:
 
     Args:
       mask: concrete (n,) bool, True for Byzantine nodes.
-      attack: a name from :data:`strategies.attacks.ATTACKS` (``"label_flip"``, a data attack:
-        poisoned training data only; or an update attack), or an attack function
-        ``attack(key, honest_deltas, num_byzantine, **kw)``.
+      attack: a name from :data:`strategies.attacks.ATTACKS` (a data attack such as
+        ``"label_flip"``: poisoned training data only; or an update attack), or an update
+        attack function ``attack(key, honest_deltas, num_byzantine, **kw)``.
       label_flip: also train the Byzantine nodes on flipped labels when the
         attack is a model attack (data + model poisoning).
-      kwargs: keyword arguments of the model attack (``scale``, ``std``,
-        ``epsilon``, ``z``, ...).
+      kwargs: keyword arguments of the attack (``scale``, ``std``, ``epsilon``, ``z``, ...;
+        a data attack's options).
+
+    ``data_attack`` (derived): the data attack the poisoned nodes train under, bound to its
+    options once (:func:`strategies.attacks.data_attack`), or None.
     """
 
     mask: np.ndarray
     attack: str | Callable[..., PyTree] = LABEL_FLIP
     label_flip: bool = False
     kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    data_attack: attacks.DataAttack | None = dataclasses.field(init=False, default=None, compare=False)
 
     def __post_init__(self):
         mask = np.asarray(self.mask)
@@ -66,6 +71,12 @@ class Byzantine:
             raise ValueError(
                 "a model attack needs at least one honest node (it is a function of their updates)"
             )
+        if not self.is_model_attack:
+            assert isinstance(self.attack, str)
+            bound = attacks.data_attack(self.attack, self.kwargs)
+        else:
+            bound = attacks.data_attack(LABEL_FLIP) if self.label_flip else None
+        object.__setattr__(self, "data_attack", bound)
 
     @property
     def num_byzantine(self) -> int:
@@ -77,11 +88,16 @@ class Byzantine:
         return not isinstance(self.attack, str) or attacks.ATTACKS[self.attack].kind == "update"
 
     @property
-    def flip_mask(self) -> np.ndarray:
-        """(n,) bool: nodes that train on flipped labels (a data attack, or ``label_flip`` set)."""
-        if not self.is_model_attack or self.label_flip:
+    def poisoned(self) -> np.ndarray:
+        """(n,) bool: nodes that train under :attr:`data_attack` (a data attack, or ``label_flip`` set)."""
+        if self.data_attack is not None:
             return self.mask.copy()
         return np.zeros_like(self.mask)
+
+    @property
+    def flip_mask(self) -> np.ndarray:
+        """The :attr:`poisoned` mask (its name from when label flipping was the only data attack)."""
+        return self.poisoned
 
 
 def honest(num_nodes: int) -> Byzantine:
@@ -163,8 +179,16 @@ def byzantine_fit(
     n = int(state.step.shape[0])
     if byz.mask.shape != (n,):
         raise ValueError(f"Byzantine mask has shape {byz.mask.shape}, the state has {n} nodes")
-    if "flip_labels" in fit_kwargs:
-        raise TypeError("pass label flipping through the Byzantine configuration, not flip_labels")
-    flip = byz.flip_mask
-    state, log = trainer.fit(state, data, steps, flip_labels=flip if flip.any() else None, **fit_kwargs)
+    given = sorted({"flip_labels", "poisoned", "data_attack"} & set(fit_kwargs))
+    if given:
+        raise TypeError(f"pass data attacks through the Byzantine configuration, not {given}")
+    poisoned = byz.poisoned
+    state, log = trainer.fit(
+        state,
+        data,
+        steps,
+        poisoned=poisoned if poisoned.any() else None,
+        data_attack=byz.data_attack,
+        **fit_kwargs,
+    )
     return state, submit(byz, key, state.params, anchor), log

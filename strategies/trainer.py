@@ -18,7 +18,8 @@ step (so honest, Byzantine, proximal and hierarchical nodes train together):
 
 * ``schedule``: which data level each node draws from at each step, and
   whether it trains at all (:mod:`strategies.hierarchical` builds these);
-* ``flip_labels``: label-flipping Byzantine nodes (the task's ``flip_labels``);
+* ``poisoned`` and ``data_attack``: Byzantine nodes that train on batches a data attack
+  rewrote (``flip_labels``: the task's label flipping);
 * ``proximal``: proximal pull towards an anchor, ``mu/2 ||theta - a||^2``,
   and projection onto the L2 ball of radius r around it after each update
   (the convexity strategy, :mod:`strategies.convexity`);
@@ -48,7 +49,7 @@ import optax
 from consensus import mesh as mesh_lib
 from strategies import dpsgd
 from strategies.convexity import project_l2_ball, proximal_step
-from strategies.tasks.base import NodeData, PyTree, Task, cast_floating, count_host
+from strategies.tasks.base import Batch, NodeData, PyTree, Task, cast_floating, count_host
 
 OptimizerFactory = Callable[..., optax.GradientTransformation]
 
@@ -179,6 +180,27 @@ def _per_node(name: str, value: Any, n: int, dtype: Any) -> np.ndarray:
     if v.shape != (n,):
         raise ValueError(f"{name}: need a scalar or ({n},) values, got shape {v.shape}")
     return v
+
+
+def _attacked(attack: Callable[[Task, Batch], Batch], task: Task, batch: Batch) -> Batch:
+    """The batch a data attack makes of ``batch``; a one-line error when it changes the batch's form."""
+    out = attack(task, batch)
+
+    def form(tree: Any) -> str:
+        leaves, treedef = jax.tree.flatten_with_path(tree)
+        kinds = ", ".join(
+            f"{jax.tree_util.keystr(k)}: {jnp.result_type(x)}{list(jnp.shape(x))}" for k, x in leaves
+        )
+        return f"{type(tree).__name__} {{{kinds}}}"
+
+    got, want = form(out), form(batch)
+    if got != want or str(jax.tree.structure(out)) != str(jax.tree.structure(batch)):
+        name = getattr(attack, "name", getattr(attack, "__name__", repr(attack)))
+        raise ValueError(
+            f"data attack {name!r} must return a batch of the same keys, shapes and dtypes: "
+            f"got {got}, want {want}"
+        )
+    return out
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -389,6 +411,8 @@ class NodeTrainer:
         schedule: Schedule | None = None,
         hyperparams: Mapping[str, Any] | None = None,
         flip_labels: Any = None,
+        poisoned: Any = None,
+        data_attack: Callable[[Task, Batch], Batch] | None = None,
         proximal: Proximal | None = None,
         record: bool = False,
         dp: dpsgd.ExampleDP | None = None,
@@ -406,7 +430,15 @@ class NodeTrainer:
           hyperparams: overrides of the trainer's defaults (scalar, (n,) or
             (n, L) each, over all n nodes).
           flip_labels: optional (n,) bool, nodes that train on the task's
-            flipped labels (label-flipping Byzantine nodes).
+            flipped labels (label-flipping Byzantine nodes): ``poisoned`` with the task's
+            ``flip_labels`` as the data attack.
+          poisoned: optional (n,) bool, nodes whose every batch ``data_attack`` rewrites
+            (not together with ``flip_labels``).
+          data_attack: ``attack(task, batch) -> batch`` (a
+            :class:`strategies.attacks.DataAttack`), jittable, returning a batch of the
+            same structure, shapes and dtypes; None: the task's ``flip_labels``. A static
+            argument of the jitted step: pass one hashable object per configuration
+            (equal across calls), or every call compiles again.
           proximal: optional :class:`Proximal` options (anchor, mu, radius).
           record: also return the pool rows every node drew at every step.
           dp: example-level DP-SGD settings (:class:`strategies.dpsgd.ExampleDP`): every
@@ -455,8 +487,14 @@ class NodeTrainer:
                 raise ValueError("proximal.mu and proximal.radius must be >= 0")
         else:
             prox = None
-        use_flip = flip_labels is not None and bool(np.any(np.asarray(flip_labels)))
-        flip = _per_node("flip_labels", flip_labels if use_flip else False, n, bool)
+        if flip_labels is not None and poisoned is not None:
+            raise TypeError("pass either flip_labels or poisoned (with data_attack), not both")
+        if data_attack is not None and not callable(data_attack):
+            raise TypeError(f"data_attack must be callable as attack(task, batch), got {data_attack!r}")
+        mask_name, mask = ("poisoned", poisoned) if poisoned is not None else ("flip_labels", flip_labels)
+        use_flip = mask is not None and bool(np.any(np.asarray(mask)))
+        flip = _per_node(mask_name, mask if use_flip else False, n, bool)
+        attack = data_attack if use_flip and poisoned is not None else None
         gate = not bool(np.all(active))
         dp_args, dp_static = self._dp_args(dp, levels, n)
         static = (
@@ -464,6 +502,7 @@ class NodeTrainer:
             bool(record),
             tuple((d.shared, d.identity) for d in levels),
             use_flip,
+            attack,
             use_prox,
             gate,
             dp_static,
@@ -538,7 +577,7 @@ class NodeTrainer:
         return loss
 
     def _fit_impl(self, state, pools, level_t, active_t, hp, flip, prox, dp_args, *, static):
-        steps, record, shared, use_flip, use_prox, gate, dp_static = static
+        steps, record, shared, use_flip, attack, use_prox, gate, dp_static = static
         loss_fn = self._loss_fn()
         dense_taps = self._dense_taps() if dp_static is not None and dp_static[2] else None
         accum = self.grad_accum > 1
@@ -576,7 +615,9 @@ class NodeTrainer:
                 batch = jax.tree.map(lambda *bs: jnp.stack(bs)[lvl], *batches)
                 rows = jnp.stack(rows_l)[lvl]
             if use_flip:
-                flipped = self.task.flip_labels(batch)
+                flipped = (
+                    self.task.flip_labels(batch) if attack is None else _attacked(attack, self.task, batch)
+                )
                 batch = jax.tree.map(lambda a, b: jnp.where(flip_i, a, b), flipped, batch)
             if batch_sh is not None and dp_static is None:
                 batch = jax.lax.with_sharding_constraint(batch, batch_sh)

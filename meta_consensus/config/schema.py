@@ -133,8 +133,9 @@ class ByzantineConfig:
 
     Attributes:
       nodes: indices of the Byzantine nodes.
-      attack: a registered attack ("label_flip" poisons training data; the others replace the
-        submitted update; see ``strategies.registry.ATTACKS``).
+      attack: a registered attack (a data attack, ``kind="data"`` such as "label_flip", poisons
+        the Byzantine nodes' training batches; an update attack replaces the submitted update;
+        see ``strategies.registry.ATTACKS``).
       label_flip: also train the Byzantine nodes on flipped labels under a model attack.
       options: keyword arguments of the attack (``z`` for ALIE, ``scale``, ``std``, ``epsilon``).
     """

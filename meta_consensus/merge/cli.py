@@ -7,7 +7,8 @@
     meta-consensus merge --config merge.toml
 
 Options that change which rules exist (``--plugin``) rather than the plan come after
-:func:`add_parser`'s own and are applied before :func:`merge_cmd` reads the plan.
+:func:`add_parser`'s own and are applied before :func:`merge_cmd` reads the plan; a
+config file's ``plugins = [...]`` are imported before the plan's rules are checked.
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ def plan_from_args(args: Any) -> MergePlan:
         "shard_size": args.shard_size,
         "seed": args.seed,
         "overrides": overrides,
+        # --plugin's modules (meta_consensus.cli has loaded them): the report records them with the file's
+        "plugins": list(getattr(args, "plugin", None) or []),
     }
     if args.config:
         return plan_from_toml(args.config, **values)
@@ -112,6 +115,7 @@ def plan_from_args(args: Any) -> MergePlan:
         dtype=args.dtype,
         shard_size=parse_shard_size(args.shard_size),
         seed=args.seed or 0,
+        plugins=tuple(dict.fromkeys(values["plugins"])),
     )
 
 

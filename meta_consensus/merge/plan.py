@@ -69,6 +69,7 @@ class MergePlan:
     dtype: str | None = None
     shard_size: int | None = None
     seed: int = 0
+    plugins: tuple[str, ...] = ()  # modules imported before the rules are checked
 
 
 # ----------------------------------------------------------------------------- reading
@@ -123,9 +124,10 @@ def plan_from_toml(path: str | Path, **overrides: Any) -> MergePlan:
     """A plan from a TOML file; keyword arguments (from the command line) win over its values.
 
     Keys: ``method``, ``num_byzantine``, ``inputs`` (list), ``out``, ``base``,
-    ``dtype``, ``shard_size``, ``seed``, ``[params]`` (the method's parameters)
-    and ``[[overrides]]`` tables with ``pattern``, ``method``, ``num_byzantine``
-    and ``params``.
+    ``dtype``, ``shard_size``, ``seed``, ``plugins`` (modules that declare more merge
+    methods, as ``--plugin``), ``[params]`` (the method's parameters) and
+    ``[[overrides]]`` tables with ``pattern``, ``method``, ``num_byzantine`` and
+    ``params``. The plan's plug-ins are the file's, then the command line's.
     """
     path = Path(path)
     try:
@@ -143,6 +145,7 @@ def plan_from_toml(path: str | Path, **overrides: Any) -> MergePlan:
         "seed",
         "params",
         "overrides",
+        "plugins",
     }
     unknown = sorted(set(doc) - known)
     if unknown:
@@ -159,6 +162,11 @@ def plan_from_toml(path: str | Path, **overrides: Any) -> MergePlan:
             raise MergeError(f"{path}: every [[overrides]] needs a pattern and a method, got {o}")
         over.append(RuleChoice(o["method"], dict(o.get("params", {})), o.get("num_byzantine"), o["pattern"]))
     over += list(values.get("overrides", []))
+    listed = doc.get("plugins", [])
+    if not isinstance(listed, list) or not all(isinstance(m, str) and m.strip() for m in listed):
+        raise MergeError(
+            f'{path}: plugins must be a list of module names (plugins = ["my_rules"]), got {listed!r}'
+        )
     return MergePlan(
         inputs=tuple(values.get("inputs", doc.get("inputs", ()))),
         out=values.get("out", doc.get("out")) or "",
@@ -168,6 +176,7 @@ def plan_from_toml(path: str | Path, **overrides: Any) -> MergePlan:
         dtype=values.get("dtype", doc.get("dtype")),
         shard_size=parse_shard_size(values.get("shard_size", doc.get("shard_size"))),
         seed=int(values.get("seed", doc.get("seed", 0))),
+        plugins=tuple(dict.fromkeys([*listed, *values.get("plugins", [])])),
     )
 
 
@@ -179,6 +188,7 @@ def check_plan(plan: MergePlan, *, overwrite: bool = False) -> Any:
     float tensors (None: the inputs')."""
     from consensus.base import ByzantineToleranceError
 
+    load_plan_plugins(plan)
     if len(plan.inputs) < 1:
         raise MergeError("no inputs: give the checkpoints to merge (files or folders)")
     if not plan.out:
@@ -194,6 +204,17 @@ def check_plan(plan: MergePlan, *, overwrite: bool = False) -> Any:
     except ByzantineToleranceError as e:
         raise MergeError(f"{e} ({n} inputs given)") from e
     return out_dtype
+
+
+def load_plan_plugins(plan: MergePlan) -> None:
+    """Import the plan's plug-in modules (a second import is a no-op), so their rules are valid names;
+    a module that is missing or raises is a one-line MergeError."""
+    from consensus.plugins import PluginError, load_plugins
+
+    try:
+        load_plugins(plan.plugins)
+    except PluginError as e:
+        raise MergeError(f"plugins: {e}") from None
 
 
 def output_dtype(name: str) -> Any:

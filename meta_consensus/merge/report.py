@@ -34,6 +34,7 @@ def new_report(plan: MergePlan, readers: Sequence[Any], base: Any | None) -> dic
         },
         "dtype": plan.dtype,
         "seed": plan.seed,
+        "plugins": list(plan.plugins),
         "vector_rules": {},
         "leaves": {},
     }

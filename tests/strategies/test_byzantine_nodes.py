@@ -111,6 +111,77 @@ def test_data_and_model_poisoning_together():
         assert _max_diff(_node(sub, i), _node(out.params, i)) == 0.0
 
 
+def test_label_flip_through_the_configuration_is_the_task_flip_bit_for_bit():
+    # The declared label_flip, bound as the Byzantine configuration's data attack, trains exactly
+    # as the trainer's own flip_labels mask (the task's flip_labels) does.
+    state = TRAINER.init(jax.random.key(1), INIT, N)
+    byz = byz_lib.Byzantine(MASK, "label_flip")
+    assert byz.data_attack is not None and byz.data_attack.name == "label_flip"
+    out, _, _ = byz_lib.byzantine_fit(TRAINER, state, DATA.own(), 3, byz, jax.random.key(9))
+    ref, _ = TRAINER.fit(state, DATA.own(), 3, flip_labels=MASK)
+    assert _max_diff(out.params, ref.params) == 0.0
+
+
+def zero_labels(task, batch, value: int = 0):
+    """Every label set to ``value`` (a plug-in's data attack)."""
+    del task
+    return {**batch, "y": jax.numpy.full_like(batch["y"], value)}
+
+
+def test_a_declared_data_attack_is_what_the_byzantine_nodes_train_on():
+    from consensus.specs import RegistryError
+    from strategies.attacks import ATTACKS
+
+    ATTACKS.declare("zero_labels_test", kind="data")(zero_labels)
+    try:
+        state = TRAINER.init(jax.random.key(1), INIT, N)
+        byz = byz_lib.Byzantine(MASK, "zero_labels_test", kwargs={"value": 3})
+        assert not byz.is_model_attack
+        np.testing.assert_array_equal(byz.poisoned, MASK)
+        out, submitted, _ = byz_lib.byzantine_fit(TRAINER, state, DATA.own(), 4, byz, jax.random.key(9))
+        assert _max_diff(submitted, out.params) == 0.0  # a data attack never replaces the submission
+        # Reference: every node honest, the Byzantine nodes' shards relabelled to 3 by hand.
+        own = DATA.own()
+        y = np.asarray(own.pool["y"]).copy()
+        y[MASK] = 3
+        ref, _ = TRAINER.fit(
+            state, NodeData({"x": own.pool["x"], "y": y}, own.index, own.count, shared=False), 4
+        )
+        flipped, _ = TRAINER.fit(state, DATA.own(), 4, flip_labels=MASK)
+        for i in range(N):
+            assert _max_diff(_node(out.params, i), _node(ref.params, i)) < 1e-6
+            if MASK[i]:  # not label flipping in disguise
+                assert _max_diff(_node(out.params, i), _node(flipped.params, i)) > 1e-3
+        # Bound once per configuration: an equal configuration reuses the compiled step.
+        again = byz_lib.Byzantine(MASK, "zero_labels_test", kwargs={"value": 3})
+        assert again.data_attack == byz.data_attack and hash(again.data_attack) == hash(byz.data_attack)
+        compiled = TRAINER._fit_jit._cache_size()
+        byz_lib.byzantine_fit(TRAINER, out, DATA.own(), 4, again, jax.random.key(9))
+        assert TRAINER._fit_jit._cache_size() == compiled
+        # Options are the declared ones, and must hash (lists become tuples).
+        with pytest.raises(RegistryError, match=r"\['scale'\] are not options of the 'zero_labels_test'"):
+            byz_lib.Byzantine(MASK, "zero_labels_test", kwargs={"scale": 1.0})
+        with pytest.raises(ValueError, match="must be numbers, strings"):
+            byz_lib.Byzantine(MASK, "zero_labels_test", kwargs={"value": {"a": 1}})
+        assert byz_lib.Byzantine(MASK, "zero_labels_test", kwargs={"value": [1]}).data_attack.options == (
+            ("value", (1,)),
+        )
+    finally:
+        ATTACKS.unregister("zero_labels_test")
+
+
+def test_a_data_attack_that_changes_the_batch_form_is_one_line():
+    from strategies.attacks import DataAttack
+
+    state = TRAINER.init(jax.random.key(1), INIT, N)
+    bad = DataAttack("drop_y", lambda task, batch: {"x": batch["x"]})
+    with pytest.raises(ValueError, match="data attack 'drop_y' must return a batch of the same keys") as e:
+        TRAINER.fit(state, DATA.own(), 1, poisoned=MASK, data_attack=bad)
+    assert "\n" not in str(e.value)
+    with pytest.raises(TypeError, match="not both"):
+        TRAINER.fit(state, DATA.own(), 1, flip_labels=MASK, poisoned=MASK, data_attack=bad)
+
+
 def test_errors():
     with pytest.raises(TypeError, match="bool"):
         byz_lib.Byzantine(np.array([0, 1]), "sign_flip")

@@ -114,6 +114,13 @@ def attack_TAG(key, honest, num_byzantine, scale: float = 1.0, num_nodes=None):
     return jax.tree.map(lambda x: jnp.broadcast_to(-scale * x[0], (num_byzantine, *x.shape[1:])), honest)
 
 
+@ATTACKS.declare(kind="data")
+def data_TAG(task, batch, label: int = 0):
+    """Every label set to ``label`` (a plug-in's data attack); marks once per trace."""
+    _mark(f"data attack label={label}")
+    return {**batch, "y": jnp.full_like(batch["y"], label)}
+
+
 @STRATEGIES.declare("strategy_TAG")
 @dataclasses.dataclass(frozen=True)
 class ScaledLocal:
@@ -279,6 +286,44 @@ def test_merge_with_a_plugin_merge_method(workdir, capsys):
         np.testing.assert_allclose(got[k], want, rtol=1e-6, atol=1e-6, err_msg=k)
 
 
+def test_merge_config_names_its_plugins(workdir, capsys):
+    (workdir / "plugin_toml.py").write_text(plugin_source("toml"))
+    rng = np.random.default_rng(1)
+    base = {"w": rng.normal(size=(3, 4)).astype(np.float32)}
+    models = [{"w": (base["w"] + 0.1 * rng.normal(size=(3, 4))).astype(np.float32)} for _ in range(2)]
+    inputs = [str(io.save_safetensors(m, workdir / f"in{i}.safetensors")) for i, m in enumerate(models)]
+    io.save_safetensors(base, workdir / "base.safetensors")
+    plan = textwrap.dedent(
+        f"""
+        plugins = ["plugin_toml"]
+        method = "merge_toml"
+        inputs = {json.dumps(inputs)}
+        base = "base.safetensors"
+        out = "merged"
+        [params]
+        scale = 0.5
+        """
+    )
+    (workdir / "plan.toml").write_text(plan)
+    assert "merge_toml" not in RULES  # declared only once the plan's plug-in is imported
+    assert cli.main(["merge", "--quiet", "--config", "plan.toml"]) == 0, capsys.readouterr().err
+    got = io.flatten(io.load_safetensors(workdir / "merged"))["w"]
+    want = base["w"] + 0.5 * np.mean([m["w"] - base["w"] for m in models], axis=0)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    report = json.loads((workdir / "merged" / "merge_report.json").read_text())
+    assert report["plugins"] == ["plugin_toml"] and report["method"] == "merge_toml"
+    # A missing module in the file is one line, exit 2, and nothing is written.
+    (workdir / "missing.toml").write_text(
+        plan.replace("plugin_toml", "no_such_module").replace("merged", "o")
+    )
+    err = _one_line_exit_2(["merge", "--quiet", "--config", "missing.toml"], capsys)
+    assert "'no_such_module'" in err and "no module named" in err
+    (workdir / "bad.toml").write_text(plan.replace('["plugin_toml"]', '"plugin_toml"').replace("merged", "o"))
+    err = _one_line_exit_2(["merge", "--quiet", "--config", "bad.toml"], capsys)
+    assert "plugins must be a list of module names" in err
+    assert not (workdir / "o").exists()
+
+
 def _one_line_exit_2(argv: list[str], capsys) -> str:
     try:
         rc = cli.main(argv)
@@ -301,3 +346,29 @@ def test_a_missing_or_raising_plugin_is_one_line_and_exit_2(workdir, capsys, com
     err = _one_line_exit_2([command, "--plugin", "raising_plugin", *tail], capsys)
     assert f"{workdir / 'raising_plugin.py'}:3" in err and "RuntimeError: boom" in err
     assert not (workdir / "runs").exists() and not (workdir / "o").exists()
+
+
+def test_a_plugin_data_attack_poisons_what_the_byzantine_nodes_train_on(workdir):
+    from meta_consensus.fleet import Fleet
+
+    (workdir / "plugin_data.py").write_text(plugin_source("data"))
+    with pytest.raises(ConfigError, match="byzantine.options") as e:
+        config.load(
+            None,
+            [*tiny("data"), "byzantine.attack=data_data", "byzantine.options={scale = 2.0}"],
+            plugins=["plugin_data"],
+        )
+    assert "label" in str(e.value) and len(str(e.value).splitlines()) == 1
+    with pytest.raises(ConfigError, match="byzantine.options: the options of the data attack 'data_data'"):
+        config.load(
+            None, [*tiny("data"), "byzantine.attack=data_data", "byzantine.options={label = {a = 1}}"]
+        )
+    sets = [*tiny("data"), "byzantine.attack=data_data", "byzantine.options={label = 2}", "output_dir=runs"]
+    cfg = config.load(None, sets, plugins=["plugin_data"])
+    fleet = Fleet(cfg)
+    assert fleet.byzantine.data_attack is not None and fleet.byzantine.data_attack.options == (("label", 2),)
+    np.testing.assert_array_equal(fleet.byzantine.poisoned, [False, False, False, True])
+    params = fleet.initial_params(jax.random.key(0))
+    out = fleet.fit(fleet.init(jax.random.key(1), params), params, jax.random.key(2))
+    assert out.answered.all(), out.errors
+    assert "data attack label=2" in marks(workdir, "data")  # the declared attack ran in the training step
