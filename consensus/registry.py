@@ -19,7 +19,9 @@ The rules table of ``docs/rules.md`` is :func:`markdown_table`; rewrite it with:
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
+import pkgutil
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -48,6 +50,20 @@ __all__ = [
 
 Kind = Literal["coordinatewise", "vector", "pre", "merge"]
 RuleSpec = Spec  # the rule family's specs are plain specs
+
+
+def _declare_builtins() -> None:
+    """Import every module of the rule packages, so a new rule module needs no import line elsewhere.
+
+    The packages' ``__init__`` imports come first, so the classic rules keep their order and a
+    module found here only adds its own declarations after them.
+    """
+    for package in (consensus.aggregators, consensus.merging):
+        for info in pkgutil.iter_modules(package.__path__, f"{package.__name__}."):
+            importlib.import_module(info.name)
+
+
+_declare_builtins()
 
 #: The command that rewrites the rules table of docs/rules.md from the declarations.
 DOCS_COMMAND = "python -m consensus.registry --write-docs"
@@ -127,7 +143,8 @@ def precondition_text(spec: Spec) -> str:
     """The precondition as the docs show it: the declared formula, else the requirement at n = 1, f = 1."""
     if spec.formula:
         return spec.formula
-    need = spec.requirement(1, 1 if spec.takes_f else 0) or "n >= 1"
+    # At f = 1 even for a rule not told f: configs check its precondition against their f.
+    need = spec.requirement(1, 1) or "n >= 1"
     return re.sub(r" = -?\d+(\.\d+)?$", "", need)  # "n > 2f + 2 = 4" -> "n > 2f + 2"
 
 
