@@ -122,7 +122,14 @@ def multi_krum(num_byzantine: int, num_selected: int | None = None) -> Aggregato
     return Aggregator(init_rule_state, update, "multi_krum")
 
 
-@RULES.declare(kind="vector", takes_f=True, precondition=bulyan_precondition, reads_views=True)
+@RULES.declare(
+    kind="vector",
+    takes_f=True,
+    precondition=bulyan_precondition,
+    reads_views=True,
+    # its coordinate-wise second stage is no weighted combination of the inputs (``info.linear``)
+    traits={"linear": False},
+)
 def bulyan(num_byzantine: int) -> Aggregator:
     """Bulyan (El Mhamdi, Guerraoui and Rouault 2018, ICML, "The Hidden Vulnerability ...").
 

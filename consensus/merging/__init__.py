@@ -5,8 +5,8 @@ Each is an :class:`~consensus.base.Aggregator` (DARE a
 with the votes: ``process(ties(0.2), pre=[nnm(f)])``.
 """
 
-from consensus.merging.arithmetic import task_arithmetic
-from consensus.merging.dare import DareState, dare
+from consensus.merging.arithmetic import linear, task_arithmetic
+from consensus.merging.dare import DareState, dare, dare_linear, dare_ties
 from consensus.merging.fisher import fisher_merge
 from consensus.merging.layerwise import LayerwiseState, LayerwiseWeights, layerwise_weights, solve_layerwise
 from consensus.merging.regmean import regmean
@@ -21,9 +21,12 @@ __all__ = [
     "SphereState",
     "StockState",
     "dare",
+    "dare_linear",
+    "dare_ties",
     "fisher_merge",
     "karcher_mean",
     "layerwise_weights",
+    "linear",
     "model_stock",
     "regmean",
     "slerp",

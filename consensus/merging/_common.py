@@ -77,6 +77,13 @@ def check_density(rule: str, density: float) -> float:
     return float(density)
 
 
+def check_flag(rule: str, name: str, value: Any) -> bool:
+    """A yes/no parameter: a bool (or numpy bool), nothing else (``"false"`` would read as true)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{rule}: {name} must be true or false, got {value!r}")
+    return bool(value)
+
+
 def check_scale(rule: str, scale: float) -> float:
     if not math.isfinite(float(scale)):
         raise ValueError(f"{rule}: scale must be finite, got {scale!r}")
@@ -85,26 +92,38 @@ def check_scale(rule: str, scale: float) -> float:
 
 def node_weights(rule: str, fixed: jax.Array | None, given: Any, n: int) -> jax.Array:
     """(n,) float32 node weights: per-call ``given`` over the factory's ``fixed``, default all 1."""
-    w = given if given is not None else fixed
-    if w is None:
+    if given is None and fixed is None:
         return jnp.ones((n,), jnp.float32)
-    w = jnp.asarray(w, jnp.float32)
+    if given is None:
+        # The factory's weights were checked on the host (fixed_weights); only the count is
+        # left. Under jit, a jnp operation on them would give a tracer that cannot be tested.
+        if fixed.shape != (n,):
+            raise ValueError(f"{rule}: weights must have shape ({n},) (one per input), got {fixed.shape}")
+        return jnp.asarray(fixed)
+    w = jnp.asarray(given, jnp.float32)
     if w.shape != (n,):
-        raise ValueError(f"{rule}: weights must have shape ({n},), got {w.shape}")
+        raise ValueError(f"{rule}: weights must have shape ({n},) (one per input), got {w.shape}")
     if is_concrete(w) and bool(jnp.any(~jnp.isfinite(w) | (w < 0))):
         raise ValueError(f"{rule}: weights must be finite and non-negative")
     return w
 
 
-def fixed_weights(rule: str, weights: Any) -> jax.Array | None:
+def fixed_weights(rule: str, weights: Any) -> np.ndarray | None:
+    """A factory's node weights, checked on the host: a float32 numpy vector (None stays None).
+
+    Kept as numpy so that an update jitted around the rule sees constants, not tracers.
+    """
     if weights is None:
         return None
-    w = np.asarray(weights, np.float64)
+    try:
+        w = np.asarray(weights, np.float64)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{rule}: weights must be a list of numbers, got {weights!r}") from e
     if w.ndim != 1 or not np.all(np.isfinite(w)) or np.any(w < 0):
         raise ValueError(
             f"{rule}: weights must be a 1-D vector of finite non-negative numbers, got {weights!r}"
         )
-    return jnp.asarray(w, jnp.float32)
+    return w.astype(np.float32)
 
 
 def info(valid: jax.Array, weights: jax.Array, linear: bool) -> AggregationInfo:

@@ -7,10 +7,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from consensus import tree
 from consensus.aggregators import view as views
-from consensus.base import Aggregator
+from consensus.base import AggregationInfo, Aggregator
 from consensus.merging._common import (
     RuleState,
+    check_flag,
     check_scale,
     fixed_weights,
     info,
@@ -21,6 +23,7 @@ from consensus.merging._common import (
     require_valid_count,
 )
 from consensus.specs import RULES, at_least
+from kernels import rows as row_kernels
 from kernels.compile_options import kernel_jit
 from kernels.dropout import dropped_delta_sum
 from kernels.rows import tree_sum
@@ -51,7 +54,7 @@ def delta_sum(x: jax.Array, base: jax.Array, coeffs: jax.Array) -> jax.Array:
     elementwise=True,
     reads_dropped=True,
 )
-def task_arithmetic(scale: float = 1.0, weights: Any = None) -> Aggregator:
+def task_arithmetic(scale: float = 1.0, weights: Any = None, normalize: bool = False) -> Aggregator:
     """Task arithmetic (Ilharco et al., "Editing Models with Task Arithmetic", ICLR 2023).
 
     .. math:: \\theta = \\theta_0 + \\lambda \\sum_{i \\in V} w_i (x_i - \\theta_0)
@@ -63,7 +66,9 @@ def task_arithmetic(scale: float = 1.0, weights: Any = None) -> Aggregator:
     the sum of the weights, i.e. the weighted mean of the nodes, then scales
     nothing). The paper tunes lambda on held-out data (0.3-0.4 for 8 tasks).
     V are the valid nodes (allowed by ``mask`` and finite); w are given here or
-    per call ``update(..., weights=w)``. One pass over the stack, also after
+    per call ``update(..., weights=w)``. ``normalize=True`` divides the weights by
+    their sum over the valid nodes (a sum below 1e-8 in magnitude divides by 1), as
+    mergekit's ``normalize: true``. One pass over the stack, also after
     ``dare`` inside ``process`` (the drop is computed where each entry is read).
 
     Not robust: one node moves the output arbitrarily far. Compose with the
@@ -74,6 +79,7 @@ def task_arithmetic(scale: float = 1.0, weights: Any = None) -> Aggregator:
     """
     lam = check_scale("task_arithmetic", scale)
     fixed = fixed_weights("task_arithmetic", weights)
+    normalize = check_flag("task_arithmetic", "normalize", normalize)
 
     def update(stacked, state, params=None, *, mask=None, weights=None, assume_finite=False, **extra):
         del state, extra
@@ -87,6 +93,9 @@ def task_arithmetic(scale: float = 1.0, weights: Any = None) -> Aggregator:
 
         def compute(valid):
             coeffs = jnp.where(valid, lam * w, 0.0)
+            if normalize:
+                total = jnp.sum(jnp.where(valid, w, 0.0))
+                coeffs = coeffs / jnp.where(jnp.abs(total) < 1e-8, 1.0, total)
             if dropped is None:
                 return jax.tree.map(lambda x, b: delta_sum(x, b, coeffs), stacked, params)
             xs, bases = jax.tree_util.tree_leaves(stacked), jax.tree_util.tree_leaves(params)
@@ -101,3 +110,58 @@ def task_arithmetic(scale: float = 1.0, weights: Any = None) -> Aggregator:
         return merged, RuleState(info(valid, w, False))
 
     return Aggregator(init_rule_state, update, "task_arithmetic")
+
+
+@kernel_jit
+def _linear_leaf(x: jax.Array, coeffs: jax.Array) -> jax.Array:
+    return row_kernels.weighted_sum(x, coeffs).astype(x.dtype)
+
+
+@RULES.declare(
+    kind="merge",
+    precondition=at_least(1),
+    sensitivity="max_i w_i / sum_j w_j * C with normalize (a weighted mean), else max_i w_i * C",
+    elementwise=True,
+)
+def linear(weights: Any = None, normalize: bool = True) -> Aggregator:
+    """Linear merge, mergekit's ``linear``: a weighted sum of the models, divided by the sum of the weights.
+
+    .. math:: \theta = \frac{\\sum_{i \\in V} w_i x_i}{\\sum_{i \\in V} w_i}
+              \\quad (\text{normalize}), \\qquad \theta = \\sum_{i \\in V} w_i x_i \\quad (\text{not})
+
+    with node weights w (default 1: the plain mean) given here or per call
+    ``update(..., weights=w)``, and V the valid nodes (allowed by ``mask`` and
+    finite; an invalid node's weight leaves the sum and the divisor). mergekit's
+    default is ``normalize: true``; there the divisor is the sum of all weights,
+    which is the same when every node is valid. No base model is needed.
+    One pass over the stack (element-wise: streamed in column chunks by the merge
+    command). Not robust: one node moves the output arbitrarily far.
+    Precondition: at least 1 valid node (with a positive weight when normalizing).
+    """
+    fixed = fixed_weights("linear", weights)
+    normalize = check_flag("linear", "normalize", normalize)
+
+    def update(stacked, state, params=None, *, mask=None, weights=None, assume_finite=False, **extra):
+        del state, extra
+        stacked = views.materialize(stacked) if views.is_view(stacked) else stacked
+        n = tree.num_nodes(stacked)
+        if params is not None:
+            tree.check_stacked_against(stacked, params)
+        w = node_weights("linear", fixed, weights, n)
+
+        def coefficients(valid):
+            coeffs = jnp.where(valid, w, 0.0)
+            if normalize:
+                total = jnp.sum(coeffs)
+                coeffs = coeffs / jnp.where(total == 0, 1.0, total)
+            return coeffs
+
+        def compute(valid):
+            coeffs = coefficients(valid)
+            return jax.tree.map(lambda x: _linear_leaf(x, coeffs), stacked)
+
+        merged, valid = optimistic(stacked, mask, n, assume_finite, compute)
+        require_valid_count("linear", at_least(1), valid, n)
+        return merged, RuleState(AggregationInfo(valid, valid, coefficients(valid), True))
+
+    return Aggregator(init_rule_state, update, "linear")

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from consensus.aggregators import view as views
 from consensus.aggregators._common import allowed, check_stacked
-from consensus.base import PreAggregator
+from consensus.base import Aggregator, PreAggregator
 from consensus.merging._common import check_density
 from consensus.specs import RULES, at_least
 from kernels import dropout
@@ -131,3 +131,87 @@ def dare(density: float, rescale: bool | str = True, *, key: jax.Array | None = 
         return (rows if lazy else views.materialize(rows)), new_state
 
     return PreAggregator(init, update, "dare")
+
+
+def _dare_then(rule: str, density: float, rescale: bool | str, merge: Any) -> Aggregator:
+    """DARE's drop (keyed) composed with ``merge`` over the dropped task vectors, as one merge rule.
+
+    The update takes the round's key as ``update(..., key=k)``; leaf l uses ``fold_in(k, l)`` as
+    :func:`dare` does. Task arithmetic reads DARE's rows lazily (one pass over the stack); any
+    other merge gets them written out first.
+    """
+    drop = dare(density, rescale)
+    lazy = rescale != "l1" and merge.spec is not None and merge.spec.reads_dropped
+
+    def update(stacked, state, params=None, *, mask=None, key=None, **extra):
+        del state
+        if key is None:
+            raise ValueError(f"{rule}: is randomized; pass a jax.random key as update(..., key=key)")
+        if params is None:
+            raise ValueError(f"{rule}: needs the base model: update(stacked, state, params=base)")
+        rows, _ = drop.update(stacked, None, params, mask=mask, lazy=lazy, key=key)
+        return merge.update(rows, merge.init(params), params, mask=mask, **extra)
+
+    return Aggregator(lambda params: merge.init(params), update, rule)
+
+
+@RULES.declare(
+    kind="merge",
+    precondition=at_least(1),
+    sensitivity="scale * max_i w_i * C / density (DARE's rescale, then a weighted sum)",
+    needs=("params", "key"),
+    defaults={"density": 0.5},
+)
+def dare_linear(
+    density: float,
+    weights: Any = None,
+    normalize: bool = False,
+    scale: float = 1.0,
+    rescale: bool | str = True,
+) -> Aggregator:
+    """DARE then task arithmetic: mergekit's ``dare_linear`` (Yu et al., ICML 2024).
+
+    Every entry of every task vector ``d_i = x_i - theta_0`` is kept with probability
+    ``density`` and the kept ones rescaled (:func:`dare`: ``rescale=True`` divides by
+    density, the paper's rule; ``"l1"`` keeps each tensor's L1 norm, current mergekit's
+    ``rescale: true``; ``False`` keeps them as they are), then
+    ``theta = theta_0 + scale * sum_i w_i d_i'`` (divided by ``sum_i w_i`` with
+    ``normalize=True``; mergekit's default for dare_linear is ``normalize: false``).
+    Randomized: the caller passes ``update(..., key=k)``. One pass over the stack.
+    Precondition: density in (0, 1], at least 1 valid node.
+    """
+    from consensus.merging.arithmetic import task_arithmetic
+
+    merge = task_arithmetic(scale, weights, normalize=normalize)
+    return _dare_then("dare_linear", density, rescale, merge)
+
+
+@RULES.declare(
+    kind="merge",
+    precondition=at_least(1),
+    sensitivity="not bounded (one node can flip every elected sign)",
+    needs=("params", "key"),
+    defaults={"density": 0.5},
+)
+def dare_ties(
+    density: float,
+    weights: Any = None,
+    normalize: bool = False,
+    scale: float = 1.0,
+    election: str = "sum",
+    rescale: bool | str = True,
+) -> Aggregator:
+    """DARE then TIES' sign election and disjoint merge: mergekit's ``dare_ties``.
+
+    The task vectors are dropped and rescaled as by :func:`dare_linear` (no magnitude
+    trim: DARE's random drop is the sparsification), weighted by w, a sign elected per
+    coordinate (``election``: "sum" or "count") and the entries of the elected sign
+    summed (``normalize=True``: divided by the sum of the kept nodes' weights;
+    mergekit's default for dare_ties is ``normalize: false``), times ``scale``, added to
+    the base. Randomized: ``update(..., key=k)``.
+    Precondition: density in (0, 1], at least 1 valid node.
+    """
+    from consensus.merging.ties import ties
+
+    merge = ties(1.0, election=election, scale=scale, weights=weights, normalize=normalize)
+    return _dare_then("dare_ties", density, rescale, merge)

@@ -12,6 +12,7 @@ from consensus.base import Aggregator
 from consensus.merging._common import (
     RuleState,
     check_density,
+    check_flag,
     check_scale,
     fixed_weights,
     info,
@@ -56,8 +57,8 @@ def _thresholds(x, base, valid, *, k: int):
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-@kernel_jit(static_argnames=("election",))
-def _ties_leaf(x, base, thresholds, w, valid, scale, *, election: str):
+@kernel_jit(static_argnames=("election", "normalize"))
+def _ties_leaf(x, base, thresholds, w, valid, scale, *, election: str, normalize: bool = True):
     """One fused pass over the rows: trim, weigh, elect, disjoint mean, add to the base."""
     b = base.astype(jnp.float32)
     n = x.shape[0]
@@ -72,12 +73,13 @@ def _ties_leaf(x, base, thresholds, w, valid, scale, *, election: str):
     elected = jnp.where(votes >= 0, 1.0, -1.0)
     kept = [jnp.sign(t) == elected for t in terms]  # sign(0) = 0: zeros are never kept
     num = tree_sum([jnp.where(k, t, 0.0) for k, t in zip(kept, terms, strict=True)])
-    den = tree_sum([jnp.where(k, w[i], 0.0) for i, k in enumerate(kept)])
-    den = jnp.where(den == 0, 1.0, den)
+    if normalize:
+        den = tree_sum([jnp.where(k, w[i], 0.0) for i, k in enumerate(kept)])
+        num = num / jnp.where(den == 0, 1.0, den)
     # 0 where every kept-or-not term is finite, NaN where a valid node holds NaN/Inf: the
     # non-finite node must poison the output (and be excluded by the caller), not vanish.
     poison = tree_sum([t * 0.0 for t in terms])
-    return (b + scale * (num / den) + poison).astype(x.dtype)
+    return (b + scale * num + poison).astype(x.dtype)
 
 
 @RULES.declare(
@@ -87,7 +89,9 @@ def _ties_leaf(x, base, thresholds, w, valid, scale, *, election: str):
     needs=("params",),
     defaults={"density": 0.2},
 )
-def ties(density: float, election: str = "sum", scale: float = 1.0, weights: Any = None) -> Aggregator:
+def ties(
+    density: float, election: str = "sum", scale: float = 1.0, weights: Any = None, normalize: bool = True
+) -> Aggregator:
     """TIES-merging (Yadav et al., "TIES-Merging: Resolving Interference When Merging Models", NeurIPS 2023).
 
     With ``params`` = theta_0 the base and task vectors ``d_i = x_i - theta_0``:
@@ -104,7 +108,8 @@ def ties(density: float, election: str = "sum", scale: float = 1.0, weights: Any
        ``sign(tau_i)`` (mergekit's ``count``). A zero vote elects +.
     4. *Disjoint merge*: keep ``tau_i`` where ``sign(tau_i)`` equals the
        elected sign (zeros are never kept), and divide the sum of the kept
-       entries by the sum of the kept nodes' weights (a divisor of 0 reads 1).
+       entries by the sum of the kept nodes' weights (a divisor of 0 reads 1);
+       ``normalize=False`` (mergekit's ``normalize: false``) keeps the sum.
     5. ``theta = theta_0 + scale * merged`` (the paper's lambda; 1 in mergekit).
 
     This is mergekit's ``ties`` (``normalize: true``) except for the tie rule
@@ -128,6 +133,7 @@ def ties(density: float, election: str = "sum", scale: float = 1.0, weights: Any
         raise ValueError(f"ties: election must be one of {ELECTIONS}, got {election!r}")
     lam = check_scale("ties", scale)
     fixed = fixed_weights("ties", weights)
+    normalize = check_flag("ties", "normalize", normalize)
 
     def update(stacked, state, params=None, *, mask=None, weights=None, assume_finite=False, **extra):
         del state, extra
@@ -139,7 +145,9 @@ def ties(density: float, election: str = "sum", scale: float = 1.0, weights: Any
             out = []
             for x, b in zip(xs, bs, strict=True):
                 t = trim_thresholds(x, b, rho, valid)
-                out.append(_ties_leaf(x, b, t, w, valid, jnp.float32(lam), election=election))
+                out.append(
+                    _ties_leaf(x, b, t, w, valid, jnp.float32(lam), election=election, normalize=normalize)
+                )
             return unflatten_like(params, out)
 
         merged, valid = optimistic(stacked, mask, n, assume_finite, compute)

@@ -23,6 +23,7 @@ from meta_consensus.merge.plan import (
     parse_override,
     parse_sets,
     parse_shard_size,
+    parse_weights,
     plan_from_toml,
 )
 from meta_consensus.merge.report import REPORT_NAME
@@ -44,7 +45,12 @@ def add_parser(sub: Any) -> None:
         "this package (a <run>/checkpoints/<round> folder, or a checkpoints or run folder: its latest "
         "round; the consensus is merged); kinds may be mixed",
     )
-    p.add_argument("--method", help="a rule of consensus.registry.RULES (median, trimmed_mean, krum, ...)")
+    p.add_argument(
+        "--method",
+        help="a merge method: a rule of consensus.registry.RULES that maps n inputs to one (linear, "
+        "task_arithmetic, ties, dare_ties, dare_linear, slerp, model_stock, karcher_mean, median, "
+        "trimmed_mean, krum, ...; an unknown name lists them all)",
+    )
     p.add_argument("--num-byzantine", "-f", type=int, default=None, help="f, for the rules that take one")
     p.add_argument(
         "--set", action="append", default=[], metavar="method.PARAM=VALUE", help="a rule parameter"
@@ -76,8 +82,21 @@ def add_parser(sub: Any) -> None:
         help="an input holding NaN or Inf is an error (default: left out of that tensor and named on stderr)",
     )
     p.add_argument("--shard-size", help="shard the output above this size, e.g. 2GB")
-    p.add_argument("--seed", type=int, default=None, help="seed of randomized rules (default 0)")
+    p.add_argument(
+        "--seed", type=int, default=None, help="seed of randomized rules (dare_*, signguard, ...; default 0)"
+    )
+    p.add_argument(
+        "--weights",
+        metavar="W1,W2,...",
+        help="one weight per input, in order (linear, task_arithmetic, ties, dare_*, karcher_mean, ...)",
+    )
     p.add_argument("--config", help="merge TOML file (command-line options win)")
+    p.add_argument(
+        "--mergekit-config",
+        metavar="YAML",
+        help="a mergekit configuration (models, base_model, merge_method, parameters, dtype); "
+        "--out is still needed",
+    )
     # how the command runs
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     # Which rules exist: ``--plugin MODULE`` (user modules that declare more) is added after
@@ -98,18 +117,29 @@ def plan_from_args(args: Any) -> MergePlan:
         "dtype": args.dtype,
         "shard_size": args.shard_size,
         "seed": args.seed,
+        "weights": args.weights,
         "overrides": overrides,
         # --plugin's modules (meta_consensus.cli has loaded them): the report records them with the file's
         "plugins": list(getattr(args, "plugin", None) or []),
     }
+    if getattr(args, "mergekit_config", None):
+        from meta_consensus.merge.mergekit import plan_from_mergekit
+
+        if args.config or args.method or args.inputs:
+            raise MergeError(
+                "--mergekit-config gives the method and the inputs: drop --config, --method and INPUT"
+            )
+        return plan_from_mergekit(args.mergekit_config, **values)
     if args.config:
         return plan_from_toml(args.config, **values)
     if not args.method:
         raise MergeError("give --method NAME (or --config merge.toml)")
+    weights = parse_weights(args.weights)
+    params = values["params"] if weights is None else {**values["params"], "weights": list(weights)}
     return MergePlan(
         inputs=tuple(args.inputs),
         out=args.out or "",
-        rule=RuleChoice(args.method, values["params"], args.num_byzantine),
+        rule=RuleChoice(args.method, params, args.num_byzantine),
         overrides=tuple(overrides),
         base=args.base,
         dtype=args.dtype,

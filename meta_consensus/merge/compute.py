@@ -105,8 +105,12 @@ def gram_of(stacked: np.ndarray, base: np.ndarray | None) -> tuple[np.ndarray, n
     return np.asarray(finite), np.asarray(gram, np.float64)
 
 
-def vector_weights(choice: RuleChoice, gram: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Weights and selection of a vector rule run on an n x n embedding with Gram matrix ``gram``."""
+def vector_weights(
+    choice: RuleChoice, gram: np.ndarray, valid: np.ndarray, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Weights and selection of a vector rule run on an n x n embedding with Gram matrix ``gram``;
+    a randomized rule gets ``key(seed)``."""
+    import jax
     import jax.numpy as jnp
 
     from consensus.base import get_info
@@ -117,7 +121,8 @@ def vector_weights(choice: RuleChoice, gram: np.ndarray, valid: np.ndarray) -> t
     embedding = (u * np.sqrt(np.clip(lam, 0.0, None))).astype(np.float32)
     rule = choice.build()
     stacked, centre = {"e": jnp.asarray(embedding)}, {"e": jnp.zeros((n,), jnp.float32)}
-    _, state = rule.update(stacked, rule.init(centre), centre, mask=jnp.asarray(valid))
+    extra = {"key": jax.random.key(seed)} if choice.spec.randomized else {}
+    _, state = rule.update(stacked, rule.init(centre), centre, mask=jnp.asarray(valid), **extra)
     info = get_info(state)
     if not info.linear:
         raise MergeError(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -19,6 +20,43 @@ from meta_consensus.merge.errors import MergeError
 
 # The rule kinds that map n inputs to one; pre-aggregators (n -> n) are refused.
 MERGE_KINDS = ("coordinatewise", "vector", "merge")
+# What the merge command passes a rule besides the stacked inputs: the base (``--base``), a key
+# (from ``--seed``) and per-input weights (``--weights``, given to the rule's ``weights`` parameter).
+PROVIDED_NEEDS = frozenset({"params", "key", "weights"})
+
+
+def merge_methods() -> list[str]:
+    """The rules ``--method`` offers, read from their specs: those that map n inputs to one and
+    need nothing the merge command cannot provide (pre-aggregators, and rules that need a server
+    update, Fisher information or Gram statistics, are left out). A vector rule is streamed from
+    whole-model weights, so one whose output is no weighted combination of the inputs (its spec's
+    ``traits["linear"]`` is False: Bulyan) is left out too."""
+    from consensus.registry import RULES, by_kind
+
+    del RULES  # importing the registry declares the built-in rules
+    return [
+        name
+        for name, spec in by_kind()
+        if spec.kind in MERGE_KINDS
+        and set(spec.needs) <= PROVIDED_NEEDS
+        and (spec.kind != "vector" or spec.traits.get("linear", True))
+    ]
+
+
+def parse_weights(text: Any) -> tuple[float, ...] | None:
+    """``"0.5,0.3,0.2"`` (or a list of numbers) -> per-input weights; None stays None."""
+    if text is None:
+        return None
+    items = text.split(",") if isinstance(text, str) else list(text)
+    try:
+        weights = tuple(float(w) for w in items)
+    except (TypeError, ValueError):
+        raise MergeError(
+            f"--weights {text!r}: expected numbers separated by commas, e.g. 0.5,0.3,0.2"
+        ) from None
+    if not weights or not all(math.isfinite(w) and w >= 0 for w in weights):
+        raise MergeError(f"--weights {text!r}: weights must be finite and non-negative")
+    return weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,9 +162,9 @@ def plan_from_toml(path: str | Path, **overrides: Any) -> MergePlan:
     """A plan from a TOML file; keyword arguments (from the command line) win over its values.
 
     Keys: ``method``, ``num_byzantine``, ``inputs`` (list), ``out``, ``base``,
-    ``dtype``, ``shard_size``, ``seed``, ``plugins`` (modules that declare more merge
-    methods, as ``--plugin``), ``[params]`` (the method's parameters) and
-    ``[[overrides]]`` tables with ``pattern``, ``method``, ``num_byzantine`` and
+    ``dtype``, ``shard_size``, ``seed``, ``weights`` (one per input, as ``--weights``),
+    ``plugins`` (modules that declare more merge methods, as ``--plugin``), ``[params]``
+    (the method's parameters) and ``[[overrides]]`` tables with ``pattern``, ``method``, ``num_byzantine`` and
     ``params``. The plan's plug-ins are the file's, then the command line's.
     """
     path = Path(path)
@@ -143,6 +181,7 @@ def plan_from_toml(path: str | Path, **overrides: Any) -> MergePlan:
         "dtype",
         "shard_size",
         "seed",
+        "weights",
         "params",
         "overrides",
         "plugins",
@@ -155,6 +194,9 @@ def plan_from_toml(path: str | Path, **overrides: Any) -> MergePlan:
     if not method:
         raise MergeError(f'{path}: no method (set method = "..." or pass --method)')
     params = {**dict(doc.get("params", {})), **values.get("params", {})}
+    weights = parse_weights(values.get("weights", doc.get("weights")))
+    if weights is not None:
+        params["weights"] = list(weights)
     f = values.get("num_byzantine", doc.get("num_byzantine"))
     over = []
     for o in doc.get("overrides", []):
@@ -237,11 +279,21 @@ def check_rule(choice: RuleChoice, n: int, has_base: bool) -> None:
     precondition on (n, f) is its spec's (``ByzantineToleranceError``)."""
     from consensus.registry import RULES
 
-    spec = choice.spec  # RegistryError lists the valid names
+    if choice.method not in RULES:
+        raise MergeError(f"unknown method {choice.method!r}; valid methods: {merge_methods()}")
+    spec = choice.spec
     if spec.kind not in MERGE_KINDS:
-        valid = RULES.names(lambda s: s.kind in MERGE_KINDS)
         raise MergeError(
-            f"{choice.method} is a {spec.kind!r} rule (n -> n), not a merge; valid methods: {valid}"
+            f"{choice.method} is a {spec.kind!r} rule (n -> n), not a merge; valid methods: {merge_methods()}"
+        )
+    weights = choice.params.get("weights")
+    if weights is not None and "weights" not in spec.params:
+        takes = [m for m in merge_methods() if "weights" in RULES[m].params]
+        raise MergeError(f"{choice.label()} takes no per-input weights; methods that do: {takes}")
+    if weights is not None and (not isinstance(weights, (list, tuple)) or len(weights) != n):
+        raise MergeError(
+            f"{choice.label()}: {len(weights) if isinstance(weights, (list, tuple)) else weights!r} "
+            f"weights for {n} inputs; give one weight per input (--weights W1,W2,...)"
         )
     spec.check_params(choice.params)
     missing = [p for p in spec.required if p not in choice.params]
@@ -254,14 +306,29 @@ def check_rule(choice: RuleChoice, n: int, has_base: bool) -> None:
     f = choice.num_byzantine or 0
     if f < 0:
         raise MergeError(f"num_byzantine must be >= 0, got {f}")
+    if not spec.takes_f and spec.requirement(n, 0) is not None:
+        need = str(spec.requirement(n, 0)).replace("valid node", "input")
+        raise MergeError(f"{choice.label()} needs {need}; {n} given")
     spec.check(n, f)
+    if spec.kind == "vector" and not spec.traits.get("linear", True):
+        raise MergeError(
+            f"{choice.method}: its output is no weighted combination of the inputs, so it cannot be "
+            f"streamed from whole-model weights; valid methods: {merge_methods()}"
+        )
     if spec.needs_base and not has_base:
         raise MergeError(
             f"{choice.label()} merges task vectors: it needs --base BASE (the common pre-trained model)"
         )
-    unsupported = sorted(set(spec.needs) - {"params", "key"})
+    if "weights" in spec.needs and weights is None:
+        raise MergeError(
+            f"{choice.label()} needs per-input weights: give --weights W1,W2,... (one per input)"
+        )
+    unsupported = sorted(set(spec.needs) - PROVIDED_NEEDS)
     if unsupported:
-        raise MergeError(f"{choice.label()} needs {unsupported}, which the merge command cannot provide")
+        raise MergeError(
+            f"{choice.label()} needs {unsupported}, which the merge command cannot provide; "
+            f"valid methods: {merge_methods()}"
+        )
     try:
         choice.build()
     except (TypeError, ValueError) as e:

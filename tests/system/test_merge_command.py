@@ -153,7 +153,7 @@ def test_user_errors_are_one_line_exit_2_and_write_nothing(tmp_path, capsys):
     before = sorted(p.name for p in tmp_path.iterdir())
     out = ["--quiet", "--out", str(tmp_path / "new")]
     cases = [
-        (["--method", "nope", *out, *inputs], "unknown aggregation rule 'nope'; valid choices"),
+        (["--method", "nope", *out, *inputs], "unknown method 'nope'; valid methods"),
         (
             ["--method", "median", "--set", "method.beta=1", *out, *inputs],
             "median takes no parameter(s) ['beta']",
