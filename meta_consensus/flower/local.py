@@ -1,7 +1,8 @@
 """The quick path: a Flower ``Grid`` that runs a ClientApp's nodes in this process.
 
 :class:`InProcessGrid` implements Flower's Grid interface (``get_node_ids``,
-``send_and_receive``, ...) by calling the ClientApp for each message, with one
+``push_messages``, ``pull_messages``, ``send_and_receive``) by calling the ClientApp for each
+message as it is pushed (its reply waits for the pull), with one
 :class:`flwr.app.Context` per node kept across rounds (``node_config`` holds
 ``partition-id`` and ``num-partitions``, as a SuperNode's does). A ClientApp that raises
 becomes an error reply, as on a SuperNode; :meth:`InProcessGrid.kill` makes a node stop
@@ -16,6 +17,7 @@ ServerApp strategy and ClientApp code, one node after the other, in this process
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterable
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -48,6 +50,7 @@ class InProcessGrid(Grid):
                 run_config=dict(run_config or {}),
             )
         self.dead: set[int] = set()
+        self._replies: dict[str, Message] = {}  # pushed message id -> its node's reply
 
     def kill(self, partition: int) -> None:
         """Node ``partition`` stops answering (and leaves the node list), like a SuperNode that died."""
@@ -69,21 +72,29 @@ class InProcessGrid(Grid):
         return [i for i in self.contexts if i not in self.dead]
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        raise NotImplementedError("InProcessGrid answers in send_and_receive only")
+        """Run each message's node now (one after the other); its reply waits for ``pull_messages``."""
+        ids = []
+        for msg in messages:
+            mid = uuid.uuid4().hex
+            msg.metadata.__dict__["_message_id"] = mid  # as HttpGrid.push_messages sets it (flwr 1.42)
+            reply = self._answer(msg)
+            if reply is not None:
+                self._replies[mid] = reply
+            ids.append(mid)
+        return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        raise NotImplementedError("InProcessGrid answers in send_and_receive only")
+        return [self._replies.pop(mid) for mid in message_ids if mid in self._replies]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
-        replies = []
-        for msg in messages:
-            dst = msg.metadata.dst_node_id
-            if dst in self.dead or dst not in self.contexts:
-                continue  # no reply: a missing answer at the strategy
-            msg.metadata.created_at = time.time()
-            try:
-                reply = self.client_app(msg, self.contexts[dst])
-            except Exception as e:  # noqa: BLE001 - a failing ClientApp is an error reply, as on a SuperNode
-                reply = Message(Error(code=0, reason=f"{type(e).__name__}: {e}"), reply_to=msg)
-            replies.append(reply)
-        return replies
+        return [r for r in (self._answer(msg) for msg in messages) if r is not None]
+
+    def _answer(self, msg: Message) -> Message | None:
+        dst = msg.metadata.dst_node_id
+        if dst in self.dead or dst not in self.contexts:
+            return None  # no reply: a missing answer at the strategy
+        msg.metadata.created_at = time.time()
+        try:
+            return self.client_app(msg, self.contexts[dst])
+        except Exception as e:  # noqa: BLE001 - a failing ClientApp is an error reply, as on a SuperNode
+            return Message(Error(code=0, reason=f"{type(e).__name__}: {e}"), reply_to=msg)

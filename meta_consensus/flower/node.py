@@ -300,6 +300,12 @@ def evaluate_reply(msg: Message, context: Context, task: Task | None = None) -> 
     return Message(RecordDict({"metrics": metrics}), reply_to=msg)
 
 
+def query_reply(msg: Message, context: Context) -> Message:
+    """Which partition this SuperNode serves (its node config's ``partition-id``): the strategy asks
+    once per Flower node id, so that a node that never answers is still filed under its partition."""
+    return Message(RecordDict({"metrics": MetricRecord({PARTITION_KEY: _partition(context)})}), reply_to=msg)
+
+
 def make_client_app(task: Task | None = None) -> ClientApp:
     """A Flower ClientApp running node ``partition-id`` (its SuperNode's node config) of the server's config.
 
@@ -315,5 +321,9 @@ def make_client_app(task: Task | None = None) -> ClientApp:
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
         return evaluate_reply(msg, context, task)
+
+    @app.query()
+    def query(msg: Message, context: Context) -> Message:
+        return query_reply(msg, context)
 
     return app

@@ -9,7 +9,15 @@ same config sections and the same rules:
    (:mod:`meta_consensus.flower.arrays`). A reply that carries an error, answers another
    round (too late), repeats a partition, does not match the consensus's keys, shapes or
    dtypes, or is not finite is a **missing answer** with its reason; a node that did not
-   reply before the round's timeout (or whose SuperNode died) is missing too.
+   reply before the round's timeout, or whose SuperNode died, is missing too. Each missing
+   answer is filed under its partition (the strategy asks a node it has not seen yet which
+   partition it serves with one small ``query`` message) with Flower's reason (the error
+   reply's text and code, or ``no reply: node went offline``), in :attr:`history`, in the
+   round's MetricRecord (``missing``: the partitions) and in one log line.
+   The replies are gathered by :class:`~meta_consensus.flower.replies.RoundGrid`, which
+   stops waiting for a node the SuperLink no longer lists: with flwr 1.42 a SuperNode that
+   dies while it uploads its reply would otherwise hold every reply of the round for 180 s
+   (see that module).
 2. **the round's rules**, shared with the coordinator
    (:func:`~meta_consensus.coordinator.too_few_answers`,
    :func:`~meta_consensus.coordinator.too_few_accepted`): fewer valid answers than
@@ -27,7 +35,7 @@ A Flower round is one attempt: a failed round is skipped (the in-process run wit
 ``max_retries = 0``). The strategy holds the consensus itself; the ``arrays`` Flower
 passes back in are checked against it, never trusted.
 
-The returned MetricRecord holds the round's info (``ok``, ``answered``, ``valid``,
+The returned MetricRecord holds the round's info (``ok``, ``answered``, ``valid``, ``missing``,
 ``accepted`` (0/1 per node), ``weights`` (per node), ``epsilon``, ``noise_std``, the
 consensus's test and held-out accuracy, and the node-weighted mean training loss);
 reasons and per-node errors, which a MetricRecord cannot hold, are in :attr:`history`.
@@ -45,7 +53,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -53,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import Result, Strategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from consensus import tree
@@ -72,6 +80,7 @@ from meta_consensus.flower.node import (
     ROUND_KEY,
     check_flower_config,
 )
+from meta_consensus.flower.replies import RoundGrid
 from meta_consensus.pipeline import MergePipeline, RoundFailure
 from strategies.registry import check_task
 from strategies.tasks.base import Task
@@ -111,6 +120,8 @@ class ConsensusStrategy(Strategy):
         connect before it starts with those that did.
       evaluate: send the consensus to the nodes for evaluation on their own shards after
         every round (Flower's federated evaluation); False skips it.
+      poll_s: seconds between two pulls of a node's reply and between two checks of which
+        nodes the SuperLink lists (:class:`~meta_consensus.flower.replies.RoundGrid`).
     """
 
     def __init__(
@@ -121,6 +132,7 @@ class ConsensusStrategy(Strategy):
         initial_params: PyTree | None = None,
         wait_for_nodes_s: float = 120.0,
         evaluate: bool = True,
+        poll_s: float = 1.0,
     ):
         self.cfg = check_flower_config(cfg)
         n = cfg.nodes.count
@@ -158,12 +170,33 @@ class ConsensusStrategy(Strategy):
         self.wait_for_nodes_s = float(wait_for_nodes_s)
         self.evaluate = bool(evaluate)
         self.config_text = config_lib.dumps(cfg)
-        self._partition_of: dict[int, int] = {}  # Flower node id -> partition id (from replies)
+        self._partition_of: dict[int, int] = {}  # Flower node id -> partition id (queries, replies)
         self._sent: list[Message] = []  # this round's messages (error replies name them)
+        self._dst_of: dict[str, int] = {}  # message id -> destination node id (RoundGrid fills it)
+        self.poll_s = float(poll_s)
+        self._timeout = 3600.0  # the round timeout start() was given
         self._metrics = jax.jit(self.task.metrics)
         self._node_metrics = jax.jit(jax.vmap(self.task.metrics, in_axes=(0, None)))
 
     # ------------------------------------------------------------------ Flower's interface
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Flower's rounds on ``grid`` wrapped in :class:`RoundGrid` (no waiting for nodes that are gone)."""
+        self._timeout = float(timeout)
+        if not isinstance(grid, RoundGrid):
+            grid = RoundGrid(grid, poll_s=self.poll_s, dst_of=self._dst_of)
+        return super().start(
+            grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn
+        )
 
     def initial_arrays(self) -> ArrayRecord:
         return to_array_record(self.consensus)
@@ -195,8 +228,26 @@ class ConsensusStrategy(Strategy):
         config[CONFIG_KEY] = self.config_text
         content = RecordDict({"arrays": to_array_record(self.consensus), "config": config})
         ids = self._node_ids(grid, first=server_round == 1 and kind == MessageType.TRAIN)
+        self._learn_partitions(server_round, grid, ids)
         self._sent = [Message(content, dst, kind, group_id=str(server_round)) for dst in ids]
         return self._sent
+
+    def _learn_partitions(self, server_round: int, grid: Grid, ids: list[int]) -> None:
+        """Ask every node not seen yet which partition it serves (a ``query`` message, no arrays)."""
+        new = [i for i in ids if i not in self._partition_of]
+        if not new:
+            return
+        content = RecordDict({"config": ConfigRecord({ROUND_KEY: server_round})})
+        asks = [Message(content, dst, MessageType.QUERY, group_id=str(server_round)) for dst in new]
+        for reply in grid.send_and_receive(asks, timeout=self._timeout):
+            if reply.has_error():
+                continue  # the node is filed by its node id if it never says which partition it is
+            try:
+                pid = int(reply.content["metrics"][PARTITION_KEY])  # type: ignore[arg-type]
+            except (KeyError, TypeError, ValueError):
+                continue
+            if 0 <= pid < self.n:
+                self._partition_of[reply.metadata.src_node_id] = pid
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -236,20 +287,17 @@ class ConsensusStrategy(Strategy):
         n = self.n
         candidates: list[PyTree | None] = [None] * n
         errors: dict[str, str] = {}
+        failed: dict[str, str] = {}  # error replies by partition (or node id), filed after the answers
         records = []
         for msg in replies:
             src = msg.metadata.src_node_id
             if msg.has_error():
-                # An error the SuperLink writes for a lost node may not come from that node: the
+                # An error the SuperLink writes for a lost node does not come from that node: the
                 # message it answers names the node.
-                to = msg.metadata.reply_to_message_id
-                if to:
-                    src = next(
-                        (m.metadata.dst_node_id for m in self._sent if m.metadata.message_id == to), src
-                    )
+                src = self._destination(msg.metadata.reply_to_message_id, src)
                 who = self._partition_of.get(src)
                 key = str(who) if who is not None else f"node {src}"
-                errors[key] = f"error reply: {msg.error.reason}"
+                failed[key] = error_text(msg)
                 continue
             try:
                 metrics = msg.content["metrics"]
@@ -278,8 +326,13 @@ class ConsensusStrategy(Strategy):
                 continue
             records.append(msg.content)
         answered = np.array([c is not None for c in candidates], bool)
+        for key, why in failed.items():
+            if not (key.isdigit() and answered[int(key)]):  # another node of that partition answered
+                errors.setdefault(key, why)
         for i in np.flatnonzero(~answered):
-            errors.setdefault(str(i), "no answer before the round's timeout (or its SuperNode is gone)")
+            errors.setdefault(
+                str(i), "no answer: no SuperNode of this partition was online when the round was sent"
+            )
         # Missing answers hold the consensus (masked out of the merge), as the fleet's placeholder does.
         stacked = tree.stack([self.consensus if c is None else c for c in candidates])
         finite = np.asarray(to_host(tree.finite_mask(stacked)), bool)
@@ -294,6 +347,16 @@ class ConsensusStrategy(Strategy):
             valid &= ~low
         return stacked, answered, valid, errors, records
 
+    def _destination(self, message_id: str, default: int) -> int:
+        """The node a sent message went to (``default`` for an unknown id)."""
+        if not message_id:
+            return default
+        if message_id in self._dst_of:
+            return self._dst_of[message_id]
+        return next(
+            (m.metadata.dst_node_id for m in self._sent if m.metadata.message_id == message_id), default
+        )
+
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -304,6 +367,16 @@ class ConsensusStrategy(Strategy):
         info = FlowerRound(
             server_round, True, "", answered.tolist(), valid.tolist(), [False] * n, [0.0] * n, errors, eps
         )
+        if errors:
+            log.warning(
+                "round %d: %d of %d valid answers; %s",
+                server_round,
+                int(valid.sum()),
+                n,
+                "; ".join(
+                    f"partition {k}: {v}" if k.isdigit() else f"{k}: {v}" for k, v in sorted(errors.items())
+                ),
+            )
         merged = None
         why = self.stopped or too_few_answers(self.cfg, valid)
         if not why:
@@ -360,6 +433,7 @@ class ConsensusStrategy(Strategy):
             "ok": int(info.ok),
             "answered": int(sum(info.answered)),
             "valid": int(sum(info.valid)),
+            "missing": [i for i, a in enumerate(info.answered) if not a],
             "accepted": [int(a) for a in info.accepted],
             "weights": [float(w) for w in info.weights],
             "epsilon": float(info.epsilon),
@@ -372,6 +446,14 @@ class ConsensusStrategy(Strategy):
             # flwr types a MetricRecord value as a number or a list; train_loss is a number.
             out["train_loss"] = float(node_weighted_mean(records)["train_loss"])  # type: ignore[arg-type]
         return MetricRecord(out)
+
+
+def error_text(msg: Message) -> str:
+    """An error reply's reason with its Flower error code."""
+    reason, code = msg.error.reason or "", msg.error.code
+    if not reason.startswith(("no reply", "not sent")):
+        reason = f"error reply: {reason}"
+    return f"{reason} (flwr error code {code})"
 
 
 def node_weighted_mean(contents: list[RecordDict]) -> MetricRecord:

@@ -9,13 +9,16 @@ on the same config and seed. The deployment over a real SuperLink is in
 
 from __future__ import annotations
 
+import threading
+import time
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 from flower_helpers import flower_config
-from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Error, Message, MetricRecord, RecordDict
 
 from meta_consensus import MetaConsensus
 from meta_consensus.config import ConfigError
@@ -214,7 +217,7 @@ def test_bad_and_missing_answers_fail_the_round_under_the_coordinators_rule_then
     first, second, third = strategy.history
     # Round 1 goes on without the dead node.
     assert first.ok and first.valid == [True, True, True, False, True]
-    assert "no answer" in first.errors["3"]
+    assert first.errors["3"].startswith("no answer: no SuperNode of this partition was online")
     # Round 2: a late answer, a wrong shape, an error reply and the dead node are missing answers.
     assert not second.ok and second.valid == [False, False, False, False, True]
     assert (
@@ -258,3 +261,98 @@ def test_the_privacy_budget_stops_the_work(tmp_path):
     assert strategy.history[-1].epsilon <= 8.0
     # Once stopped, no round sends work.
     assert strategy.configure_train(4, strategy.initial_arrays(), None, grid) == []
+
+
+# ------------------------------------------------------------------ missing replies (flwr 1.42)
+
+
+class _DiesWhileUploading(InProcessGrid):
+    """A fake SuperLink: node ``partition``'s SuperNode dies while it uploads its round-1 train reply.
+
+    Its reply message reached the SuperLink but its arrays never will: ``pull_messages`` of it
+    blocks, as flwr 1.42's ``HttpGrid.pull_messages`` blocks in ``pull_objects`` until the
+    object-push session expires (180 s), and the SuperLink stops listing the node ``gone_after``
+    seconds later (its heartbeat lapsed). Partition ``superlink_error`` gets the SuperLink's own
+    error reply ("Node Unavailable", code 5, from the SuperLink's node id) instead of its answer.
+    """
+
+    def __init__(self, app, n, *, partition, gone_after, superlink_error=None):
+        super().__init__(app, n)
+        self.stuck_node, self.gone_after = 1000 + partition, gone_after
+        self.error_node = None if superlink_error is None else 1000 + superlink_error
+        self.stuck: set[str] = set()
+        self.unavailable: dict[str, Message] = {}
+        self.gone_at: float | None = None
+        self.release = threading.Event()  # set at the end of the test: the stuck pull returns
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        ids = list(super().push_messages(messages))
+        for msg, mid in zip(messages, ids, strict=True):
+            if msg.metadata.message_type != "train":
+                continue
+            if msg.metadata.dst_node_id == self.stuck_node:
+                self.stuck.add(mid)
+                self.gone_at = time.monotonic() + self.gone_after
+            if msg.metadata.dst_node_id == self.error_node:
+                self._replies.pop(mid, None)
+                err = Message(Error(code=5, reason="Error: Node Unavailable - no heartbeat"), reply_to=msg)
+                err.metadata.__dict__["_src_node_id"] = 1  # written by the SuperLink, not by the node
+                self.unavailable[mid] = err
+        return ids
+
+    def pull_messages(self, message_ids):
+        message_ids = list(message_ids)
+        if self.stuck.intersection(message_ids):
+            self.release.wait(600)  # flwr 1.42: pull_objects on a reply whose arrays never arrive
+            return []
+        out = [self.unavailable.pop(m) for m in message_ids if m in self.unavailable]
+        return out + list(super().pull_messages(message_ids))
+
+    def get_node_ids(self):
+        gone = self.gone_at is not None and time.monotonic() >= self.gone_at
+        return [i for i in super().get_node_ids() if not (gone and i == self.stuck_node)]
+
+
+def test_a_node_that_dies_while_uploading_costs_its_own_answer_not_the_rounds_timeout(tmp_path, caplog):
+    cfg = flower_config(tmp_path, "rounds=1", "vote.rule=median", "weights.objective=uniform")
+    strategy = ConsensusStrategy(cfg, evaluate=False, wait_for_nodes_s=0.0, poll_s=0.1)
+    grid = _DiesWhileUploading(make_client_app(), cfg.nodes.count, partition=3, gone_after=0.5)
+    timeout = 60.0
+    t0 = time.monotonic()
+    try:
+        result = run_strategy(strategy, grid, timeout=timeout)
+    finally:
+        grid.release.set()
+    elapsed = time.monotonic() - t0
+    assert elapsed < timeout / 3, elapsed  # the round went on once the node was known gone
+    (info,) = strategy.history
+    assert info.ok and info.answered == [True, True, True, False, True] == info.valid
+    assert info.errors == {
+        "3": "no reply: node went offline (the SuperLink no longer lists it) (flwr error code 5)"
+    }
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["answered"] == 4 and list(metrics["missing"]) == [3]
+    assert "round 1: 4 of 5 valid answers; partition 3: no reply: node went offline" in caplog.text
+
+
+def test_error_replies_are_filed_under_the_partition_with_flowers_reason(tmp_path):
+    # Partition 2's ClientApp raises from round 1 on: it never answers a round, yet it is filed
+    # under its partition (the strategy asked it which partition it serves). Partition 4 gets the
+    # SuperLink's "Node Unavailable" error reply, which names the SuperLink as its source.
+    cfg = flower_config(tmp_path, "rounds=1", "vote.rule=median", "weights.objective=uniform")
+    strategy = ConsensusStrategy(cfg, evaluate=False, wait_for_nodes_s=0.0, poll_s=0.1)
+    grid = _DiesWhileUploading(
+        _sabotaging_app(bad_round=1), cfg.nodes.count, partition=0, gone_after=0.0, superlink_error=4
+    )
+    grid.stuck_node = -1  # nobody is stuck in this test
+    try:
+        run_strategy(strategy, grid, timeout=60)
+    finally:
+        grid.release.set()
+    (info,) = strategy.history
+    assert info.answered == [False, False, False, True, False]
+    assert info.errors["2"] == "error reply: RuntimeError: disk full (flwr error code 0)"
+    assert info.errors["4"] == "error reply: Error: Node Unavailable - no heartbeat (flwr error code 5)"
+    assert info.errors["0"] == "too late: answers round 0, this is round 1"
+    assert not info.ok and info.reason == "too few valid answers: 1 of 5, need 3"
