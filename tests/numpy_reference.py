@@ -38,12 +38,19 @@ def trimmed_mean(X, f, valid):
     return S[f : m - f].mean(axis=0)
 
 
+def interquartile_mean(X, valid):
+    """Per column, the mean of the sorted valid values at ranks [m // 4, m - m // 4)."""
+    m = int(valid.sum())
+    return trimmed_mean(X, m // 4, valid)
+
+
 def sq_dists(X):
     n = X.shape[0]
     D = np.zeros((n, n))
-    for i in range(n):
-        for j in range(n):
-            D[i, j] = np.sum((X[i] - X[j]) ** 2)
+    with np.errstate(invalid="ignore"):  # a row with an Inf gives NaN distances; callers skip invalid rows
+        for i in range(n):
+            for j in range(n):
+                D[i, j] = np.sum((X[i] - X[j]) ** 2)
     return D
 
 
