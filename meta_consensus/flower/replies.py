@@ -47,7 +47,7 @@ NODE_GONE = 5  # flwr.common.constant.ErrorCode.NODE_UNAVAILABLE
 NO_REPLY = 0  # flwr.common.constant.ErrorCode.UNKNOWN
 OFFLINE_REASON = "no reply: node went offline (the SuperLink no longer lists it)"
 TIMEOUT_REASON = "no reply before the round's timeout"
-NOT_PUSHED_REASON = "not sent: the SuperLink refused the message"
+NOT_PUSHED_REASON = "not sent: the SuperLink refused the message (Flower's log says why)"
 
 
 def no_reply(msg: Message, code: int, reason: str) -> Message:
@@ -100,6 +100,8 @@ class RoundGrid(Grid):
             return []
         deadline = time.monotonic() + (math.inf if timeout is None else float(timeout))
         ids = list(self.grid.push_messages(messages))
+        if len(ids) != len(messages):  # HttpGrid returns [] for a payload too large (and logs it)
+            ids = [""] * len(messages)
         replies: list[Message] = []
         pending: dict[str, Message] = {}
         for msg, mid in zip(messages, ids, strict=True):

@@ -329,9 +329,13 @@ class ConsensusStrategy(Strategy):
         for key, why in failed.items():
             if not (key.isdigit() and answered[int(key)]):  # another node of that partition answered
                 errors.setdefault(key, why)
+        sent_to = {self._partition_of.get(m.metadata.dst_node_id) for m in self._sent}
         for i in np.flatnonzero(~answered):
             errors.setdefault(
-                str(i), "no answer: no SuperNode of this partition was online when the round was sent"
+                str(i),
+                "no reply before the round's timeout"
+                if int(i) in sent_to
+                else "no answer: no SuperNode of this partition was online when the round was sent",
             )
         # Missing answers hold the consensus (masked out of the merge), as the fleet's placeholder does.
         stacked = tree.stack([self.consensus if c is None else c for c in candidates])
