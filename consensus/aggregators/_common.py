@@ -229,6 +229,7 @@ def _sum_over_leaves(grams) -> jax.Array:
     total = None
     for g in grams:
         total = g if total is None else total + g
+    assert total is not None, "a tree without leaves has no Gram matrix"
     return total
 
 

@@ -39,4 +39,5 @@ def columns(stacked: PyTree, params: PyTree | None, index: jax.Array) -> jax.Arr
         cols = jnp.where(inside[None, :], cols, 0.0)
         out = cols if out is None else out + cols
         offset += size
+    assert out is not None, "a tree without leaves has no columns"
     return out

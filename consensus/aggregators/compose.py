@@ -10,7 +10,7 @@ FedAvgM, ``optax.adam`` FedAdam.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import optax
@@ -125,4 +125,5 @@ def chain(*stages: PreAggregator | Aggregator) -> Aggregator:
     """``chain(pre_1, ..., pre_k, aggregator)`` = ``process(aggregator, pre=(pre_1, ..., pre_k))``."""
     if not stages or not isinstance(stages[-1], Aggregator):
         raise TypeError("chain: the last stage must be an Aggregator (pre-aggregators come first)")
-    return process(stages[-1], pre=stages[:-1])
+    # process checks that each earlier stage is a PreAggregator (TypeError otherwise).
+    return process(stages[-1], pre=cast("tuple[PreAggregator, ...]", stages[:-1]))

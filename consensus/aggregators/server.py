@@ -66,6 +66,7 @@ def server_stats(stacked: PyTree, params: PyTree, server_update: PyTree, mask) -
     ):
         part = robust_kernels.gram_with_rows(x, p, jnp.asarray(g)[None])
         total = part if total is None else total + part
+    assert total is not None, "a tree without leaves has no Gram matrix"
     g_nodes, cross, server_sq = total[:n, :n], total[:n, n], total[n, n]
     valid = allowed(mask, n) & jnp.isfinite(jnp.diagonal(g_nodes)) & jnp.isfinite(cross)
     both = valid[:, None] & valid[None, :]

@@ -17,7 +17,7 @@ all: one Gram pass and one weighted-sum pass.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -78,11 +78,11 @@ class DroppedRows(NamedTuple):
     valid: jax.Array
 
 
-def is_view(x: Any) -> bool:
+def is_view(x: Any) -> TypeGuard[NodeView]:
     return isinstance(x, NodeView)
 
 
-def is_dropped(x: Any) -> bool:
+def is_dropped(x: Any) -> TypeGuard[DroppedRows]:
     return isinstance(x, DroppedRows)
 
 

@@ -95,6 +95,7 @@ def node_weights(rule: str, fixed: jax.Array | None, given: Any, n: int) -> jax.
     if given is None and fixed is None:
         return jnp.ones((n,), jnp.float32)
     if given is None:
+        assert fixed is not None  # ruled out above
         # The factory's weights were checked on the host (fixed_weights); only the count is
         # left. Under jit, a jnp operation on them would give a tracer that cannot be tested.
         if fixed.shape != (n,):

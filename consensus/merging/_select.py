@@ -116,10 +116,11 @@ def _pack(masks) -> list[jax.Array]:
     """Pack boolean masks four to a uint32 word: mask j of a group adds 1 to byte j (j = 0..3)."""
     packed = []
     for g in range(0, len(masks), BYTES_PER_WORD):
-        word = None
+        word: jax.Array | None = None
         for j, m in enumerate(masks[g : g + BYTES_PER_WORD]):
             term = jnp.where(m, jnp.uint32(1 << (8 * j)), jnp.uint32(0))
             word = term if word is None else word + term
+        assert word is not None  # a group holds at least one mask
         packed.append(word)
     return packed
 

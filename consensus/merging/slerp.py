@@ -55,7 +55,7 @@ def _prepare(rule: str, stacked, params, on: str):
     return stacked, n
 
 
-def slerp_coefficients(g: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
+def slerp_coefficients(g: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(s0, s1, omega) of mergekit's ``slerp`` from the 2 x 2 Gram matrix of the two vectors."""
     g = g.astype(jnp.float32)
     n0 = jnp.sqrt(jnp.maximum(g[0, 0], 0.0))
