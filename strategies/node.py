@@ -115,7 +115,8 @@ class Hierarchical(_SubmitFinal):
     def settings(self, local_steps: int, learning_rate: float) -> NodeSettings:
         general, groups = (int(math.floor(f * local_steps)) for f in self.fractions[:2])
         steps = (general, groups, local_steps - general - groups)
-        return NodeSettings(steps, tuple(learning_rate * s for s in self.lr_scale))
+        s0, s1, s2 = self.lr_scale  # three multipliers, checked in __post_init__
+        return NodeSettings(steps, (learning_rate * s0, learning_rate * s1, learning_rate * s2))
 
 
 @STRATEGIES.declare("convexity")
