@@ -43,10 +43,18 @@ def trim_thresholds(x: jax.Array, base: jax.Array, density: float, valid: jax.Ar
     """
     n = x.shape[0]
     size = math.prod(x.shape[1:])  # not x[0].size: eagerly that slices out (copies) a row
-    k = max(1, int(density * size))
-    if k >= size:
+    k = trim_count(density, size)
+    if k is None:
         return jnp.zeros((n,), jnp.float32)
     return _thresholds(x, base, valid, k=k)
+
+
+def trim_count(density: float, size: int) -> int | None:
+    """k = max(1, int(density * size)): the entries of a leaf of ``size`` values that the trim
+    keeps per node, or None when it keeps them all (threshold 0). The merge command's streamed
+    thresholds (:mod:`meta_consensus.merge.trim`) use this same count."""
+    k = max(1, int(density * size))
+    return None if k >= size else k
 
 
 @kernel_jit(static_argnames=("k",))
@@ -88,6 +96,10 @@ def _ties_leaf(x, base, thresholds, w, valid, scale, *, election: str, normalize
     sensitivity="not bounded (one node can flip every elected sign)",
     needs=("params",),
     defaults={"density": 0.2},
+    # the merge command streams TIES in column chunks: per-node thresholds of each leaf first
+    # (a counting pass over its chunks, :func:`trim_count` of this parameter), then
+    # ``update(..., thresholds=...)`` chunk by chunk (an element-wise pass).
+    traits={"trim_density": "density"},
 )
 def ties(
     density: float, election: str = "sum", scale: float = 1.0, weights: Any = None, normalize: bool = True
@@ -123,6 +135,10 @@ def ties(
     stack on continuous data (a counting pass and an extraction pass, more on
     heavily tied magnitudes; no sort, see :mod:`consensus.merging._select`),
     then one fused pass.
+    ``update(..., thresholds=t)``: ``t`` a tree like ``params`` of (n,) float32 per-node
+    thresholds (node i keeps ``|d_i| >= t_i``) found elsewhere, e.g. over a whole leaf while
+    the update sees a column chunk of it (the merge command's streaming); the trim is then
+    skipped and the rest is element-wise.
     Not permutation-sensitive: the output is invariant to node order.
     DP sensitivity: not bounded by this package (the elected sign of every
     coordinate can flip with one node); DP refuses it.
@@ -135,16 +151,19 @@ def ties(
     fixed = fixed_weights("ties", weights)
     normalize = check_flag("ties", "normalize", normalize)
 
-    def update(stacked, state, params=None, *, mask=None, weights=None, assume_finite=False, **extra):
+    def update(
+        stacked, state, params=None, *, mask=None, weights=None, assume_finite=False, thresholds=None, **extra
+    ):
         del state, extra
         stacked, n = require_base("ties", stacked, params)
         w = node_weights("ties", fixed, weights, n)
+        given = None if thresholds is None else jax.tree_util.tree_leaves(thresholds)
 
         def compute(valid):
             xs, bs = leaves_of(stacked, params)
             out = []
-            for x, b in zip(xs, bs, strict=True):
-                t = trim_thresholds(x, b, rho, valid)
+            for i, (x, b) in enumerate(zip(xs, bs, strict=True)):
+                t = trim_thresholds(x, b, rho, valid) if given is None else jnp.asarray(given[i], jnp.float32)
                 out.append(
                     _ties_leaf(x, b, t, w, valid, jnp.float32(lam), election=election, normalize=normalize)
                 )

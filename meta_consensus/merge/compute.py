@@ -135,25 +135,39 @@ def vector_weights(
 # ----------------------------------------------------------------------------- other rules
 
 
-def jitted_update(choice: RuleChoice, has_base: bool) -> Any:
+def trim_density(choice: RuleChoice) -> float | None:
+    """The density of a rule that trims each node's task vector per leaf by magnitude (TIES: its
+    spec's ``traits["trim_density"]`` names the parameter), else None."""
+    name = choice.spec.traits.get("trim_density")
+    if name is None:
+        return None
+    return float({**choice.spec.defaults, **choice.params}[name])
+
+
+def jitted_update(choice: RuleChoice, has_base: bool, trimmed: bool = False) -> Any:
     """The rule's update on one stacked leaf ``{"x": x}``, jitted: XLA fuses the rule's passes over
-    the leaf, where eager dispatch would run them one by one."""
+    the leaf, where eager dispatch would run them one by one. ``trimmed``: the update takes the
+    per-node trim thresholds found over the whole leaf (:mod:`meta_consensus.merge.trim`)."""
     import jax
 
     keyed = choice.spec.randomized
     rule = choice.build()
 
-    def update(x: Any, params: Any, key: Any) -> Any:
+    def update(x: Any, params: Any, key: Any, thresholds: Any = None) -> Any:
         extra = {"key": key} if keyed else {}
+        if trimmed:
+            extra["thresholds"] = {"x": thresholds}
         init = params if has_base else {"x": x[0]}
         return rule.update({"x": x}, rule.init(init), params if has_base else None, **extra)
 
     return jax.jit(update)
 
 
-def _slot(choice: RuleChoice, shape: Sequence[int], dtype: Any, has_base: bool) -> tuple:
-    """A compiled update's identity: (rule, shape, compute dtype, base given)."""
-    return (choice.key, tuple(shape), np.dtype(dtype).name, has_base)
+def _slot(
+    choice: RuleChoice, shape: Sequence[int], dtype: Any, has_base: bool, trimmed: bool = False
+) -> tuple:
+    """A compiled update's identity: (rule, shape, compute dtype, base given, thresholds given)."""
+    return (choice.key, tuple(shape), np.dtype(dtype).name, has_base, trimmed)
 
 
 def _compile(fn: Any, *args: Any) -> Any:
@@ -170,29 +184,34 @@ class Compiled:
     ready by the time its first leaf is read, and XLA's compiler releases the GIL.
     """
 
-    def __init__(self, jobs: Sequence[tuple[RuleChoice, tuple[int, ...], Any, bool]]):
+    def __init__(self, jobs: Sequence[tuple]):
+        """``jobs``: (rule, stacked shape, compute dtype, base given[, thresholds given])."""
         from concurrent.futures import ThreadPoolExecutor
 
         import jax
 
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="merge-compile")
         self.futures: dict[tuple, Any] = {}
-        fns: dict[tuple[str, bool], Any] = {}
+        fns: dict[tuple[str, bool, bool], Any] = {}
         key_spec = jax.eval_shape(lambda: jax.random.key(0))
-        for choice, shape, dtype, has_base in jobs:
-            slot = _slot(choice, shape, dtype, has_base)
+        for choice, shape, dtype, has_base, *rest in jobs:
+            trimmed = bool(rest and rest[0])
+            slot = _slot(choice, shape, dtype, has_base, trimmed)
             if slot in self.futures:
                 continue
-            if (choice.key, has_base) not in fns:
-                fns[choice.key, has_base] = jitted_update(choice, has_base)
-            fn = fns[choice.key, has_base]
+            if (choice.key, has_base, trimmed) not in fns:
+                fns[choice.key, has_base, trimmed] = jitted_update(choice, has_base, trimmed)
+            fn = fns[choice.key, has_base, trimmed]
             x = jax.ShapeDtypeStruct(shape, dtype)
             params = {"x": jax.ShapeDtypeStruct(shape[1:], dtype)} if has_base else None
             key = key_spec if choice.spec.randomized else None
-            self.futures[slot] = self.pool.submit(_compile, fn, x, params, key)
+            t = jax.ShapeDtypeStruct(shape[:1], np.float32) if trimmed else None
+            self.futures[slot] = self.pool.submit(_compile, fn, x, params, key, t)
 
-    def get(self, shape: tuple[int, ...], dtype: Any, has_base: bool, choice: RuleChoice) -> Any:
-        future = self.futures.get(_slot(choice, shape, dtype, has_base))
+    def get(
+        self, shape: tuple[int, ...], dtype: Any, has_base: bool, choice: RuleChoice, trimmed: bool = False
+    ) -> Any:
+        future = self.futures.get(_slot(choice, shape, dtype, has_base, trimmed))
         return None if future is None else future.result()
 
     def close(self) -> None:
@@ -200,9 +219,16 @@ class Compiled:
 
 
 def apply_update(
-    stacked: Any, base: Any | None, choice: RuleChoice, seed: int, index: int, compiled: Compiled | None
+    stacked: Any,
+    base: Any | None,
+    choice: RuleChoice,
+    seed: int,
+    index: int,
+    compiled: Compiled | None,
+    thresholds: np.ndarray | None = None,
 ) -> tuple[Any, Any]:
-    """The rule's (merged leaf or chunk, info) on a float stack; the key is ``fold_in(key(seed), index)``."""
+    """The rule's (merged leaf or chunk, info) on a float stack; the key is ``fold_in(key(seed), index)``;
+    ``thresholds``: a trimming rule's (n,) per-node thresholds, found over the whole leaf."""
     import jax
 
     from consensus.base import get_info
@@ -210,10 +236,12 @@ def apply_update(
     x = as_compute(stacked)
     params = None if base is None else {"x": as_compute(base)}
     key = jax.random.fold_in(jax.random.key(seed), index) if choice.spec.randomized else None
-    fn = compiled.get(x.shape, x.dtype, params is not None, choice) if compiled is not None else None
+    trimmed = thresholds is not None
+    fn = compiled.get(x.shape, x.dtype, params is not None, choice, trimmed) if compiled is not None else None
     if fn is None:
-        fn = jitted_update(choice, params is not None)
-    merged, state = fn(x, params, key)
+        fn = jitted_update(choice, params is not None, trimmed)
+    t = np.asarray(thresholds, np.float32) if trimmed else None
+    merged, state = fn(x, params, key, t)
     return merged["x"], get_info(state)
 
 

@@ -22,12 +22,14 @@ from meta_consensus.merge.compute import (
     gram_of,
     is_float,
     merge_leaf,
+    trim_density,
     vector_weights,
 )
 from meta_consensus.merge.errors import MergeError
 from meta_consensus.merge.inputs import copy_model_files, model_folder, open_input, prepare_inputs
 from meta_consensus.merge.plan import MergePlan, RuleChoice, assign_rules, check_plan
 from meta_consensus.merge.report import leaf_report, new_report, vector_rule_report, write_report
+from meta_consensus.merge.trim import LeafTrim, high_counts, low_counts
 
 
 def merge_checkpoints(
@@ -82,23 +84,32 @@ def merge_checkpoints(
         bar = tqdm(
             total=len(keys) + sum(len(v) for v in vector_groups.values()), disable=not progress, unit="leaf"
         )
-        # The leaves of an element-wise rule, and of a vector rule (its Gram matrix sums over
-        # columns, its output is c + sum_i w_i (x_i - c) column by column), are read in column
-        # chunks; the others whole.
+        # The leaves of an element-wise rule, of a vector rule (its Gram matrix sums over
+        # columns, its output is c + sum_i w_i (x_i - c) column by column), and of a trimming rule
+        # given the base (TIES: per-node thresholds from two counting passes over the chunks, then
+        # element-wise) are read in column chunks; the others whole.
+        trimmed = {k for k in keys if base is not None and trim_density(rules[k]) is not None}
         chunked = {
             k
             for k in keys
             if chunk_bytes > 0
-            and (rules[k].spec.elementwise or rules[k].spec.kind == "vector")
+            and (rules[k].spec.elementwise or rules[k].spec.kind == "vector" or k in trimmed)
             and not rules[k].spec.randomized
             and is_float(in_specs[k][1])
             and stream.can_chunk([*readers, base], k)
         }
+        trimmed &= chunked
         pieces = stream.plan_pieces(keys, in_specs, chunked, n, chunk_bytes)
         # its updates, compiled in the background while pass 1 or the first reads run
         compiled = Compiled(
             [
-                (rules[p.key], shape, compute_dtype(dtype), base is not None)
+                (
+                    rules[p.key],
+                    shape,
+                    compute_dtype(dtype),
+                    base is not None,
+                    p.key in trimmed and not p.whole,
+                )
                 for p in pieces
                 for dtype in [in_specs[p.key][1]]
                 for shape in [(n, *in_specs[p.key][0]) if p.whole else (n, p.padded)]
@@ -108,6 +119,8 @@ def merge_checkpoints(
         run = _Run(plan, readers, base, rules, specs, {k: i for i, k in enumerate(keys)}, compiled, strict)
         for group_keys in vector_groups.values():
             run.vector_pass(group_keys, pieces, report, bar)
+        if trimmed:
+            run.trim_pass(trimmed, pieces)
         with ckpt.atomic_directory(Path(plan.out), overwrite=overwrite) as tmp:
             writer = ckpt.ShardedWriter(
                 tmp,
@@ -151,6 +164,8 @@ class _Run:
     compiled: Compiled
     strict: bool = False
     weights: dict[str, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
+    # key -> a trimming rule's (n,) per-node thresholds over the whole leaf (chunked TIES)
+    thresholds: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     # key -> the inputs (indices) with a non-finite value in it
     nonfinite: dict[str, set[int]] = dataclasses.field(default_factory=dict)
 
@@ -200,6 +215,40 @@ class _Run:
             self.plan.inputs, len(group_keys), w, selected, finite
         )
 
+    def trim_pass(self, keys: set[str], pieces: Sequence[stream.Piece]) -> None:
+        """Before the merge pass of a trimming rule (TIES) streamed in chunks: each leaf's exact
+        per-node thresholds, in two counting passes over its chunks (:mod:`meta_consensus.merge.trim`)."""
+        from consensus.merging.ties import trim_count
+
+        n = len(self.readers)
+        searches: dict[str, LeafTrim] = {}
+        for k in keys:
+            size = int(np.prod(self.specs[k][0], dtype=np.int64))
+            count = trim_count(trim_density(self.rules[k]), size)  # type: ignore[arg-type]
+            if count is None:  # every entry kept: threshold 0
+                self.thresholds[k] = np.zeros(n, np.float32)
+            else:
+                searches[k] = LeafTrim(n, count)
+        todo = [p for p in pieces if p.key in searches]
+
+        def high(piece: stream.Piece, buffers: dict) -> np.ndarray:
+            stacked, base = stream.read_piece(self.readers, self.base, piece, buffers)
+            return high_counts(stacked, base, piece.width)
+
+        def low(piece: stream.Piece, buffers: dict) -> np.ndarray:
+            stacked, base = stream.read_piece(self.readers, self.base, piece, buffers)
+            return low_counts(stacked, base, piece.width, bins[piece.key])
+
+        bins: dict[str, np.ndarray] = {}
+        for piece, counts in zip(todo, stream.Pipeline(high, todo), strict=True):
+            searches[piece.key].add_high(counts)
+            if piece.last:
+                bins[piece.key] = searches[piece.key].split()
+        for piece, counts in zip(todo, stream.Pipeline(low, todo), strict=True):
+            searches[piece.key].add_low(counts)
+            if piece.last:
+                self.thresholds[piece.key] = searches.pop(piece.key).thresholds()
+
     def merge_piece(self, piece: stream.Piece, buffers: dict) -> tuple[Any, dict[str, Any]]:
         """A worker's piece: a whole leaf merged (host array, report), or a chunk (values, report)."""
         k = piece.key
@@ -216,7 +265,7 @@ class _Run:
             host = host.reshape(shape) if piece.whole else host[: piece.width]
             host = host.astype(dtype, copy=False)
         else:
-            merged, info = apply_update(stacked, base_piece, choice, *where)
+            merged, info = apply_update(stacked, base_piece, choice, *where, self.thresholds.get(k))
             host = np.asarray(merged)[: piece.width].astype(dtype, copy=False)
             piece_report = leaf_report(choice, info)
         if np.may_share_memory(host, stacked):  # a rule that passed an input through

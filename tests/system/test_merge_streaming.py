@@ -76,11 +76,13 @@ def _merge(tmp_path, name, paths, method, base=None, chunk_bytes=None):
 
 
 @pytest.mark.slow  # six compilations
-@pytest.mark.parametrize("method", ["median", "task_arithmetic"])
+@pytest.mark.parametrize("method", ["median", "task_arithmetic", "ties"])
 def test_column_chunks_give_the_whole_leaf_merge_bit_for_bit(tmp_path, method, monkeypatch):
     # 2560-byte chunks of 5 rows: 128 columns, so the (64, 48) leaves come in 24 chunks, the
     # (1000,) leaf in 8 (the last one 104 wide, padded) and (3,) in one padded chunk; bfloat16
-    # inputs are merged in float32 and cast back, chunk by chunk.
+    # inputs are merged in float32 and cast back, chunk by chunk. TIES reads every chunk three
+    # times (two counting passes for its per-leaf thresholds, then the merge); the bfloat16
+    # task vectors hold many equal magnitudes, so its thresholds meet ties.
     rng = np.random.default_rng(4)
     shapes = {"a": (64, 48), "b": (1000,), "c": (3,)}
     models = [
@@ -92,7 +94,7 @@ def test_column_chunks_give_the_whole_leaf_merge_bit_for_bit(tmp_path, method, m
     ]
     models[1]["a"][40, 7] = np.nan  # input 1 is non-finite in one chunk of "a" only
     paths = [str(io.save_safetensors(m, tmp_path / f"in{i}.safetensors")) for i, m in enumerate(models)]
-    base = paths.pop() if method == "task_arithmetic" else None
+    base = paths.pop() if method in ("task_arithmetic", "ties") else None
     paths = paths[:N] if base else paths[1 : N + 1] + paths[:1]
     chunks = []
     read_chunk = merge_stream.read_chunk
@@ -100,7 +102,8 @@ def test_column_chunks_give_the_whole_leaf_merge_bit_for_bit(tmp_path, method, m
         merge_stream, "read_chunk", lambda r, p, into=None: chunks.append(p) or read_chunk(r, p, into)
     )
     chunked, report = _merge(tmp_path, "chunked", paths, method, base, chunk_bytes=2560)
-    assert len(chunks) == (24 + 8 + 1) * (2 if base else 1)  # the inputs' chunks, and the base's
+    reads = 3 if method == "ties" else 1
+    assert len(chunks) == (24 + 8 + 1) * (2 if base else 1) * reads  # the inputs' chunks, and the base's
     whole, want = _merge(tmp_path, "whole", paths, method, base, chunk_bytes=0)
     for k in shapes:
         assert chunked[k].dtype == whole[k].dtype and chunked[k].tobytes() == whole[k].tobytes(), k
@@ -165,3 +168,36 @@ def test_vector_rule_in_column_chunks_equals_whole_leaves(tmp_path, base, monkey
     for k in shapes:
         np.testing.assert_allclose(chunked[k], whole[k], rtol=1e-6, atol=1e-6, err_msg=k)
         assert np.all(np.isfinite(chunked[k]))
+
+
+@pytest.mark.parametrize("density", [0.01, 0.2, 0.9])
+def test_chunked_trim_thresholds_keep_the_library_entries(density):
+    # TIES' thresholds found over column chunks (two counting passes) keep exactly the entries
+    # the library's whole-leaf thresholds keep: continuous deltas, heavy ties (a few distinct
+    # magnitudes, zeros), a row with NaN and Inf.
+    from consensus.merging.ties import trim_count, trim_thresholds
+    from meta_consensus.merge.trim import LeafTrim, high_counts, low_counts
+
+    rng = np.random.default_rng(5)
+    size, width = 3000, 700
+    base = rng.normal(size=size).astype(np.float32)
+    rows = [base + rng.normal(scale=1e-3, size=size).astype(np.float32) for _ in range(2)]
+    rows.append(base + rng.integers(-2, 3, size=size).astype(np.float32))  # ties and zeros
+    rows.append(base.copy())  # all zeros
+    rows.append(rows[0].copy())
+    rows[-1][[10, 20]] = [np.nan, np.inf]
+    x = np.stack(rows)
+    n = len(x)
+    k = trim_count(density, size)
+    search = LeafTrim(n, k)
+    starts = range(0, size, width)
+    for s in starts:
+        search.add_high(high_counts(x[:, s : s + width], base[s : s + width], min(width, size - s)))
+    high = search.split()
+    for s in starts:
+        search.add_low(low_counts(x[:, s : s + width], base[s : s + width], min(width, size - s), high))
+    got = search.thresholds()
+    want = np.asarray(trim_thresholds(x, base, density, np.ones(n, bool)))
+    d = np.abs(x - base)
+    for i in range(n - 1):  # the last row is non-finite: the rule excludes it
+        assert np.array_equal(~(d[i] < got[i]), ~(d[i] < want[i])), i
