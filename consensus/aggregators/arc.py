@@ -6,17 +6,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from consensus import tree
-from consensus.aggregators import view as views
 from consensus.aggregators._common import (
-    allowed,
-    check_count,
     check_f,
-    check_stacked,
-    gram_stats,
-    static_count,
 )
-from consensus.aggregators.pre import ClipState
+from consensus.aggregators.pre import ClipState, norm_scaling_update
 from consensus.base import PreAggregator
 from consensus.specs import RULES, honest_majority
 
@@ -61,24 +54,6 @@ def arc(num_byzantine: int) -> PreAggregator:
         del params
         return ClipState(jnp.zeros((0,), jnp.float32))
 
-    def update(stacked, state, params=None, *, mask=None, lazy=False, **extra):
-        del state, extra
-        n = check_stacked(stacked, params)
-        check_count("arc", honest_majority, f, n)
-        v = views.with_norms(stacked) if views.is_view(stacked) else views.identity(stacked, params)
-        if v.gram is not None:
-            sq, valid = jnp.diagonal(v.gram), v.valid
-        elif v.mixing is None:
-            sq = tree.sq_norms(v.base, v.centre)
-            valid = jnp.isfinite(sq) if v.valid is None else jnp.isfinite(sq) & v.valid
-        else:
-            stats = gram_stats(v, params, None)
-            sq, valid = jnp.diagonal(stats.gram), stats.valid
-        valid = valid & allowed(mask, n)
-        check_count("arc", honest_majority, f, static_count(valid))
-        scale = arc_scales(sq, valid, f)
-        gram = None if v.gram is None else v.gram * scale[:, None] * scale[None, :]
-        out = views.compose(v, jnp.diag(scale), diagonal=True, gram=gram, valid=valid)
-        return (out if lazy else views.materialize(out)), ClipState(scale)
+    update = norm_scaling_update("arc", lambda sq, valid: arc_scales(sq, valid, f), honest_majority, f)
 
     return PreAggregator(init, update, "arc")

@@ -11,6 +11,7 @@ report the final weight of every *original* node.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -27,7 +28,7 @@ from consensus.aggregators._common import (
     static_count,
 )
 from consensus.base import PreAggregator
-from consensus.specs import RULES, at_least, honest_majority
+from consensus.specs import RULES, Precondition, at_least, honest_majority
 from kernels import weiszfeld
 
 
@@ -41,6 +42,45 @@ class MixState(NamedTuple):
 
 def _finish(view: views.NodeView, lazy: bool):
     return view if lazy else views.materialize(view)
+
+
+def norm_scaling_update(
+    name: str,
+    scales_of: Callable[[jax.Array, jax.Array], jax.Array],
+    precondition: Precondition | None = None,
+    f: int = 0,
+):
+    """The update of a pre-aggregator that scales each node's delta by a function of its norm.
+
+    ``scales_of(sq_norms, valid) -> (n,) scale`` (0 at invalid nodes); clipping and ARC differ
+    only there. The squared norms come from the view's Gram matrix when a stage before formed
+    one, else from one norm pass; the output is a lazy view (``lazy``) or its rows. With a
+    ``precondition`` it is checked on n and on the valid count (:func:`check_count`).
+    """
+
+    def update(stacked, state, params=None, *, mask=None, lazy=False, **extra):
+        del state, extra
+        n = check_stacked(stacked, params)
+        if precondition is not None:
+            check_count(name, precondition, f, n)
+        v = views.with_norms(stacked) if views.is_view(stacked) else views.identity(stacked, params)
+        if v.gram is not None:
+            sq, valid = jnp.diagonal(v.gram), v.valid
+        elif v.mixing is None:
+            sq = tree.sq_norms(v.base, v.centre)
+            valid = jnp.isfinite(sq) if v.valid is None else jnp.isfinite(sq) & v.valid
+        else:
+            stats = gram_stats(v, params, None)
+            sq, valid = jnp.diagonal(stats.gram), stats.valid
+        valid = valid & allowed(mask, n)
+        if precondition is not None:
+            check_count(name, precondition, f, static_count(valid))
+        scale = scales_of(sq, valid)
+        gram = None if v.gram is None else v.gram * scale[:, None] * scale[None, :]
+        out = views.compose(v, jnp.diag(scale), diagonal=True, gram=gram, valid=valid)
+        return _finish(out, lazy), ClipState(scale)
+
+    return update
 
 
 @RULES.declare(
@@ -68,23 +108,10 @@ def clip(max_norm: float) -> PreAggregator:
         del params
         return ClipState(jnp.zeros((0,), jnp.float32))
 
-    def update(stacked, state, params=None, *, mask=None, lazy=False, **extra):
-        del state, extra
-        n = check_stacked(stacked, params)
-        v = views.with_norms(stacked) if views.is_view(stacked) else views.identity(stacked, params)
-        if v.gram is not None:
-            sq, valid = jnp.diagonal(v.gram), v.valid
-        elif v.mixing is None:
-            sq = tree.sq_norms(v.base, v.centre)
-            valid = jnp.isfinite(sq) if v.valid is None else jnp.isfinite(sq) & v.valid
-        else:
-            stats = gram_stats(v, params, None)
-            sq, valid = jnp.diagonal(stats.gram), stats.valid
-        valid = valid & allowed(mask, n)
-        scale = jnp.where(valid, weiszfeld.clip_factors(jnp.where(valid, sq, 0.0), float(max_norm)), 0.0)
-        gram = None if v.gram is None else v.gram * scale[:, None] * scale[None, :]
-        out = views.compose(v, jnp.diag(scale), diagonal=True, gram=gram, valid=valid)
-        return _finish(out, lazy), ClipState(scale)
+    def clip_scales(sq: jax.Array, valid: jax.Array) -> jax.Array:
+        return jnp.where(valid, weiszfeld.clip_factors(jnp.where(valid, sq, 0.0), float(max_norm)), 0.0)
+
+    update = norm_scaling_update("clip", clip_scales)
 
     return PreAggregator(init, update, "clip")
 
