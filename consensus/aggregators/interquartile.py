@@ -35,7 +35,9 @@ def _iqm_leaf(x: jax.Array, valid: jax.Array) -> jax.Array:
     ranks = jnp.arange(n).reshape((n,) + (1,) * (x.ndim - 1))
     kept = (ranks >= lo) & (ranks < m - lo)
     total = jnp.sum(jnp.where(kept, ordered, 0.0), axis=0)
-    return (total / jnp.maximum(m - 2 * lo, 1).astype(jnp.float32)).astype(x.dtype)
+    # One scalar reciprocal, then a multiply: the same bits in every vector lane and slice width.
+    inverse = 1.0 / jnp.maximum(m - 2 * lo, 1).astype(jnp.float32)
+    return (total * inverse).astype(x.dtype)
 
 
 @RULES.declare(kind="coordinatewise", precondition=iqm_precondition, elementwise=True)

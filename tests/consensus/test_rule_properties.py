@@ -314,10 +314,6 @@ TABLE: dict[str, tuple[Case, ...]] = {
             translation=True,
             sharded=True,
             without_params=_zero_centre,
-            known_failures={
-                "elementwise": "declared elementwise, but a one-column slice differs from the whole "
-                "leaf by one float32 ulp (2026-11-26)"
-            },
         ),
     ),
     # Server-guided and adaptive rules.
