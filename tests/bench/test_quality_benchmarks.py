@@ -80,6 +80,7 @@ def _flat(tree: dict) -> np.ndarray:
 # ----------------------------------------------------------------------------- soups
 
 
+@pytest.mark.slow
 def test_soups_greedy_is_at_least_the_best_ingredient_on_heldout_and_convex_weights_are_optimal():
     k, steps = 4, 16
     ing = soups.finetune(
@@ -141,6 +142,7 @@ def test_soups_summary_counts_seeds_where_greedy_meets_the_best_ingredient():
 # ----------------------------------------------------------------------------- convex weights
 
 
+@pytest.mark.slow
 def test_convex_quality_rows_respect_caps_and_each_objective_beats_its_feasible_competitors():
     n, cap_factor = 4, 2.0
     task = DigitsTask(hidden=(16,))
@@ -190,6 +192,7 @@ def test_convex_quality_rows_respect_caps_and_each_objective_beats_its_feasible_
 # ----------------------------------------------------------------------------- privacy
 
 
+@pytest.mark.slow
 def test_noise_calibration_and_the_two_accountants():
     q, rounds = effective_sampling_rate(0.1), 50
     nz = privacy_quality.noise_for(8.0, q, rounds)
@@ -211,6 +214,7 @@ def test_iid_clients_partition_the_training_split():
     assert pool.count.max() - pool.count.min() <= 1
 
 
+@pytest.mark.slow
 def test_dp_round_loop_spends_exactly_the_calibrated_budget_and_refuses_one_more_round():
     q, rounds = effective_sampling_rate(0.5), 4
     z = privacy_quality.noise_for(8.0, q, rounds)["z"]

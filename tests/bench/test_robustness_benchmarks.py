@@ -82,6 +82,7 @@ def test_shard_pool_holds_each_nodes_own_rows(setup):
         np.testing.assert_array_equal(pool["y"][rows], np.asarray(split.train["y"])[i, : count[i]])
 
 
+@pytest.mark.slow
 def test_round_with_mean_and_no_attack_is_the_numpy_mean_of_the_submitted_params(setup):
     params = setup[4]
     merged, state, submitted = _round(setup, "mean", honest(N))
@@ -104,6 +105,7 @@ def test_sign_flip_rows_are_minus_the_honest_mean_update(setup):
         np.testing.assert_allclose(row, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_attack_moves_fedavg_but_median_stays_inside_the_honest_nodes(setup):
     f = 2
     clean, _, clean_sub = _round(setup, "mean", honest(N))
@@ -171,6 +173,7 @@ def test_summary_averages_seeds_then_takes_the_worst_attack():
     assert robustness.best_pipeline({"cells": cells}, st) == "median"
 
 
+@pytest.mark.slow
 def test_bulyan_at_f4_of_16_is_reported_not_applicable():
     st = robustness.Settings(
         alphas=(1.0,), byzantine=(2, 4), attacks=("sign_flip",), rules=("bulyan",), seeds=(0,), rounds=1
