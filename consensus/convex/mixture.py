@@ -13,17 +13,6 @@ from typing import Any
 import numpy as np
 
 from consensus.convex import problems
-from consensus.convex.problems import (
-    DEFAULT_SOLVER,
-    ProblemCache,
-    accepted_mask,
-    check_options,
-    factor_psd,
-    polish_qp,
-    project_capped_simplex,
-    uniform_weights,
-    weight_bounds,
-)
 from consensus.convex.qp import ConvexWeights, single_threaded_blas, uniform_fallback
 
 PyTree = Any
@@ -46,10 +35,10 @@ def mixture_nll_weights(
     mask: Any = None,
     *,
     min_weight: float = 0.0,
-    solver: str = DEFAULT_SOLVER,
+    solver: str = problems.DEFAULT_SOLVER,
     method: str = "auto",
     floor: float = PROB_FLOOR,
-    cache: ProblemCache | None = None,
+    cache: problems.ProblemCache | None = None,
     solver_options: dict[str, Any] | None = None,
     tol: float = 1e-10,
     max_iter: int = 50,
@@ -100,7 +89,7 @@ def mixture_nll_weights(
       Wolpert, "Stacked generalization", 1992; Breiman, "Stacked regressions", 1996;
       Cover, "An algorithm for maximizing expected log investment return", 1984.
     """
-    check_options(lambda_reg, max_weight, min_weight)
+    problems.check_options(lambda_reg, max_weight, min_weight)
     if method not in ("auto", "conic", "newton"):
         raise ValueError(f"method must be 'auto', 'conic' or 'newton', got {method!r}")
     if not (0 < floor < 1):
@@ -109,8 +98,8 @@ def mixture_nll_weights(
     if p.ndim != 2 or p.shape[0] < 1 or p.shape[1] < 1:
         raise ValueError(f"probs must be (n nodes, m examples) with n, m >= 1, got shape {p.shape}")
     n, m = p.shape
-    acc = accepted_mask(mask, n) & np.all(np.isfinite(p), axis=1)
-    lb, ub = weight_bounds(acc, max_weight, min_weight)
+    acc = problems.accepted_mask(mask, n) & np.all(np.isfinite(p), axis=1)
+    lb, ub = problems.weight_bounds(acc, max_weight, min_weight)
     pa = p[acc]
     if pa.min() < -1e-6 or pa.max() > 1 + 1e-6:
         raise ValueError(
@@ -119,7 +108,7 @@ def mixture_nll_weights(
     # Rejected rows get the floor: their weight is 0, any finite value works.
     pt = np.where(acc[:, None], np.clip(p, floor, 1.0), floor).T.copy()
     lam = float(lambda_reg)
-    u = uniform_weights(acc)
+    u = problems.uniform_weights(acc)
     floored = bool(np.any(lb > 0))
     if method == "auto":
         method = "conic" if n * m * (n + m) <= problems.MAX_DPP_MIXTURE_SIZE else "newton"
@@ -141,7 +130,7 @@ def mixture_nll_weights(
             return uniform_fallback(
                 acc, lb, ub, "mixture_nll", compiled, built, out.status, out.solve_time, out.error, objective
             )
-        w = project_capped_simplex(out.w, lb, ub)
+        w = problems.project_capped_simplex(out.w, lb, ub)
         return ConvexWeights(
             w,
             objective(w),
@@ -166,7 +155,7 @@ def _kkt_step(
     solve the equality-constrained QP with the active bounds fixed, move towards its
     solution until a bound blocks (then that bound joins the active set), and at a
     stationary point release the bound whose multiplier has the wrong sign. The result is
-    returned only when ``polish_qp`` verifies the KKT conditions at it (feasible,
+    returned only when ``problems.polish_qp`` verifies the KKT conditions at it (feasible,
     stationary on the free set, bound multipliers of the right sign), which certifies the
     convex QP's optimum; None (singular or unbounded subproblems, no convergence in a few
     dozen iterations) leaves the step to the cvxpy solver. After the first Newton step the
@@ -199,7 +188,7 @@ def _kkt_step(
             wrong = np.where(at_lb, -mult, 0.0) + np.where(at_ub, mult, 0.0)
             i = int(np.argmax(wrong))
             if wrong[i] <= 1e-12 * scale:
-                return polish_qp(h, lin, v, lb, ub)
+                return problems.polish_qp(h, lin, v, lb, ub)
             at_lb[i] = at_ub[i] = False
             continue
         # The longest step in [0, 1] along p inside the bounds; a blocking bound joins the set.
@@ -223,7 +212,7 @@ def _mixture_newton(pt, acc, lb, ub, lam, u, solver, cache, solver_options, tol,
     m = pt.shape[0]
     floored = bool(np.any(lb > 0))
     compiled, built = problems.get_problem("qp", n, solver=solver, ridge=False, floored=floored, cache=cache)
-    w = project_capped_simplex(u, lb, ub)
+    w = problems.project_capped_simplex(u, lb, ub)
     f = objective(w)
     total = 0.0
     status, note = "optimal_inaccurate", f"Newton did not reach decrement {tol:g} in {max_iter} steps"
@@ -246,7 +235,12 @@ def _mixture_newton(pt, acc, lb, ub, lam, u, solver, cache, solver_options, tol,
             d = direct - w
         else:
             scale = max(float(np.max(np.abs(h))), float(np.max(np.abs(lin))), 1e-300)
-            values: dict[str, Any] = {"Lt": factor_psd(h / scale), "q": lin / scale, "c": 0.0, "ub": ub}
+            values: dict[str, Any] = {
+                "Lt": problems.factor_psd(h / scale),
+                "q": lin / scale,
+                "c": 0.0,
+                "ub": ub,
+            }
             if floored:
                 values["lb"] = lb
             out = problems.solve(compiled, values, solver_options=solver_options)
@@ -264,8 +258,8 @@ def _mixture_newton(pt, acc, lb, ub, lam, u, solver, cache, solver_options, tol,
                     f"Newton step {it}: {out.error}",
                     objective,
                 )
-            v = project_capped_simplex(out.w, lb, ub)
-            polished = polish_qp(h, lin, v, lb, ub)
+            v = problems.project_capped_simplex(out.w, lb, ub)
+            polished = problems.polish_qp(h, lin, v, lb, ub)
             d = (v if polished is None else polished) - w
         dec = float(-g @ d)
         if dec <= tol:
@@ -281,7 +275,7 @@ def _mixture_newton(pt, acc, lb, ub, lam, u, solver, cache, solver_options, tol,
             status, note = "optimal", "line search made no progress (at the optimum to rounding)"
             break
         w, f = w + t * d, f_new
-    w = project_capped_simplex(w, lb, ub)
+    w = problems.project_capped_simplex(w, lb, ub)
     return ConvexWeights(
         w, objective(w), status, total, False, note, acc, "mixture_nll", compiled.key.solver, built, it
     )

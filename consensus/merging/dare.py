@@ -155,12 +155,18 @@ def _dare_then(rule: str, density: float, rescale: bool | str, merge: Any) -> Ag
     return Aggregator(lambda params: merge.init(params), update, rule)
 
 
+# What the two DARE merges share: a keyed drop of each task vector over a base, density 0.5
+# unless given (mergekit's examples); they differ in the merge after the drop.
+_DARE_MERGE: dict[str, Any] = {
+    "kind": "merge",
+    "precondition": at_least(1),
+    "needs": ("params", "key"),
+    "defaults": {"density": 0.5},
+}
+
+
 @RULES.declare(
-    kind="merge",
-    precondition=at_least(1),
-    sensitivity="scale * max_i w_i * C / density (DARE's rescale, then a weighted sum)",
-    needs=("params", "key"),
-    defaults={"density": 0.5},
+    sensitivity="scale * max_i w_i * C / density (DARE's rescale, then a weighted sum)", **_DARE_MERGE
 )
 def dare_linear(
     density: float,
@@ -186,13 +192,7 @@ def dare_linear(
     return _dare_then("dare_linear", density, rescale, merge)
 
 
-@RULES.declare(
-    kind="merge",
-    precondition=at_least(1),
-    sensitivity="not bounded (one node can flip every elected sign)",
-    needs=("params", "key"),
-    defaults={"density": 0.5},
-)
+@RULES.declare(sensitivity="not bounded (one node can flip every elected sign)", **_DARE_MERGE)
 def dare_ties(
     density: float,
     weights: Any = None,

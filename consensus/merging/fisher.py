@@ -8,18 +8,7 @@ import jax.numpy as jnp
 
 from consensus import tree
 from consensus.base import Aggregator
-from consensus.merging._common import (
-    RuleState,
-    fixed_weights,
-    info,
-    init_rule_state,
-    leaves_of,
-    node_weights,
-    optimistic,
-    require_base,
-    require_valid_count,
-    unflatten_like,
-)
+from consensus.merging import _common as common
 from consensus.specs import RULES, at_least
 from kernels.compile_options import kernel_jit
 from kernels.rows import tree_sum
@@ -71,13 +60,13 @@ def fisher_merge(epsilon: float = 1e-8, weights: Any = None) -> Aggregator:
     eps = float(epsilon)
     if not eps >= 0:
         raise ValueError(f"fisher_merge: epsilon must be >= 0, got {epsilon!r}")
-    fixed = fixed_weights("fisher_merge", weights)
+    fixed = common.fixed_weights("fisher_merge", weights)
 
     def update(
         stacked, state, params=None, *, mask=None, fisher=None, weights=None, assume_finite=False, **extra
     ):
         del state, extra
-        stacked, n = require_base("fisher_merge", stacked, params)
+        stacked, n = common.require_base("fisher_merge", stacked, params)
         if fisher is None:
             raise ValueError(
                 "fisher_merge: needs the nodes' diagonal Fisher: "
@@ -89,20 +78,20 @@ def fisher_merge(epsilon: float = 1e-8, weights: Any = None) -> Aggregator:
             raise tree.TreeMismatchError(
                 f"fisher_merge: fisher must be stacked like the nodes: {e}"
             ) from None
-        w = node_weights("fisher_merge", fixed, weights, n)
+        w = common.node_weights("fisher_merge", fixed, weights, n)
         fisher_ok = jnp.ones((n,), bool) if assume_finite else tree.finite_mask(fisher)
 
         def compute(valid):
             valid = valid & fisher_ok
             outs = [
                 _fisher_leaf(x, b, f, w, valid, jnp.float32(eps))
-                for x, b, f in zip(*leaves_of(stacked, params, fisher), strict=True)
+                for x, b, f in zip(*common.leaves_of(stacked, params, fisher), strict=True)
             ]
-            return unflatten_like(params, outs)
+            return common.unflatten_like(params, outs)
 
-        merged, valid = optimistic(stacked, mask, n, assume_finite, compute)
+        merged, valid = common.optimistic(stacked, mask, n, assume_finite, compute)
         valid = valid & fisher_ok
-        require_valid_count("fisher_merge", at_least(1), valid, n)
-        return merged, RuleState(info(valid, w, False))
+        common.require_valid_count("fisher_merge", at_least(1), valid, n)
+        return merged, common.RuleState(common.info(valid, w, False))
 
-    return Aggregator(init_rule_state, update, "fisher_merge")
+    return Aggregator(common.init_rule_state, update, "fisher_merge")
