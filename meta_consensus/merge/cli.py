@@ -172,8 +172,11 @@ def merge_cmd(args: Any) -> int:
     def stop(signum: int, frame: Any) -> None:
         raise Interrupted(signum)
 
+    # Our own handler for both signals: a process may inherit SIGINT ignored (a pytest-xdist worker,
+    # a non-interactive shell's background job), and the partial output must go all the same.
     main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there
-    previous = signal.signal(signal.SIGTERM, stop) if main_thread else None
+    handled = (signal.SIGTERM, signal.SIGINT)
+    previous = {s: signal.signal(s, stop) for s in handled} if main_thread else {}
     try:
         report = merge_checkpoints(
             plan,
@@ -190,8 +193,8 @@ def merge_cmd(args: Any) -> int:
         )
         return 128 + signum
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        for signum_, handler in previous.items():
+            signal.signal(signum_, signal.SIG_DFL if handler is None else handler)
     for name, keys in report["nonfinite"].items():
         shown = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
         print(
