@@ -33,6 +33,7 @@ def _check_ratios(res: dict) -> None:
     assert values and all(math.isfinite(v) and v > 0 for v in values)
 
 
+@pytest.mark.slow
 def test_quick_rules_time_both_formulations_eagerly_and_jitted_on_clean_and_attacked_rows(tmp_path):
     res = _run(tmp_path, "--nodes", "8", "--sections", "rules")
     assert res["command"] == "python -m benchmarks accelerator --quick --nodes 8 --sections rules"

@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
 
+@pytest.mark.slow
 def test_quick_mode_writes_time_and_rss_per_method(tmp_path):
     from benchmarks import harness
     from benchmarks.speed import merge_methods_hf

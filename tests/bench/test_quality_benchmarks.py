@@ -227,6 +227,7 @@ def test_dp_round_loop_spends_exactly_the_calibrated_budget_and_refuses_one_more
         privacy_quality.train_dp(8.0, z, 0, rounds=rounds + 1, **kw)
 
 
+@pytest.mark.slow
 def test_non_private_fedavg_loop_learns_digits():
     out = privacy_quality.train_dp(
         math.inf,

@@ -94,6 +94,7 @@ def test_round_with_mean_and_no_attack_is_the_numpy_mean_of_the_submitted_params
     np.testing.assert_allclose(np.asarray(get_info(state).weights), np.full(N, 1.0 / N), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_sign_flip_rows_are_minus_the_honest_mean_update(setup):
     params = setup[4]
     f = 2

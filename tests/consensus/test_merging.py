@@ -213,7 +213,14 @@ def test_ties_count_election_resists_one_large_delta():
 # extraction pass, the continuous rows found by the extraction pass, the tied rows (lanes over 3
 # entries) by the fallback.
 @pytest.mark.parametrize(
-    "s", [1, 3, pytest.param(100, marks=pytest.mark.slow), pytest.param(4099, marks=pytest.mark.slow), 50_000]
+    "s",
+    [
+        1,
+        3,
+        pytest.param(100, marks=pytest.mark.slow),
+        pytest.param(4099, marks=pytest.mark.slow),
+        pytest.param(50_000, marks=pytest.mark.slow),
+    ],
 )
 def test_kth_largest_magnitude_is_exact(s):
     rng = np.random.default_rng(s)
@@ -304,6 +311,7 @@ def test_window_is_capped_to_what_the_extraction_packs():
     assert int(wlo[0]) < 0.6 * 10**9 < int(whi[0])
 
 
+@pytest.mark.slow
 def test_kth_largest_takes_two_passes_on_continuous_rows_and_stays_exact_on_ties():
     from consensus.merging._select import kth_largest_delta_bits
 
@@ -327,6 +335,7 @@ def test_kth_largest_takes_two_passes_on_continuous_rows_and_stays_exact_on_ties
         )
 
 
+@pytest.mark.slow
 def test_kth_largest_reads_a_crowded_lane_back_once_more_and_stays_exact():
     # Four entries of one extraction lane (columns 8192 apart, off the sample's grid, so the
     # first pass and the window do not move) planted inside the window: the lane holds over 3
@@ -529,6 +538,7 @@ def test_dare_ties_is_ties_of_the_dropped_nodes():
     assert_tree_close(merged, per_leaf(ref_ties, dropped, base, 0.5, "sum", 1.0, np.ones(4)))
 
 
+@pytest.mark.slow
 def test_dare_keeps_a_non_finite_node_non_finite_and_the_merge_excludes_it():
     # DARE makes no finiteness pass: a dropped entry is d * 0, NaN where d is not finite, so a
     # poisoned node stays poisoned and the rule after DARE excludes it; masked nodes come out NaN.
@@ -556,6 +566,7 @@ def test_dare_keeps_a_non_finite_node_non_finite_and_the_merge_excludes_it():
     assert_tree_close(jitted(poisoned, base, key), want)
 
 
+@pytest.mark.slow
 def test_dare_linear_sums_the_dropped_task_vectors_without_writing_them():
     """process(task_arithmetic, pre=[dare]) reads DARE's rows lazily (the drop recomputed where
     each entry is read): equal to task arithmetic of DARE's written rows and to a float64

@@ -418,7 +418,7 @@ TABLE: dict[str, tuple[Case, ...]] = {
     "ties": (Case("ties", "ties", slow=frozenset({"jit", "non_finite", "permutation"})),),
     "dare": (Case("dare", "dare"),),
     "linear": (Case("linear", "linear", translation=True),),
-    "dare_linear": (Case("dare_linear", "dare_linear"),),
+    "dare_linear": (Case("dare_linear", "dare_linear", slow=frozenset({"jit"})),),
     "dare_ties": (Case("dare_ties", "dare_ties", slow=frozenset({"jit", "non_finite", "permutation"})),),
     "model_stock": (Case("model_stock", "model_stock", slow=frozenset({"jit"})),),
     "slerp": (Case("slerp", "slerp", nodes=2),),

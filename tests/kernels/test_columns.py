@@ -59,6 +59,7 @@ def _split_calls(monkeypatch, threads: int) -> list:
     return seen
 
 
+@pytest.mark.slow
 def test_split_calls_equal_one_call_and_numpy(monkeypatch):
     n = 130  # selection (above NETWORK_MAX); 256-column blocks, so 1031 columns make 4 ranges
     x, keep, m = _case(n, (1031,), seed=0)

@@ -128,6 +128,7 @@ def zero_labels(task, batch, value: int = 0):
     return {**batch, "y": jax.numpy.full_like(batch["y"], value)}
 
 
+@pytest.mark.slow
 def test_a_declared_data_attack_is_what_the_byzantine_nodes_train_on():
     from consensus.specs import RegistryError
     from strategies.attacks import ATTACKS

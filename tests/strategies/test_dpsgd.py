@@ -253,6 +253,7 @@ def _flat(tree):
     return np.concatenate([np.ravel(np.asarray(v, np.float64)) for v in jax.tree.leaves(tree)])
 
 
+@pytest.mark.slow
 def test_ghost_clipping_equals_a_float64_per_example_loop_on_an_mlp_with_the_noise_of_its_key():
     from strategies.tasks.digits import DigitsTask
 
@@ -329,6 +330,7 @@ def test_ghost_clipping_refuses_taps_that_miss_parameters():
     assert DigitsTask(dropout=0.1).dp_dense_taps() is None  # dropout: the generic path
 
 
+@pytest.mark.slow
 def test_trainer_fast_and_generic_dp_paths_train_the_same_nodes():
     """Several DP-SGD steps of 3 digits nodes: ghost clipping (default) vs ExampleDP(ghost=False)."""
     from strategies.tasks.digits import DigitsTask

@@ -141,6 +141,7 @@ def test_forward_and_metrics_match_float64_reference(forward):
     assert abs(reference_metrics(want, y, np.ones(6, bool))["loss"] - ref["loss"]) > 1e-3
 
 
+@pytest.mark.slow
 def test_metrics_over_more_rows_than_a_chunk_match_float64_reference():
     """Evaluation batches above METRICS_ROWS rows go through the chunked path (lax.map, the last
     chunk padded); with a row mask, with none, and under jit it equals the float64 reference."""

@@ -64,6 +64,7 @@ def test_cli_runs_a_task_given_by_import_path(tmp_path, capsys):
     assert rows[-1]["consensus_accuracy"] > 0.8
 
 
+@pytest.mark.slow
 def test_python_api_takes_a_task_object(tmp_path):
     cfg = config.load(None, [*SMALL, f"output_dir={tmp_path}", "name=api"])
     result = MetaConsensus(cfg, task=make_task(width=8), write=False, progress=False).train()

@@ -208,6 +208,7 @@ def _sabotaging_app(bad_round: int):
     return app
 
 
+@pytest.mark.slow
 def test_bad_and_missing_answers_fail_the_round_under_the_coordinators_rule_then_the_run_goes_on(tmp_path):
     cfg = flower_config(tmp_path, "rounds=3", "vote.rule=median", "weights.objective=uniform")
     strategy = _Recording(cfg, evaluate=False, wait_for_nodes_s=0.0)

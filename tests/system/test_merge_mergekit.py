@@ -186,6 +186,7 @@ def test_mergekit_per_tensor_filters(ckpts):
         np.testing.assert_allclose(got[k], want, rtol=2e-5, atol=2e-5, err_msg=k)
 
 
+@pytest.mark.slow
 def test_mergekit_slerp_model_stock_and_karcher(ckpts):
     tmp, base, paths, b, xs = ckpts
     cfg = f"merge_method: slerp\nbase_model: {base}\nmodels:\n  - model: {base}\n  - model: {paths[0]}\n"
@@ -273,6 +274,7 @@ def test_mergekit_config_refusals_are_one_line(ckpts, capsys, text, message):
     assert message in err and "\n" not in err, err
 
 
+@pytest.mark.slow
 def test_every_offered_method_runs(ckpts):
     """Each name ``--method`` offers merges two or three tiny inputs (with --seed where randomized)."""
     tmp, base, paths, _, _ = ckpts

@@ -243,6 +243,7 @@ def test_cli_runs_every_family_of_a_plugin_from_the_current_directory(tmp_path):
     assert tomllib.loads((run_dir / "config.toml").read_text())["plugins"] == ["my_plugin"]
 
 
+@pytest.mark.slow
 def test_python_api_runs_a_plugin_and_the_written_config_loads_it(workdir):
     (workdir / "plugin_api.py").write_text(plugin_source("api"))
     with pytest.raises(ConfigError, match="vote.rule = 'rule_api' is not valid"):

@@ -135,6 +135,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, uninterrupte
             assert f["epsilon_pld"] == "nan"
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_different_config(tmp_path):
     cfg = config.load(None, [*SMALL, "rounds=1", f"output_dir={tmp_path}", "name=r", "dp.enabled=false"])
     from meta_consensus import MetaConsensus
