@@ -159,6 +159,7 @@ def test_sharded_params_keep_sharding_and_match_unsharded():
         np.testing.assert_allclose(np.asarray(sharded[k]), np.asarray(plain[k]), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_poisson_sampling_rate_and_update_uses_the_announced_sample():
     n, q = 64, 0.25
     assert dp.effective_sampling_rate(q) == q  # 0.25 * 2^32 is an integer

@@ -370,7 +370,7 @@ TABLE: dict[str, tuple[Case, ...]] = {
             robust="ball",
             attacks=(OUTLIERS,),
             permutation_invariant=True,  # for a fixed key: the key draws coordinates, not node positions
-            slow=frozenset({"jit", "reference", "outliers_nan_mask"}),
+            slow=frozenset({"jit", "reference", "outliers_nan_mask", "permutation"}),
         ),
     ),
     "caf": (
@@ -415,7 +415,7 @@ TABLE: dict[str, tuple[Case, ...]] = {
     ),
     # Merge methods over task vectors (their float64 references are in test_merging.py).
     "task_arithmetic": (Case("task_arithmetic", "task_arithmetic"),),
-    "ties": (Case("ties", "ties", slow=frozenset({"jit", "non_finite", "permutation"})),),
+    "ties": (Case("ties", "ties", slow=frozenset({"jit", "non_finite", "permutation", "base"})),),
     "dare": (Case("dare", "dare"),),
     "linear": (Case("linear", "linear", translation=True),),
     "dare_linear": (Case("dare_linear", "dare_linear", slow=frozenset({"jit"})),),
@@ -909,6 +909,7 @@ def test_elementwise_rules_give_the_same_values_on_column_slices(case, make_para
     np.testing.assert_array_equal(sliced, np.asarray(whole["w"], np.float64).reshape(-1))
 
 
+@pytest.mark.slow
 def test_the_column_slice_check_fails_for_a_per_leaf_statistic(make_params, make_nodes):
     # TIES keeps the top-k magnitudes of each leaf: not element-wise, and the check above sees it.
     (case,) = TABLE["ties"]

@@ -111,6 +111,7 @@ def test_data_and_model_poisoning_together():
         assert _max_diff(_node(sub, i), _node(out.params, i)) == 0.0
 
 
+@pytest.mark.slow
 def test_label_flip_through_the_configuration_is_the_task_flip_bit_for_bit():
     # The declared label_flip, bound as the Byzantine configuration's data attack, trains exactly
     # as the trainer's own flip_labels mask (the task's flip_labels) does.

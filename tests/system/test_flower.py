@@ -251,6 +251,7 @@ def test_a_vote_below_consensus_threshold_keeps_the_consensus_and_charges_the_le
     assert _bit_equal(strategy.consensus, initial)
 
 
+@pytest.mark.slow
 def test_the_privacy_budget_stops_the_work(tmp_path):
     cfg = flower_config(tmp_path, "rounds=3", "dp.budget=8.0")
     strategy = ConsensusStrategy(cfg, evaluate=False)
