@@ -255,7 +255,7 @@ def test_coordinatewise_one_pass_path_excludes_a_lone_inf(make):
     np.testing.assert_allclose(np.asarray(merged["w"]), want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("n", [16, 60])
+@pytest.mark.parametrize("n", [16, pytest.param(60, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("attack,options", [("alie", {}), ("ipm", {"epsilon": 0.5}), ("sign_flip", {})])
 def test_bulyan_with_repeated_attacker_vectors_matches_float64_reference(attack, options, n):
     """Issue 17: f = 3, the attackers send one vector f times; the second stage ties.

@@ -190,10 +190,13 @@ def test_bucketing_refuses_when_too_many_buckets_can_be_bad():
         agg.bucketing(3, inner="krum").update(stacked, rule.init(params), params, key=KEY)
 
 
+SLOW_PRECONDITIONS = ("dnc", "fltrust", "signguard", "server_monna")
+
+
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(name, marks=pytest.mark.slow) if name in ("dnc", "fltrust", "signguard") else name
+        pytest.param(name, marks=pytest.mark.slow) if name in SLOW_PRECONDITIONS else name
         for name in (
             "fltrust",
             "server_monna",

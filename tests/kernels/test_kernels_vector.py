@@ -66,7 +66,7 @@ def test_iterated_krum_matches_reference():
     assert set(np.flatnonzero(got)) == set(ref.iterated_krum(X, f, n - 2 * f, valid))
 
 
-@pytest.mark.parametrize("n,f", [(7, 1), (13, 2), (70, 10)])
+@pytest.mark.parametrize("n,f", [(7, 1), (13, 2), pytest.param(70, 10, marks=pytest.mark.slow)])
 def test_iterated_krum_with_invalid_nodes_and_ties_matches_reference(n, f):
     # Rows sorted once, pointers moved per round: the same picks as re-scoring from scratch,
     # with invalid nodes and repeated (attacker-like) rows whose distances tie exactly.
