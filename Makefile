@@ -1,7 +1,7 @@
 # Two commands that work on a fresh machine with Python 3.11+:
 #   make run   - the main job on its embedded default (meta-consensus run: digits, 8 nodes, ~1 min)
-#   make test  - ruff (check, format), the import contract, mypy and the whole pytest suite on 2 xdist workers (8:49-9:47 of pytest, 9:45-10:45 with the venv, fresh clone on a quiet 2-core machine, 2026-11-25; 17:40-21:04 of pytest, 19:40-23:04 with the venv, on a 2-core machine of the same kind that ran about 2x slower, 2026-11-26)
-#   make test-fast - the same without the slow, multiprocess and notebook tests (2.5 min on 2 cores)
+#   make test  - ruff (check, format), the import contract, mypy and the whole pytest suite on 2 xdist workers (about 11 min of pytest, 13 min with the venv and CI's extras, fresh clone on a 2-core machine)
+#   make test-fast - the same without the slow, multiprocess and notebook tests (under 3 min of pytest on 2 cores)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
