@@ -77,7 +77,7 @@ def table(cfg: Config, history: Sequence[RoundInfo], seconds: float | None = Non
                 " epsilon; see benchmarks/privacy_quality.md)"
             )
     else:
-        lines.append("privacy: no DP step (example-level DP-SGD: --config configs/private.toml)")
+        lines.append("privacy: no DP step (example-level DP-SGD: --preset private)")
     total = sum(sum(h.seconds.values()) for h in history) if seconds is None else seconds
     fails = [h for h in history if not h.ok]
     lines.append(f"time: {total:.1f} s; test accuracy after round {last.round + 1}")
