@@ -183,14 +183,11 @@ class Spec:
         return self.precondition(n, f)
 
     def check(self, n: int, f: int) -> None:
-        """Raise ByzantineToleranceError naming the entry, n, f and what it needs."""
-        from consensus.base import ByzantineToleranceError
+        """Raise ByzantineToleranceError naming the entry, n, f and what it needs (base.require's text)."""
+        from consensus.base import require
 
         needed = self.precondition(n, f)
-        if needed is not None:
-            raise ByzantineToleranceError(
-                f"{self.name}: cannot tolerate f={f} Byzantine nodes with n={n} valid nodes; needs {needed}."
-            )
+        require(self.name, n, f, needed is None, needed or "")
 
     def check_params(self, params: Mapping[str, Any]) -> None:
         """Unknown parameter names raise a RegistryError that lists the valid ones."""
