@@ -262,7 +262,7 @@ class MetaConsensus:
         try:
             return self._train(state, resume, max_rounds, notes)
         except BaseException:
-            if created is not None and self.is_main and not _has_checkpoint(self.run_dir):
+            if created is not None and self.is_main and not _has_output(self.run_dir):
                 created.undo()
             raise
 
@@ -446,6 +446,13 @@ class MetaConsensus:
 def _has_checkpoint(run_dir: Path) -> bool:
     ckpts = Path(run_dir) / "checkpoints"
     return ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir())
+
+
+def _has_output(run_dir: Path) -> bool:
+    """A checkpoint, or a logged round: a run without checkpoints (``checkpoint_every = 0``) that
+    fails after some rounds keeps what it logged, and only a start that produced nothing is undone."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    return _has_checkpoint(run_dir) or (metrics.is_file() and metrics.stat().st_size > 0)
 
 
 @dataclasses.dataclass

@@ -188,6 +188,26 @@ def test_a_start_that_fails_before_its_first_checkpoint_removes_what_it_created(
     assert _snapshot(tmp_path) == before
 
 
+def test_a_run_without_checkpoints_that_fails_after_a_round_keeps_what_it_logged(tmp_path, monkeypatch):
+    from meta_consensus import MetaConsensus
+    from meta_consensus.coordinator import Coordinator
+
+    real = Coordinator.round
+    calls = {"n": 0}
+
+    def second_round_crashes(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise _Crash("a bug in the second round")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Coordinator, "round", second_round_crashes)
+    with pytest.raises(_Crash):
+        MetaConsensus(_small(tmp_path, "name=nockpt", "checkpoint_every=0"), progress=False).train()
+    metrics = tmp_path / "runs" / "nockpt" / "metrics.jsonl"
+    assert len(metrics.read_text().splitlines()) == 1  # the first round's line is kept, not undone
+
+
 def test_a_task_from_python_is_recorded_by_import_path_or_refused_from_the_config(tmp_path, monkeypatch):
     import sys
     import types
