@@ -96,8 +96,16 @@ def _signature(tree: PyTree) -> tuple[Any, ...]:
 
 
 def refuse_unstacked(stacked: PyTree) -> None:
-    """Raise TreeMismatchError when ``stacked`` is a list or tuple of like trees, not one stacked tree."""
+    """Raise TreeMismatchError when ``stacked`` is a list or tuple of like trees, not one stacked tree.
+
+    The shapes alone cannot tell n node trees from a stacked tree whose top level is a
+    sequence of like parts, so the refusal keeps to what node trees look like: a list of like
+    trees, or a tuple of like containers (dicts, States, ...). A tuple of like arrays stays a
+    stacked tree, as ``(w, b)`` of one shape is; wrap a stacked list of like layers in a dict.
+    """
     if type(stacked) not in (list, tuple) or len(stacked) < 2:
+        return
+    if type(stacked) is tuple and all(jax.tree_util.treedef_is_leaf(jax.tree.structure(t)) for t in stacked):
         return
     first = _signature(stacked[0])
     if all(_signature(t) == first for t in stacked[1:]):

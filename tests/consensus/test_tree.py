@@ -113,3 +113,18 @@ def test_krum_picks_right_winner_when_nodes_differ_by_1e_4_relative():
     dg = np.diag(g)
     d2 = dg[:, None] + dg[None, :] - 2 * g
     np.testing.assert_allclose(d2, ref.sq_dists(X), rtol=1e-3, atol=1e-6 * ref.sq_dists(X).max())
+
+
+def test_a_stacked_tuple_of_like_arrays_is_a_stacked_tree_but_a_list_of_node_trees_is_refused():
+    from consensus import median, stack
+
+    rng = np.random.default_rng(0)
+    w, b = rng.normal(size=(5, 3)).astype(np.float32), rng.normal(size=(5, 3)).astype(np.float32)
+    assert tree.num_nodes((jnp.asarray(w), jnp.asarray(b))) == 5
+    agg = median()
+    merged, _ = agg.update((jnp.asarray(w), jnp.asarray(b)), agg.init(None))
+    np.testing.assert_allclose(np.asarray(merged[0]), np.median(w, axis=0), rtol=1e-6)
+    nodes = [{"w": jnp.asarray(w[i])} for i in range(5)]
+    with pytest.raises(tree.TreeMismatchError, match="got a list of 5 trees"):
+        tree.num_nodes(nodes)
+    assert tree.num_nodes(stack(nodes)) == 5
