@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+from pathlib import Path
+
 from meta_consensus import config
 
 SMALL = [
@@ -30,3 +34,20 @@ SMALL = [
 
 def small_config(tmp_path, *overrides: str) -> config.Config:
     return config.load(None, [*SMALL, f"output_dir={tmp_path}", "name=small", *overrides])
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file under ``root`` with a hash of its bytes (directories as entries too)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for d in dirnames:
+            out[os.path.relpath(os.path.join(dirpath, d), root)] = "dir"
+        for f in filenames:
+            p = os.path.join(dirpath, f)
+            out[os.path.relpath(p, root)] = hashlib.sha256(Path(p).read_bytes()).hexdigest()
+    return out
+
+
+def sets(*items: str) -> list[str]:
+    """``--set`` flags for each override."""
+    return [a for s in items for a in ("--set", s)]

@@ -8,35 +8,15 @@ subprocess to check the entry point end to end.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from system_helpers import SMALL
+from system_helpers import SMALL, sets, snapshot
 
 from meta_consensus import cli
-
-
-def _snapshot(root: Path) -> dict[str, str]:
-    """Every file under ``root`` with a hash of its bytes (directories as entries too)."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for d in dirnames:
-            out[os.path.relpath(os.path.join(dirpath, d), root)] = "dir"
-        for f in filenames:
-            p = os.path.join(dirpath, f)
-            out[os.path.relpath(p, root)] = hashlib.sha256(Path(p).read_bytes()).hexdigest()
-    return out
-
-
-def _sets(*items: str) -> list[str]:
-    out = []
-    for s in items:
-        out += ["--set", s]
-    return out
 
 
 def _invoke(argv: list[str], capsys) -> tuple[int, str]:
@@ -51,8 +31,8 @@ def _invoke(argv: list[str], capsys) -> tuple[int, str]:
 def finished_run(tmp_path_factory) -> Path:
     """A finished one-round run ``<out>/done`` (no DP: the cheapest complete run)."""
     out = tmp_path_factory.mktemp("runs")
-    sets = _sets(*SMALL, "rounds=1", "dp.enabled=false", f"output_dir={out}", "name=done")
-    assert cli.main(["run", "--quiet", *sets]) == 0
+    flags = sets(*SMALL, "rounds=1", "dp.enabled=false", f"output_dir={out}", "name=done")
+    assert cli.main(["run", "--quiet", *flags]) == 0
     assert (out / "done" / "checkpoints" / "1").is_dir()
     return out
 
@@ -85,8 +65,8 @@ CASES = [
     # and attackers, and (isolated) 4 nodes with f = 1, where Multi-Krum needs n > 2f + 2.
     (["run", "--set", "nodes.count=4"], "nodes"),
     (
-        ["run", *_sets("nodes.count=4", "nodes.strategies=local", "byzantine.nodes=[3]")]
-        + _sets("vote.num_byzantine=1"),
+        ["run", *sets("nodes.count=4", "nodes.strategies=local", "byzantine.nodes=[3]")]
+        + sets("vote.num_byzantine=1"),
         "multi",
     ),
     (["report"], "run_dir"),
@@ -123,31 +103,31 @@ def _check_bad_invocation(out: Path, capsys, argv: list[str], phrase: str) -> No
     argv = [a.replace("{out}", str(out)) for a in argv]
     if argv[0] == "run" and len(argv) > 1:
         # the finished run's small settings, so that only the case's own change is wrong
-        base = [] if "--config" in argv else _sets(*SMALL, "rounds=1", "dp.enabled=false")
+        base = [] if "--config" in argv else sets(*SMALL, "rounds=1", "dp.enabled=false")
         argv = [*argv[:1], "--quiet", *base, "--set", f"output_dir={out}", *argv[1:]]
         if not any(a.startswith("name=") for a in argv):
             argv += ["--set", "name=fresh"]
-    before = _snapshot(out)
+    before = snapshot(out)
     rc, err = _invoke(argv, capsys)
     assert rc == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert "Traceback" not in err
     assert phrase.lower() in lines[0].lower(), lines[0]
-    assert _snapshot(out) == before
+    assert snapshot(out) == before
 
 
 @pytest.mark.slow
 def test_overwrite_moves_the_earlier_run_aside(capsys, tmp_path):
     out = tmp_path
     first = out / "x"
-    argv = ["run", "--quiet", *_sets(*SMALL, "rounds=1", "dp.enabled=false", f"output_dir={out}", "name=x")]
+    argv = ["run", "--quiet", *sets(*SMALL, "rounds=1", "dp.enabled=false", f"output_dir={out}", "name=x")]
     assert cli.main(argv) == 0
-    earlier = _snapshot(first)
+    earlier = snapshot(first)
     assert cli.main([*argv, "--overwrite"]) == 0
     assert "moved the earlier run" in capsys.readouterr().err
     # the earlier run is intact under its new name, and a new complete run is in its place
-    assert _snapshot(out / "x.old-1") == earlier
+    assert snapshot(out / "x.old-1") == earlier
     assert (first / "checkpoints" / "1").is_dir()
     assert len((first / "metrics.jsonl").read_text().splitlines()) == 1
 
@@ -157,14 +137,14 @@ def test_overwrite_moves_the_earlier_run_aside(capsys, tmp_path):
 def test_entry_point_refuses_an_existing_run(finished_run):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.getcwd()
-    before = _snapshot(finished_run)
+    before = snapshot(finished_run)
     argv = [sys.executable, "-m", "meta_consensus", "run", "--quiet"]
-    argv += _sets(*SMALL, "rounds=1", "dp.enabled=false", f"output_dir={finished_run}", "name=done")
+    argv += sets(*SMALL, "rounds=1", "dp.enabled=false", f"output_dir={finished_run}", "name=done")
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert "already holds a run" in proc.stderr and "--resume" in proc.stderr
-    assert _snapshot(finished_run) == before
+    assert snapshot(finished_run) == before
 
 
 @pytest.mark.slow
@@ -187,8 +167,8 @@ def test_importing_the_package_leaves_the_device_count_to_the_cli():
 def test_a_run_in_which_no_round_succeeded_exits_1(tmp_path, capsys):
     # every node crashes: each round fails with too few valid answers, and is skipped
     crash = "faults.crash_nodes=[0, 1, 2, 3, 4, 5]"
-    sets = _sets(*SMALL, "rounds=2", "max_retries=0", "dp.enabled=false", crash)
-    rc = cli.main(["run", "--quiet", *sets, "--set", f"output_dir={tmp_path}", "--set", "name=failed"])
+    flags = sets(*SMALL, "rounds=2", "max_retries=0", "dp.enabled=false", crash)
+    rc = cli.main(["run", "--quiet", *flags, "--set", f"output_dir={tmp_path}", "--set", "name=failed"])
     err = capsys.readouterr().err
     assert rc == 1, err
     assert "no round succeeded (2 attempts" in err and "Traceback" not in err
@@ -203,7 +183,7 @@ def test_a_run_in_which_no_round_succeeded_exits_1(tmp_path, capsys):
 )
 def test_a_bad_kernel_setting_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, name, value, message):
     monkeypatch.setenv(name, value)
-    rc, err = _invoke(["run", "--quiet", *_sets(*SMALL, f"output_dir={tmp_path}")], capsys)
+    rc, err = _invoke(["run", "--quiet", *sets(*SMALL, f"output_dir={tmp_path}")], capsys)
     assert rc == 2
     assert err.count("\n") == 1 and message in err
-    assert _snapshot(tmp_path) == {}
+    assert snapshot(tmp_path) == {}

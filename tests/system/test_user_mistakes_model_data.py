@@ -9,8 +9,6 @@ as a user's ``my_tasks.py`` would be.
 
 from __future__ import annotations
 
-import hashlib
-import os
 import sys
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import flax.nnx as nnx
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from system_helpers import sets, snapshot
 
 import consensus
 from consensus.base import ByzantineToleranceError
@@ -172,21 +171,6 @@ not_a_task = object()
 # --------------------------------------------------------------------------------- helpers
 
 
-def _snapshot(root: Path) -> dict[str, str]:
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for d in dirnames:
-            out[os.path.relpath(os.path.join(dirpath, d), root)] = "dir"
-        for f in filenames:
-            p = os.path.join(dirpath, f)
-            out[os.path.relpath(p, root)] = hashlib.sha256(Path(p).read_bytes()).hexdigest()
-    return out
-
-
-def _sets(*items: str) -> list[str]:
-    return [a for s in items for a in ("--set", s)]
-
-
 def _one_line(text: str) -> str:
     lines = text.strip().splitlines()
     assert len(lines) == 1, text
@@ -216,35 +200,35 @@ def out(tmp_path: Path, monkeypatch) -> Path:
 
 # (extra argv after `run --quiet` and the tiny settings, phrases the one line must contain)
 CLI_CASES = [
-    (_sets(f"task.name={MODULE}:labels_past_logits"), ["y[7] = 7", "3 logits", "[0, 3)"]),
-    (_sets(f"task.name={MODULE}:nan_features"), ["x[12, 3] is nan", "finite"]),
-    (_sets(f"task.name={MODULE}:inf_features"), ["x[40, 0] is -inf", "finite"]),
-    (_sets(f"task.name={MODULE}:two_logits_three_classes"), ["= 2", "2 logits", "[0, 2)"]),
-    (_sets(f"task.name={MODULE}:wrong_input_width"), ["input width 20", "5 features", "(120, 5)"]),
-    (_sets(f"task.name={MODULE}:num_classes_mismatch"), ["3 logits", "num_classes = 4"]),
-    (_sets(f"task.name={MODULE}:negative_labels"), ["y[3] = -1", "non-negative"]),
-    (_sets(f"task.name={MODULE}:float_labels"), ["integer classes", "float32"]),
-    (_sets(f"task.name={MODULE}:ragged_arrays"), ["x must be (N, ...) and y (N,)"]),
-    (_sets(f"task.name={MODULE}:not_a_task"), ["is not a Task", "init, apply"]),
-    (_sets(f"task.name={MODULE}:factory_raises"), ["FileNotFoundError", "my_data.csv", f"{THIS}:"]),
-    (_sets(f"task.name={MODULE}:constructor_raises"), ["constructor fails", "ValueError", f"{THIS}:"]),
-    (_sets(f"task.name={MODULE}:forward_raises"), ["forward pass fails", "RuntimeError", f"{THIS}:"]),
-    (_sets(f"task.name={MODULE}:not_logits"), ["returns shape (8,)", "logits"]),
-    (_sets(f"task.name={MODULE}:own_task_labels_past_logits"), ["heldout y[", "= 5", "[0, 3)"]),
-    (_sets(f"task.name={MODULE}:own_task_nan_features"), ["is nan", "finite"]),
-    (_sets(f"task.name={MODULE}:good", "task.options.width=3"), ["calling good", "width"]),
-    (_sets(f"task.name={MODULE}:no_such_factory"), ["has no attribute 'no_such_factory'"]),
-    (_sets("task.name=no_such_user_module:make"), ["cannot import module 'no_such_user_module'"]),
-    (_sets("task.name=imports_badly:make"), ["NameError", "undefined_name", "imports_badly.py:3"]),
+    (sets(f"task.name={MODULE}:labels_past_logits"), ["y[7] = 7", "3 logits", "[0, 3)"]),
+    (sets(f"task.name={MODULE}:nan_features"), ["x[12, 3] is nan", "finite"]),
+    (sets(f"task.name={MODULE}:inf_features"), ["x[40, 0] is -inf", "finite"]),
+    (sets(f"task.name={MODULE}:two_logits_three_classes"), ["= 2", "2 logits", "[0, 2)"]),
+    (sets(f"task.name={MODULE}:wrong_input_width"), ["input width 20", "5 features", "(120, 5)"]),
+    (sets(f"task.name={MODULE}:num_classes_mismatch"), ["3 logits", "num_classes = 4"]),
+    (sets(f"task.name={MODULE}:negative_labels"), ["y[3] = -1", "non-negative"]),
+    (sets(f"task.name={MODULE}:float_labels"), ["integer classes", "float32"]),
+    (sets(f"task.name={MODULE}:ragged_arrays"), ["x must be (N, ...) and y (N,)"]),
+    (sets(f"task.name={MODULE}:not_a_task"), ["is not a Task", "init, apply"]),
+    (sets(f"task.name={MODULE}:factory_raises"), ["FileNotFoundError", "my_data.csv", f"{THIS}:"]),
+    (sets(f"task.name={MODULE}:constructor_raises"), ["constructor fails", "ValueError", f"{THIS}:"]),
+    (sets(f"task.name={MODULE}:forward_raises"), ["forward pass fails", "RuntimeError", f"{THIS}:"]),
+    (sets(f"task.name={MODULE}:not_logits"), ["returns shape (8,)", "logits"]),
+    (sets(f"task.name={MODULE}:own_task_labels_past_logits"), ["heldout y[", "= 5", "[0, 3)"]),
+    (sets(f"task.name={MODULE}:own_task_nan_features"), ["is nan", "finite"]),
+    (sets(f"task.name={MODULE}:good", "task.options.width=3"), ["calling good", "width"]),
+    (sets(f"task.name={MODULE}:no_such_factory"), ["has no attribute 'no_such_factory'"]),
+    (sets("task.name=no_such_user_module:make"), ["cannot import module 'no_such_user_module'"]),
+    (sets("task.name=imports_badly:make"), ["NameError", "undefined_name", "imports_badly.py:3"]),
     (
-        ["--plugin", "declares_badly", *_sets("task.name=user_mistakes_declared")],
+        ["--plugin", "declares_badly", *sets("task.name=user_mistakes_declared")],
         ["its factory failed", "RuntimeError", "declares_badly.py:6"],
     ),
 ]
 
 
 def _run(out: Path, extra: list[str], capsys) -> tuple[int | str | None, str]:
-    argv = ["run", "--quiet", *_sets(*TINY, f"output_dir={out}", "name=fresh"), *extra]
+    argv = ["run", "--quiet", *sets(*TINY, f"output_dir={out}", "name=fresh"), *extra]
     rc: int | str | None
     try:
         rc = cli.main(argv)
@@ -255,18 +239,18 @@ def _run(out: Path, extra: list[str], capsys) -> tuple[int | str | None, str]:
 
 @pytest.mark.parametrize(("extra", "phrases"), CLI_CASES, ids=[" ".join(c[0])[-50:] for c in CLI_CASES])
 def test_cli_mistake_is_one_line_exit_2_and_changes_nothing(out, capsys, extra, phrases):
-    before = _snapshot(out)
+    before = snapshot(out)
     rc, err = _run(out, extra, capsys)
     assert rc == 2, err
     line = _one_line(err)
     for phrase in phrases:
         assert phrase in line, line
-    assert _snapshot(out) == before
+    assert snapshot(out) == before
     assert not (out / "fresh").exists()
 
 
 def test_cli_debug_adds_the_traceback_and_still_exits_2(out, capsys):
-    rc, err = _run(out, ["--debug", *_sets(f"task.name={MODULE}:factory_raises")], capsys)
+    rc, err = _run(out, ["--debug", *sets(f"task.name={MODULE}:factory_raises")], capsys)
     assert rc == 2
     assert "Traceback" in err and "FileNotFoundError" in err
     assert err.strip().splitlines()[-1].startswith("meta-consensus: task")
@@ -306,13 +290,13 @@ API_CASES = [
 
 @pytest.mark.parametrize(("call", "error", "phrases"), API_CASES, ids=[p[0] for _, _, p in API_CASES])
 def test_api_mistake_is_one_line(out, call, error, phrases):
-    before = _snapshot(out)
+    before = snapshot(out)
     with pytest.raises(error) as info:
         call()
     line = _one_line(str(info.value))
     for phrase in phrases:
         assert phrase in line, line
-    assert _snapshot(out) == before
+    assert snapshot(out) == before
 
 
 @pytest.mark.parametrize(
