@@ -58,7 +58,11 @@ class AggregationInfo(NamedTuple):
 
 
 def empty_info() -> AggregationInfo:
-    """Placeholder info for ``init`` (the node count is unknown there)."""
+    """Return the placeholder info of ``init``, where the node count is not known yet.
+
+    Returns:
+      An :class:`AggregationInfo` whose ``valid``, ``selected`` and ``weights`` have length 0.
+    """
     import jax.numpy as jnp
 
     return AggregationInfo(
@@ -67,10 +71,21 @@ def empty_info() -> AggregationInfo:
 
 
 class InitFn(Protocol):
-    def __call__(self, params: PyTree) -> Any: ...
+    """The ``init`` half of an aggregator: ``init(params) -> state``."""
+
+    def __call__(self, params: PyTree) -> Any:
+        """Return the initial state for the global tree ``params``."""
+        ...
 
 
 class UpdateFn(Protocol):
+    """The ``update`` half: ``update(stacked, state, params=None, *, mask=None, **extra) -> (out, state)``.
+
+    ``stacked`` has a leading node axis; ``params`` is the current global tree (rules that
+    work with distances centre on it); ``mask`` is an optional (n,) bool vector of the nodes
+    allowed to take part. An aggregator returns one tree, a pre-aggregator a stacked tree.
+    """
+
     def __call__(
         self,
         stacked: PyTree,
@@ -79,7 +94,9 @@ class UpdateFn(Protocol):
         *,
         mask: Array | None = None,
         **extra: Any,
-    ) -> tuple[PyTree, Any]: ...
+    ) -> tuple[PyTree, Any]:
+        """Combine ``stacked`` and return ``(output, new_state)``."""
+        ...
 
 
 class Aggregator(NamedTuple):
@@ -108,8 +125,12 @@ class Aggregator(NamedTuple):
 class PreAggregator(NamedTuple):
     """A node-to-node transform (n -> n): clipping, nearest-neighbour mixing, ...
 
-    ``update(stacked, state, params=None, *, mask=None, **extra) -> (stacked, state)``.
-    ``spec`` is its declaration (see :class:`Aggregator`), None when assembled by hand.
+    Attributes:
+      init: ``init(params) -> state``.
+      update: ``update(stacked, state, params=None, *, mask=None, **extra) -> (stacked, state)``;
+        the output keeps the leading node axis.
+      name: Short name used in diagnostics and error messages.
+      spec: Its declaration (see :class:`Aggregator`), None when assembled by hand.
     """
 
     init: InitFn
@@ -123,7 +144,19 @@ class ByzantineToleranceError(ValueError):
 
 
 def require(rule: str, n: int, f: int, ok: bool, needed: str) -> None:
-    """Raise a ByzantineToleranceError naming the rule, n, f and what is needed."""
+    """Raise a ByzantineToleranceError naming the rule, n, f and what is needed.
+
+    Args:
+      rule: The rule's name, the start of the message.
+      n: The number of valid nodes.
+      f: The number of Byzantine nodes to tolerate.
+      ok: Whether the precondition holds; nothing happens when True.
+      needed: The requirement in words, e.g. ``"n > 2f + 2 = 6"``.
+
+    Raises:
+      ByzantineToleranceError: When ``ok`` is False, with the message
+        ``"{rule}: cannot tolerate f={f} Byzantine nodes with n={n} valid nodes; needs {needed}."``
+    """
     if not ok:
         raise ByzantineToleranceError(
             f"{rule}: cannot tolerate f={f} Byzantine nodes with n={n} valid nodes; needs {needed}."
@@ -131,7 +164,17 @@ def require(rule: str, n: int, f: int, ok: bool, needed: str) -> None:
 
 
 def get_info(state: Any) -> AggregationInfo:
-    """Return the :class:`AggregationInfo` of an aggregator state (chains included)."""
+    """Return the :class:`AggregationInfo` of an aggregator state (chains included).
+
+    Args:
+      state: The state returned by an aggregator's ``update`` (or a chain's).
+
+    Returns:
+      Its ``info`` field.
+
+    Raises:
+      TypeError: When the state carries no :class:`AggregationInfo`.
+    """
     info = getattr(state, "info", None)
     if isinstance(info, AggregationInfo):
         return info
