@@ -42,6 +42,11 @@ _pool: tuple[int, int, concurrent.futures.ThreadPoolExecutor] | None = None  # (
 
 
 def available_cores() -> int:
+    """The number of cores this process may run on (its CPU affinity; the CPU count elsewhere).
+
+    Returns:
+      At least 1.
+    """
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
@@ -50,6 +55,13 @@ def available_cores() -> int:
 
 def kernel_threads(env: str | None = None) -> int:
     """Column ranges an eager kernel call is split into (1: no split).
+
+    Args:
+      env: the setting (default: the ``META_CONSENSUS_KERNEL_THREADS`` variable); empty: the
+        number of available cores, at most ``MAX_THREADS``.
+
+    Returns:
+      The number of ranges, at least 1.
 
     Raises:
       ValueError: for a ``META_CONSENSUS_KERNEL_THREADS`` that is not a positive integer.
@@ -97,6 +109,13 @@ def ranges(columns: int, parts: int) -> tuple[int, list[tuple[int, int, int]]]:
     Range i covers [start, start + width) with start = min(i * width, columns - width), so every
     range has the same width (one compilation) and the last one may overlap its predecessor; its
     result keeps only the columns [keep_from, keep_to) of its own output.
+
+    Args:
+      columns: the number of columns to split.
+      parts: the number of ranges wanted (at most ``columns``).
+
+    Returns:
+      ``(width, [(start, keep_from, keep_to), ...])``, one triple per range.
     """
     width = -(-columns // parts)
     out = []
@@ -114,6 +133,14 @@ def column_parallel(kernel: Callable, min_block: Callable[[int], int]) -> Callab
     ``start`` and a static ``width``, return the flat (width,) float32 results of the columns
     [start, start + width) of ``x.reshape(n, -1)``; without them, the full ``x.shape[1:]``
     result. ``min_block(n)`` is the fewest columns worth a range of their own.
+
+    Args:
+      kernel: the coordinate-wise kernel, with the ``start`` and ``width`` keywords above.
+      min_block: the fewest columns worth a range of their own, as a function of n.
+
+    Returns:
+      A function with ``kernel``'s signature (without ``start``/``width``) that splits eager
+      calls on one CPU device over the cores; ``.kernel`` holds the unsplit kernel.
     """
 
     @functools.wraps(kernel)

@@ -33,7 +33,11 @@ CHOICES = ("256", "512", "xla")
 
 @functools.cache
 def cpu_has_avx512() -> bool:
-    """Whether this machine's CPU has AVX-512 with byte and word ops (Linux; False elsewhere)."""
+    """Whether this machine's CPU has AVX-512 with byte and word ops (Linux; False elsewhere).
+
+    Returns:
+      True when ``/proc/cpuinfo`` lists both ``avx512f`` and ``avx512bw``.
+    """
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
@@ -51,6 +55,10 @@ def vector_width(env: str | None = None, avx512: bool | None = None) -> int | No
     Args:
       env: the override (default: the ``META_CONSENSUS_CPU_VECTOR_WIDTH`` variable).
       avx512: whether the CPU has AVX-512 (default: :func:`cpu_has_avx512`).
+
+    Returns:
+      256 or 512, or None for XLA's default width.
+
     Raises:
       ValueError: for an override other than ``256``, ``512`` or ``xla``.
     """
@@ -65,7 +73,17 @@ def vector_width(env: str | None = None, avx512: bool | None = None) -> int | No
 
 
 def compiler_options(backend: str) -> dict[str, Any] | None:
-    """XLA compile options for a kernel on ``backend`` (None: the backend's defaults)."""
+    """XLA compile options for a kernel on ``backend`` (None: the backend's defaults).
+
+    Args:
+      backend: the JAX backend name (``"cpu"``, ``"gpu"``, ``"tpu"``, ...).
+
+    Returns:
+      ``{"xla_cpu_prefer_vector_width": width}`` on CPU when a width is chosen, else None.
+
+    Raises:
+      ValueError: for an invalid ``META_CONSENSUS_CPU_VECTOR_WIDTH`` (see :func:`vector_width`).
+    """
     if backend != "cpu":
         return None
     width = vector_width()
@@ -115,11 +133,30 @@ class _Kernel:
             return self._plain(*args, **kwargs)
 
     def lower(self, *args, **kwargs):
+        """Lower the jitted function for these arguments, as ``jax.jit(...).lower`` does.
+
+        Args:
+          *args: the kernel's positional arguments.
+          **kwargs: the kernel's keyword arguments.
+
+        Returns:
+          The ``jax.stages.Lowered`` of the jit this call would run.
+        """
         return (self._plain if _under_trace(args, kwargs) else self._for_backend()).lower(*args, **kwargs)
 
 
 def kernel_jit(fun: Callable | None = None, *, static_argnames: Sequence[str] = ()) -> Any:
-    """``jax.jit`` for the package's kernels, with :func:`compiler_options` (bare or with arguments)."""
+    """``jax.jit`` for the package's kernels, with :func:`compiler_options` (bare or with arguments).
+
+    Usable bare (``@kernel_jit``) or with arguments (``@kernel_jit(static_argnames=("f",))``).
+
+    Args:
+      fun: the function to compile; None when used with arguments.
+      static_argnames: names of the arguments that are static, as for ``jax.jit``.
+
+    Returns:
+      The compiled kernel (a callable with ``lower``), or a decorator when ``fun`` is None.
+    """
     if fun is None:
         return functools.partial(kernel_jit, static_argnames=static_argnames)
     return _Kernel(fun, static_argnames)

@@ -35,7 +35,15 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def row_seeds(key: jax.Array, n: int) -> jax.Array:
-    """(n, 2) uint32: the two seeds of every row, drawn from ``key`` by jax.random."""
+    """The two seeds of every row, drawn from ``key`` by jax.random.
+
+    Args:
+      key: a JAX PRNG key.
+      n: the number of rows.
+
+    Returns:
+      (n, 2) uint32 seeds.
+    """
     return jax.random.bits(key, (n, 2), jnp.uint32)
 
 
@@ -44,6 +52,13 @@ def hashed_bits(seeds: jax.Array, j: jax.Array) -> jax.Array:
 
     ``seeds`` broadcasts against ``j``: one row's (2,) seeds with that row's indices, or the
     (n, 1, 2) seeds of every row with (n, m) indices.
+
+    Args:
+      seeds: uint32 seeds, ``(..., 2)``.
+      j: uint32 flat indices, broadcasting against ``seeds[..., 0]``.
+
+    Returns:
+      uint32 bits of the broadcast shape.
     """
     return _fmix32(_fmix32(j ^ seeds[..., 0]) + seeds[..., 1])
 
@@ -56,6 +71,13 @@ def keyed_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     key, and entry j of row i is ``fmix32(fmix32(j ^ s_i) + t_i)`` (a counter-based
     hash, as in counter-based dropout): a few integer ops per entry fused into
     the consumer. Statistically fine for dropout masks, not for cryptography.
+
+    Args:
+      key: a JAX PRNG key.
+      shape: the shape of the bits, node axis first.
+
+    Returns:
+      uint32 bits of ``shape``.
     """
     n = shape[0]
     seeds = row_seeds(key, n)
@@ -65,7 +87,14 @@ def keyed_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 def keep_threshold(density: jax.Array) -> jax.Array:
-    """uint32 cut: keep an entry when its bits are below it (Bernoulli(density), exact to 2^-32)."""
+    """The uint32 cut: keep an entry when its bits are below it (Bernoulli(density), exact to 2^-32).
+
+    Args:
+      density: the fraction of entries kept, in [0, 1].
+
+    Returns:
+      uint32 scalar ``min(density * 2^32, 2^32 - 1)``.
+    """
     return jnp.minimum(density * 4294967296.0, 4294967295.0).astype(jnp.uint32)
 
 
@@ -74,7 +103,16 @@ def _kept(bits: jax.Array, density: jax.Array) -> jax.Array:
 
 
 def keep_mask(key: jax.Array, shape: tuple[int, ...], density: jax.Array) -> jax.Array:
-    """bool of ``shape``: the entries DARE keeps (every entry at density 1)."""
+    """The entries DARE keeps (every entry at density 1).
+
+    Args:
+      key: a JAX PRNG key (the same key gives the same mask).
+      shape: the stack's shape, node axis first.
+      density: the fraction of entries kept, in [0, 1].
+
+    Returns:
+      bool array of ``shape``.
+    """
     return _kept(keyed_bits(key, shape), density)
 
 
@@ -89,7 +127,19 @@ def _drop(d: jax.Array, keep: jax.Array) -> jax.Array:
 def dropped_rows(
     x: jax.Array, base: jax.Array, key: jax.Array, density: jax.Array, factor: jax.Array, valid: jax.Array
 ) -> jax.Array:
-    """``base + factor * keep_i * (x_i - base)`` for every row (invalid rows NaN): one pass, a new stack."""
+    """``base + factor * keep_i * (x_i - base)`` for every row (invalid rows NaN): one pass, a new stack.
+
+    Args:
+      x: (n, ...) stack of node parameters.
+      base: (...) the base model.
+      key: a JAX PRNG key (the mask of :func:`keep_mask`).
+      density: the fraction of entries kept, in [0, 1].
+      factor: the rescaling of the kept entries (1 / density for DARE).
+      valid: (n,) bool; invalid rows come out NaN.
+
+    Returns:
+      (n, ...) array in x's dtype.
+    """
     n = x.shape[0]
     b = base.astype(jnp.float32)
     kept = _drop(x.astype(jnp.float32) - b[None], keep_mask(key, x.shape, density))
@@ -105,6 +155,17 @@ def dropped_delta_sum(
 
     Rows with c_i = 0 never enter (NaN-safe), as in ``arithmetic.delta_sum``; the kept
     entries are those of :func:`dropped_rows` with the same key (same bits, same cut).
+
+    Args:
+      x: (n, ...) stack of node parameters.
+      base: (...) the base model.
+      coeffs: (n,) coefficients c_i (0 leaves a row out).
+      key: a JAX PRNG key (the mask of :func:`keep_mask`).
+      density: the fraction of entries kept, in [0, 1].
+      factor: the rescaling of the kept entries (1 / density for DARE).
+
+    Returns:
+      (...) array in x's dtype.
     """
     n = x.shape[0]
     b = base.astype(jnp.float32)

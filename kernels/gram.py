@@ -29,6 +29,12 @@ def chunk_columns(n: int) -> int:
     multiplied; larger chunks spill out of it. Above 64 rows the product is bound
     by arithmetic and larger chunks amortize the loop better. The sizes were chosen
     by ``python -m benchmarks aggregators --n-sweep`` (the Gram-based rules).
+
+    Args:
+      n: the number of rows of the stack.
+
+    Returns:
+      The chunk width in columns.
     """
     if n > 64:
         return LARGE_N_CHUNK
@@ -53,6 +59,13 @@ def gram(x: jax.Array, ref: jax.Array | None = None) -> jax.Array:
     Centre on a point close to the rows (the current global params): the
     distances derived from G then do not cancel catastrophically when the rows
     are close together.
+
+    Args:
+      x: (n, ...) stack.
+      ref: optional (...) centre (default: no centring).
+
+    Returns:
+      (n, n) float32 Gram matrix.
     """
     n = x.shape[0]
     x = x.reshape(n, -1)
@@ -115,6 +128,13 @@ def gram_self_centred(x: jax.Array, allowed: jax.Array) -> jax.Array:
     row through the centre and every diagonal entry comes out non-finite.
     Callers therefore check that every allowed row came out finite and, when
     not, recompute on a robust centre (the coordinate-wise median).
+
+    Args:
+      x: (n, ...) stack.
+      allowed: (n,) bool or 0/1 weights: the rows whose mean is the centre.
+
+    Returns:
+      (n, n) float32 Gram matrix of the centred rows.
     """
     n = x.shape[0]
     x = x.reshape(n, -1)
@@ -142,7 +162,14 @@ def gram_self_centred(x: jax.Array, allowed: jax.Array) -> jax.Array:
 
 @kernel_jit
 def sq_dists_from_gram(g: jax.Array) -> jax.Array:
-    """Pairwise squared distances ||x_i - x_j||^2 = G_ii + G_jj - 2 G_ij, clamped at 0."""
+    """Pairwise squared distances ||x_i - x_j||^2 = G_ii + G_jj - 2 G_ij, clamped at 0.
+
+    Args:
+      g: (n, n) Gram matrix.
+
+    Returns:
+      (n, n) squared distances, exactly 0 on the diagonal.
+    """
     diag = jnp.diagonal(g)
     d2 = diag[:, None] + diag[None, :] - 2.0 * g
     d2 = jnp.maximum(d2, 0.0)
@@ -151,5 +178,13 @@ def sq_dists_from_gram(g: jax.Array) -> jax.Array:
 
 
 def pairwise_sq_dists(x: jax.Array, ref: jax.Array | None = None) -> jax.Array:
-    """Pairwise squared distances between the rows of x (centred on ``ref`` for accuracy)."""
+    """Pairwise squared distances between the rows of x (centred on ``ref`` for accuracy).
+
+    Args:
+      x: (n, ...) stack.
+      ref: optional (...) centre close to the rows.
+
+    Returns:
+      (n, n) float32 squared distances.
+    """
     return sq_dists_from_gram(gram(x, ref))

@@ -19,7 +19,15 @@ from kernels.compile_options import kernel_jit
 
 
 def num_neighbours(m, f: int):
-    """Krum's neighbour count k = m - f - 2, floored at 1 (documented fallback for small sets)."""
+    """Krum's neighbour count k = m - f - 2, floored at 1 (documented fallback for small sets).
+
+    Args:
+      m: the number of valid nodes (int or traced scalar).
+      f: the number of Byzantine nodes tolerated.
+
+    Returns:
+      k, an int32 scalar.
+    """
     return jnp.maximum(m - f - 2, 1)
 
 
@@ -31,6 +39,7 @@ def krum_scores(d2: jax.Array, f: int, valid: jax.Array) -> jax.Array:
       d2: (n, n) squared distances.
       f: number of Byzantine nodes tolerated.
       valid: (n,) bool.
+
     Returns:
       (n,) float32 scores.
     """
@@ -56,6 +65,13 @@ def pick_lowest_remaining(scores: jax.Array, remaining: jax.Array) -> jax.Array:
     A remaining node's score is +inf when it has no remaining neighbour (the last node of an
     iterated selection with f = 0): it must still rank before every node already removed,
     whose score is +inf too, or the last pick would select nothing.
+
+    Args:
+      scores: (n,) scores (+inf allowed).
+      remaining: (n,) bool, the nodes still in the running.
+
+    Returns:
+      (n,) bool, at most one True.
     """
     finite_max = jnp.finfo(scores.dtype).max
     key = jnp.where(remaining, jnp.minimum(scores, finite_max), jnp.inf)
@@ -64,7 +80,16 @@ def pick_lowest_remaining(scores: jax.Array, remaining: jax.Array) -> jax.Array:
 
 @kernel_jit(static_argnames=("f",))
 def krum_select(d2: jax.Array, f: int, valid: jax.Array) -> jax.Array:
-    """(n,) bool one-hot mask of Krum's winner: the valid node with the lowest score (first on ties)."""
+    """Krum's winner: the valid node with the lowest score (first on ties).
+
+    Args:
+      d2: (n, n) squared distances.
+      f: number of Byzantine nodes tolerated.
+      valid: (n,) bool.
+
+    Returns:
+      (n,) bool one-hot mask.
+    """
     scores = krum_scores(d2, f, valid)
     return jax.nn.one_hot(_first_argmin(scores), d2.shape[0], dtype=bool)
 
@@ -75,6 +100,15 @@ def multi_krum_select(d2: jax.Array, f: int, valid: jax.Array, num_selected: int
 
     Scores are computed once on the full valid set (Blanchard et al.'s Multi-Krum);
     ties go to the lower index (stable sort).
+
+    Args:
+      d2: (n, n) squared distances.
+      f: number of Byzantine nodes tolerated.
+      valid: (n,) bool.
+      num_selected: how many nodes to select (static).
+
+    Returns:
+      (n,) bool mask, at most ``num_selected`` True, all valid.
     """
     scores = krum_scores(d2, f, valid)
     order = jnp.argsort(scores, stable=True)
@@ -98,6 +132,16 @@ def iterated_picks(d2: jax.Array, f: int, valid: jax.Array, steps: int, limit=No
     when p_i < t_i and moves to the previous remaining entry otherwise; with k' = k = 1
     it moves to the next remaining entry when p_i = t_i. A round is a few O(n^2)
     elementwise passes, no sort and no scan.
+
+    Args:
+      d2: (n, n) squared distances.
+      f: number of Byzantine nodes tolerated.
+      valid: (n,) bool.
+      steps: the number of rounds (static).
+      limit: optional traced round count; rounds at or past it pick nothing.
+
+    Returns:
+      (n,) bool mask of the picked nodes.
     """
     n = d2.shape[0]
     rows = jnp.arange(n)
@@ -152,5 +196,18 @@ def iterated_krum_select(d2: jax.Array, f: int, valid: jax.Array, num_selected: 
     scores on the nodes still remaining, with k = m_remaining - f - 2 neighbours
     (floored at 1 once fewer than f + 4 remain). The rows are sorted once
     (:func:`iterated_picks`), so a round costs O(n^2), not a sort.
+
+    Args:
+      d2: (n, n) squared distances.
+      f: number of Byzantine nodes tolerated.
+      valid: (n,) bool.
+      num_selected: the number of rounds (static).
+
+    Returns:
+      (n,) bool mask of the selected nodes.
+
+    References:
+      El Mhamdi, Guerraoui and Rouault, "The Hidden Vulnerability of Distributed Learning in
+      Byzantium", ICML 2018.
     """
     return iterated_picks(d2, f, valid, num_selected)

@@ -20,12 +20,26 @@ UNROLL_MAX = 64
 
 
 def rows(x: jax.Array) -> list[jax.Array]:
-    """Split an (n, ...) array into its n rows (static slices, fused by XLA)."""
+    """Split an (n, ...) array into its n rows (static slices, fused by XLA).
+
+    Args:
+      x: (n, ...) array.
+
+    Returns:
+      The n rows, each (...).
+    """
     return [x[i] for i in range(x.shape[0])]
 
 
 def tree_sum(terms: list[jax.Array]) -> jax.Array:
-    # Pairwise summation: error grows with log n instead of n, same cost.
+    """Sum of the terms by pairwise summation (error grows with log n instead of n, same cost).
+
+    Args:
+      terms: a non-empty list of arrays of one broadcastable shape.
+
+    Returns:
+      Their sum.
+    """
     while len(terms) > 1:
         nxt = [terms[i] + terms[i + 1] for i in range(0, len(terms) - 1, 2)]
         if len(terms) % 2:
@@ -51,6 +65,7 @@ def weighted_sum(
       w: (n,) weights.
       ref: optional (...) array.
       ref_weight: its coefficient.
+
     Returns:
       (...) float32 array.
     """
@@ -92,6 +107,13 @@ def row_sq_norms(x: jax.Array, ref: jax.Array | None = None) -> jax.Array:
     size. Each lane adds d / NORM_LANES terms in float32 (relative
     error at most ~d / NORM_LANES * 6e-8 of the norm, 4e-5 at d = 1e7 and
     about the square root of that in practice), ample for clipping and norms.
+
+    Args:
+      x: (n, ...) stack.
+      ref: optional (...) centre.
+
+    Returns:
+      (n,) float32 squared norms.
     """
     n = x.shape[0]
     x = x.reshape(n, -1)
@@ -116,7 +138,14 @@ def row_sq_norms(x: jax.Array, ref: jax.Array | None = None) -> jax.Array:
 
 @kernel_jit
 def finite_rows(x: jax.Array) -> jax.Array:
-    """(n,) bool: True where every entry of row i is finite."""
+    """Which rows are finite: True where every entry of row i is finite.
+
+    Args:
+      x: (n, ...) stack.
+
+    Returns:
+      (n,) bool.
+    """
     n = x.shape[0]
     # x * 0 is NaN exactly where x is NaN or +-Inf; one float sum per row is a
     # contiguous reduction that vectorizes, unlike a boolean all().
@@ -136,6 +165,13 @@ def mix(x: jax.Array, mixing: jax.Array) -> jax.Array:
     column of M are zeroed first so non-finite excluded rows cannot leak in,
     and output rows i with an all-zero row of M are NaN: "no value", which
     every aggregator then excludes as non-finite.
+
+    Args:
+      x: (n, ...) stack.
+      mixing: (B, n) mixing matrix M.
+
+    Returns:
+      (B, ...) float32.
     """
     n, b = x.shape[0], mixing.shape[0]
     shape = (b,) + x.shape[1:]
@@ -173,6 +209,15 @@ def view_rows(
     consumes them (a sorting network) instead of being written out. Terms with
     ``A[i, j] == 0`` contribute exactly 0 even when x_j is NaN. ``diagonal``
     (static) says A is diagonal: one multiply-add per row instead of n.
+
+    Args:
+      x: (n, ...) stack.
+      mixing: optional (n, n) matrix A (None: the rows of x themselves).
+      centre: optional (...) centre c (None: c = 0).
+      diagonal: whether A is diagonal.
+
+    Returns:
+      The n rows, float32, each (...).
     """
     r = [v.astype(jnp.float32) for v in rows(x)]
     if mixing is None:
@@ -198,6 +243,16 @@ def materialize_view(
 
     A diagonal A is one broadcast multiply-add over the stack (the fastest form
     XLA:CPU has for an n -> n map); a dense A streams through :func:`mix`.
+
+    Args:
+      x: (n, ...) stack.
+      mixing: (n, n) matrix A.
+      centre: optional (...) centre c (None: c = 0).
+      valid: optional (n,) bool; invalid rows come out NaN.
+      diagonal: whether A is diagonal (static).
+
+    Returns:
+      (n, ...) array in x's dtype.
     """
     n = x.shape[0]
     shape = (n,) + (1,) * (x.ndim - 1)
