@@ -296,3 +296,8 @@ def _stamp_rule(built: Any, spec: Spec) -> Any:
 
 #: Aggregation rules, pre-aggregators and merge methods (``kind`` tells which).
 RULES: Registry[Spec] = Registry("aggregation rule", stamp=_stamp_rule)
+
+#: LoRA adapter merge methods (:mod:`consensus.lora`; ``kind="adapter"``). A separate family: they
+#: merge factor pairs (a, b) into an adapter, not stacked trees into one, so they are neither vote
+#: rules nor ``merge --method`` choices for full checkpoints.
+ADAPTER_METHODS: Registry[Spec] = Registry("adapter merge method")
