@@ -47,6 +47,12 @@ def block_columns(n: int) -> int:
     A block that stays in L2 through the 32 bisection passes is read from memory once; the
     64-column minimum keeps the vector loops long at n = 1024. Chosen through the median rule
     by ``python -m benchmarks aggregators --n-sweep``.
+
+    Args:
+      n: the number of rows.
+
+    Returns:
+      The block width B.
     """
     b = 512
     while b > 64 and n * b > 65536:
@@ -55,13 +61,27 @@ def block_columns(n: int) -> int:
 
 
 def float_keys(v: jax.Array) -> jax.Array:
-    """int32 keys ordered like the float32 values (NaN must be replaced before)."""
+    """Map float32 values to int32 keys ordered like the values (NaN must be replaced before).
+
+    Args:
+      v: float32 array without NaN.
+
+    Returns:
+      int32 keys of v's shape.
+    """
     bits = jax.lax.bitcast_convert_type(v, jnp.int32)
     return jnp.where(bits < 0, bits ^ jnp.int32(SIGN_FLIP), bits)
 
 
 def key_values(k: jax.Array) -> jax.Array:
-    """Inverse of :func:`float_keys`."""
+    """Map int32 keys back to their float32 values: the inverse of :func:`float_keys`.
+
+    Args:
+      k: int32 keys.
+
+    Returns:
+      float32 values of k's shape.
+    """
     return jax.lax.bitcast_convert_type(jnp.where(k < 0, k ^ jnp.int32(SIGN_FLIP), k), jnp.float32)
 
 
@@ -70,6 +90,13 @@ def fold_rows(v: jax.Array, op=jnp.add) -> jax.Array:
 
     Every step is elementwise, so XLA fuses it into one vectorized loop over the
     columns; a reduce over the leading axis compiles to a scalar loop per column.
+
+    Args:
+      v: (n, ...) array.
+      op: an associative elementwise binary op (default: addition).
+
+    Returns:
+      (...) reduction of the n rows.
     """
     while v.shape[0] > FOLD_ROWS:
         h = v.shape[0] // 2
@@ -89,6 +116,12 @@ def count_rows(mask: jax.Array) -> jax.Array:
     in uint8 over groups of ``COUNT_GROUP`` rows (at most 128 < 256: no wrap) and
     only the per-group totals are widened: 32 lanes per AVX2 add instead of 8.
     This makes a whole median several times faster than int32 accumulation.
+
+    Args:
+      mask: (n, ...) bool.
+
+    Returns:
+      (...) int32 counts.
     """
     n = mask.shape[0]
     parts = [
@@ -105,13 +138,26 @@ def sum_rows(v: jax.Array) -> jax.Array:
     matrix-vector product, ahead of :func:`fold_rows` and ``jnp.sum(axis=0)``. (Inside the loop
     the uint8 :func:`count_rows` wins by far.) Compared by ``python -m benchmarks aggregators
     --n-sweep`` on Bulyan's second stage.
+
+    Args:
+      v: (n, B) array.
+
+    Returns:
+      (B,) float32 sums.
     """
     ones = jnp.ones((v.shape[0],), jnp.float32)
     return jnp.dot(ones, v.astype(jnp.float32), precision=HIGHEST)
 
 
 def tally_rows(mask: jax.Array) -> jax.Array:
-    """(n, B) bool -> (B,) int32 number of True rows, by :func:`sum_rows` (exact below 2^24 rows)."""
+    """(n, B) bool -> (B,) int32 number of True rows, by :func:`sum_rows` (exact below 2^24 rows).
+
+    Args:
+      mask: (n, B) bool.
+
+    Returns:
+      (B,) int32 counts.
+    """
     return sum_rows(mask.astype(jnp.float32)).astype(jnp.int32)
 
 
@@ -121,6 +167,7 @@ def select_keys(keys: jax.Array, ranks: jax.Array) -> jax.Array:
     Args:
       keys: (n, B) int32.
       ranks: (q, B) int32 ranks, one per query and column (a rank >= n gives the largest key).
+
     Returns:
       (q, B) int32: for each query, the largest key t with ``count(keys < t) <= rank``.
     """
@@ -143,7 +190,19 @@ def _next_key_above(keys: jax.Array, k: jax.Array) -> jax.Array:
 
 
 class Block:
-    """One column block after the view, exclusions and NaN handling, ready to select on."""
+    """One column block after the view, exclusions and NaN handling, ready to select on.
+
+    Args:
+      y: (n, B) float32 rows of the block (the view already applied).
+      keep: optional (n,) bool; excluded rows become +inf.
+      poison: turn +-Inf in kept rows into NaN (a NaN in a kept row poisons the column).
+      count: the counting function used at the selected keys (default :func:`count_rows`).
+
+    Attributes:
+      bad: (B,) bool, the columns a NaN poisons.
+      values: (n, B) float32 with NaN replaced by +inf.
+      keys: (n, B) int32 keys of ``values``.
+    """
 
     def __init__(self, y: jax.Array, keep: jax.Array | None, poison: bool, count=count_rows):
         # ``count`` for the counts at the selected keys: the uint8 fold is faster for the median
@@ -161,22 +220,60 @@ class Block:
         self.keys = float_keys(self.values)
 
     def finish(self, out: jax.Array) -> jax.Array:
+        """NaN in the poisoned columns of a (B,) result, the result elsewhere.
+
+        Args:
+          out: (B,) result of a rule on this block.
+
+        Returns:
+          (B,) result.
+        """
         return jnp.where(self.bad, jnp.nan, out)
 
     def select(self, ranks) -> jax.Array:
-        """(q, B) keys of the given ranks (q static; ranks static ints or traced scalars/arrays)."""
+        """(q, B) keys of the given ranks (q static; ranks static ints or traced scalars/arrays).
+
+        Args:
+          ranks: a sequence of q 0-based ranks, each an int, a traced scalar or a (B,) array.
+
+        Returns:
+          (q, B) int32 keys.
+        """
         b = self.keys.shape[1]
         r = jnp.stack([jnp.broadcast_to(jnp.asarray(k, jnp.int32), (b,)) for k in ranks])
         return select_keys(self.keys, r)
 
     def count_below(self, k: jax.Array) -> jax.Array:
+        """Per column, the number of keys strictly below ``k``.
+
+        Args:
+          k: (B,) int32 keys.
+
+        Returns:
+          (B,) int32 counts.
+        """
         return self.count(self.keys < k[None])
 
     def count_at_most(self, k: jax.Array) -> jax.Array:
+        """Per column, the number of keys at or below ``k``.
+
+        Args:
+          k: (B,) int32 keys.
+
+        Returns:
+          (B,) int32 counts.
+        """
         return self.count(self.keys <= k[None])
 
     def median_values(self, m) -> tuple[jax.Array, jax.Array]:
-        """Order statistics (m - 1) // 2 and m // 2 (the same when m is odd), one selection."""
+        """Order statistics (m - 1) // 2 and m // 2 (the same when m is odd), one selection.
+
+        Args:
+          m: the kept count (int or traced scalar).
+
+        Returns:
+          ((B,) lower middle, (B,) upper middle) float32 values.
+        """
         lo_rank, hi_rank = (m - 1) // 2, m // 2
         lo = self.select([lo_rank])[0]
         if isinstance(m, int) and m % 2 == 1:
@@ -191,6 +288,13 @@ class Block:
 
         Values strictly between the two end values are summed; the end values
         count as often as their ties fall inside the window.
+
+        Args:
+          start: the first position (int, traced scalar or (B,) array).
+          stop: the last position, inclusive.
+
+        Returns:
+          (B,) float32 sums.
         """
         ka, kb = (self.select([start, stop])[i] for i in range(2))
         a, b = key_values(ka), key_values(kb)
@@ -240,6 +344,18 @@ def blockwise(
     With ``start`` (traced) and ``width`` (static), only the columns [start, start + width) of
     ``x.reshape(n, -1)`` are computed, read in place, and the flat (width,) result is returned
     (:mod:`kernels.columns` runs such ranges on separate cores).
+
+    Args:
+      fn: maps the (n, B) float32 rows of a block to its (B,) results.
+      x: (n, ...) stack.
+      centre: optional (...) centre c of the view ``c + A (x - c)``.
+      mixing: optional (n, n) matrix A of the view.
+      diagonal: whether A is diagonal (static).
+      start: optional traced first column of a range.
+      width: the static width of that range (needed with ``start``).
+
+    Returns:
+      x.shape[1:] float32, or the flat (width,) results of the range.
     """
     n = x.shape[0]
     shape = x.shape[1:]
@@ -298,6 +414,20 @@ def _median(
     """Coordinate-wise median over the kept rows (mean of the two middle values when m is even).
 
     Same contract as :func:`kernels.sorting.median`, for any n.
+
+    Args:
+      x: (n, ...) stack.
+      keep: optional (n,) bool, the rows that take part (default: all).
+      m: optional static count of True entries of ``keep``.
+      mixing: optional (n, n) matrix A: the rows are the view ``c + A (x - c)``.
+      centre: the centre c of that view (None: c = 0).
+      diagonal: whether A is diagonal (static).
+      poison: make a coordinate NaN when a kept row is NaN or Inf there.
+      start: with ``width``, the first column of a range (traced; see :func:`blockwise`).
+      width: the static number of columns of that range.
+
+    Returns:
+      (...) float32 medians (flat (width,) for a range).
     """
     m = _kept_count(keep, x.shape[0], m)
 
@@ -325,6 +455,21 @@ def _trimmed_mean(
     """Mean of the kept order statistics f .. m - f - 1 (f removed per side); NaN when m <= 2f.
 
     Same contract as :func:`kernels.sorting.trimmed_mean`, for any n.
+
+    Args:
+      x: (n, ...) stack.
+      f: the number of values removed from each end.
+      keep: optional (n,) bool, the rows that take part (default: all).
+      m: optional static count of True entries of ``keep``.
+      mixing: optional (n, n) matrix A: the rows are the view ``c + A (x - c)``.
+      centre: the centre c of that view (None: c = 0).
+      diagonal: whether A is diagonal (static).
+      poison: make a coordinate NaN when a kept row is NaN or Inf there.
+      start: with ``width``, the first column of a range (traced; see :func:`blockwise`).
+      width: the static number of columns of that range.
+
+    Returns:
+      (...) float32 means, NaN where m <= 2f (flat (width,) for a range).
     """
     m = _kept_count(keep, x.shape[0], m)
     denom = m - 2 * f
@@ -347,7 +492,18 @@ def _order_statistic(
     start: jax.Array | None = None,
     width: int | None = None,
 ) -> jax.Array:
-    """The k-th smallest value (0-based) over the kept rows, coordinate-wise (+inf if k >= m)."""
+    """The k-th smallest value (0-based) over the kept rows, coordinate-wise (+inf if k >= m).
+
+    Args:
+      x: (n, ...) stack.
+      k: the 0-based position (static).
+      keep: optional (n,) bool, the rows that take part (default: all).
+      start: with ``width``, the first column of a range (traced; see :func:`blockwise`).
+      width: the static number of columns of that range.
+
+    Returns:
+      (...) float32 (flat (width,) for a range).
+    """
 
     def fn(y):
         blk = Block(y, keep, False)
@@ -368,6 +524,22 @@ def closest_to_median_mean(
     """Bulyan's second stage: per coordinate, the mean of the beta = m - 2f kept values nearest their median.
 
     :func:`nearest_to_median_mean` with ``trim = 2f``.
+
+    Args:
+      x: (n, ...) stack.
+      f: the number of Byzantine nodes tolerated (2f values dropped per coordinate).
+      keep: optional (n,) bool, the rows that take part (default: all).
+      m: optional static count of True entries of ``keep``.
+      mixing: optional (n, n) matrix A: the rows are the view ``c + A (x - c)``.
+      centre: the centre c of that view (None: c = 0).
+      diagonal: whether A is diagonal (static).
+
+    Returns:
+      (...) float32, NaN where m <= 2f.
+
+    References:
+      El Mhamdi, Guerraoui and Rouault, "The Hidden Vulnerability of Distributed Learning in
+      Byzantium", ICML 2018.
     """
     return nearest_to_median_mean(x, 2 * f, keep, m, mixing, centre, diagonal)
 
@@ -398,6 +570,20 @@ def _nearest_to_median_mean(
     are equal, except when distinct values round to the same float32 distance
     (they then differ by about an ulp of D): that side's share is taken at
     their mean.
+
+    Args:
+      x: (n, ...) stack.
+      trim: the number of values dropped per coordinate (2f or f).
+      keep: optional (n,) bool, the rows that take part (default: all).
+      m: optional static count of True entries of ``keep``.
+      mixing: optional (n, n) matrix A: the rows are the view ``c + A (x - c)``.
+      centre: the centre c of that view (None: c = 0).
+      diagonal: whether A is diagonal (static).
+      start: with ``width``, the first column of a range (traced; see :func:`blockwise`).
+      width: the static number of columns of that range.
+
+    Returns:
+      (...) float32, NaN where m <= trim (flat (width,) for a range).
     """
     m = _kept_count(keep, x.shape[0], m)
     beta = m - trim

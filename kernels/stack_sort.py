@@ -77,14 +77,41 @@ def _median_of(s: jax.Array, m) -> jax.Array:
 
 @kernel_jit(static_argnames=("m", "diagonal", "poison"))
 def median(x, keep=None, m=None, mixing=None, centre=None, diagonal=True, poison=False) -> jax.Array:
-    """Coordinate-wise median over the kept rows (contract of :func:`kernels.sorting.median`)."""
+    """Coordinate-wise median over the kept rows (contract of :func:`kernels.sorting.median`).
+
+    Args:
+      x: (n, ...) stack.
+      keep: optional (n,) bool, the rows that take part (default: all).
+      m: optional static count of True entries of ``keep``.
+      mixing: optional (n, n) matrix A: the rows are the view ``c + A (x - c)``.
+      centre: the centre c of that view (None: c = 0).
+      diagonal: whether A is diagonal (static).
+      poison: make a coordinate NaN when a kept row is Inf there (a kept NaN always does).
+
+    Returns:
+      (...) float32 medians.
+    """
     s, nan = _sorted(x, keep, mixing, centre, diagonal, poison)
     return _finish(_median_of(s, _kept(keep, x.shape[0], m)), nan, x)
 
 
 @kernel_jit(static_argnames=("f", "m", "diagonal", "poison"))
 def trimmed_mean(x, f, keep=None, m=None, mixing=None, centre=None, diagonal=True, poison=False) -> jax.Array:
-    """Mean of the kept order statistics f .. m - f - 1, NaN when m <= 2f (as :func:`kernels.sorting`'s)."""
+    """Mean of the kept order statistics f .. m - f - 1, NaN when m <= 2f (as :func:`kernels.sorting`'s).
+
+    Args:
+      x: (n, ...) stack.
+      f: the number of values removed from each end.
+      keep: optional (n,) bool, the rows that take part (default: all).
+      m: optional static count of True entries of ``keep``.
+      mixing: optional (n, n) matrix A: the rows are the view ``c + A (x - c)``.
+      centre: the centre c of that view (None: c = 0).
+      diagonal: whether A is diagonal (static).
+      poison: make a coordinate NaN when a kept row is Inf there (a kept NaN always does).
+
+    Returns:
+      (...) float32 means.
+    """
     s, nan = _sorted(x, keep, mixing, centre, diagonal, poison)
     kept = _kept(keep, x.shape[0], m)
     return _finish(_divide(_window_sum(s, f, kept - f), kept - 2 * f), nan, x)
@@ -92,7 +119,16 @@ def trimmed_mean(x, f, keep=None, m=None, mixing=None, centre=None, diagonal=Tru
 
 @kernel_jit(static_argnames=("k",))
 def order_statistic(x, k, keep=None) -> jax.Array:
-    """The k-th smallest kept value (0-based), coordinate-wise; +inf when k >= m."""
+    """The k-th smallest kept value (0-based), coordinate-wise; +inf when k >= m.
+
+    Args:
+      x: (n, ...) stack.
+      k: the 0-based position (static).
+      keep: optional (n,) bool, the rows that take part (default: all).
+
+    Returns:
+      (...) float32.
+    """
     s, nan = _sorted(x, keep, None, None, True, False)
     return _finish(s[k], nan, x)
 
@@ -106,6 +142,19 @@ def nearest_to_median_mean(
     ``trim = 2f``: Bulyan's second stage; ``trim = f``: MeaMed. The window rule and its tie rule
     are :func:`kernels.sorting.closest_to_median_mean`'s: the window ``s[j : j + beta]`` starts at
     the number of j in [0, trim) with ``|s[j + beta] - med| < |s[j] - med|``.
+
+    Args:
+      x: (n, ...) stack.
+      trim: the number of values dropped per coordinate (2f or f).
+      keep: optional (n,) bool, the rows that take part (default: all).
+      m: optional static count of True entries of ``keep``.
+      mixing: optional (n, n) matrix A: the rows are the view ``c + A (x - c)``.
+      centre: the centre c of that view (None: c = 0).
+      diagonal: whether A is diagonal (static).
+      poison: make a coordinate NaN when a kept row is Inf there (a kept NaN always does).
+
+    Returns:
+      (...) float32, NaN where m <= trim.
     """
     s, nan = _sorted(x, keep, mixing, centre, diagonal, poison)
     kept = _kept(keep, x.shape[0], m)

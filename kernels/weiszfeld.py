@@ -41,8 +41,16 @@ def geometric_median_weights(
       g: (n, n) Gram matrix of centred node vectors.
       valid: (n,) bool; invalid nodes get weight 0.
       node_weights: optional (n,) alpha_i >= 0 (default uniform).
+      max_iter: the most iterations run (static).
+      eps: the floor of the distances in the weights (the smoothing).
+      tol: stop once no weight moves by more than this in one iteration.
+
     Returns:
       (weights (n,) summing to 1, number of iterations run).
+
+    References:
+      Pillutla, Kakade and Harchaoui, "Robust Aggregation for Federated Learning", IEEE
+      Transactions on Signal Processing, 2022.
     """
     alpha = valid.astype(jnp.float32) if node_weights is None else jnp.where(valid, node_weights, 0.0)
     alpha = alpha / jnp.sum(alpha)
@@ -73,8 +81,18 @@ def centered_clipping_coefficients(
     v_l = c + D^T a_l, each step is a_{l+1} = a_l (1 - mean(s)) + s/m with
     s_i = min(1, tau / ||x_i - v_l||).
 
+    Args:
+      g: (n, n) Gram matrix of the node vectors centred on c.
+      valid: (n,) bool; invalid nodes get coefficient 0.
+      tau: the clipping radius.
+      iterations: the number of clipping steps l (static).
+
     Returns:
       (n,) coefficients a (not summing to 1: the rest, 1 - sum(a), stays on c).
+
+    References:
+      Karimireddy, He and Jaggi, "Learning from History for Byzantine Robust Optimization",
+      ICML 2021.
     """
     m = jnp.sum(valid.astype(jnp.float32))
     g = jnp.where(valid[:, None] & valid[None, :], g, 0.0)
@@ -90,7 +108,15 @@ def centered_clipping_coefficients(
 
 @kernel_jit
 def clip_factors(sq_norms: jax.Array, max_norm: float) -> jax.Array:
-    """min(1, C / ||u_i||) per row from squared norms (1 for zero rows)."""
+    """Clipping factors min(1, C / ||u_i||) per row from squared norms (1 for zero rows).
+
+    Args:
+      sq_norms: (n,) squared norms ||u_i||^2.
+      max_norm: the clipping norm C.
+
+    Returns:
+      (n,) factors in (0, 1].
+    """
     norms = jnp.sqrt(jnp.maximum(sq_norms, 0.0))
     return jnp.where(norms > max_norm, max_norm / jnp.maximum(norms, 1e-30), 1.0)
 
@@ -101,6 +127,18 @@ def nnm_matrix(d2: jax.Array, f: int, valid: jax.Array) -> jax.Array:
 
     Row i averages the m - f valid nodes nearest to node i, node i itself
     included (distance 0), ties to the lower index. Rows of invalid nodes are 0.
+
+    Args:
+      d2: (n, n) squared distances.
+      f: the number of Byzantine nodes tolerated (static).
+      valid: (n,) bool.
+
+    Returns:
+      (n, n) float32 row-stochastic mixing matrix over the valid nodes.
+
+    References:
+      Allouah, Farhadkhani, Guerraoui, Gupta, Pinot and Stephan, "Fixing by Mixing: A Recipe for
+      Optimal Byzantine ML under Heterogeneity", AISTATS 2023.
     """
     n = d2.shape[0]
     m = jnp.sum(valid.astype(jnp.int32))
