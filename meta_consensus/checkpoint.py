@@ -74,8 +74,16 @@ def _numbers_config(cfg: Config) -> Config:
 
 
 def fingerprint(cfg: Config) -> str:
-    """Hash of everything that changes the run's numbers (name, paths, the round count and the
-    operational settings excluded)."""
+    """Hash of everything that changes the run's numbers.
+
+    The name, paths, the round count and the operational settings (``OPERATIONAL``) are excluded.
+
+    Args:
+      cfg: the run config.
+
+    Returns:
+      The first 16 hex digits of the SHA-256 of the config's TOML without those settings.
+    """
     return hashlib.sha256(dumps(_numbers_config(cfg)).encode()).hexdigest()[:16]
 
 
@@ -97,6 +105,13 @@ def config_differences(saved: dict[str, Any], cfg: Config) -> list[str]:
 
     A setting the checkpoint's version did not have counts as its default then (a newer
     version's new keys keep old checkpoints resumable while they keep their defaults).
+
+    Args:
+      saved: the config dict a checkpoint saved (``to_dict`` of its numbers config).
+      cfg: the config now.
+
+    Returns:
+      One line per differing key, ``"<key> = <then> in the checkpoint, <now> now"``, sorted.
     """
     now = _flat(to_dict(_numbers_config(cfg)))
     then = _flat(saved)
@@ -137,17 +152,27 @@ def _abstract(tree: PyTree) -> PyTree:
 
 
 def _placed_like(restored: Any, like: Any) -> Any:
-    """``restored`` placed as ``like`` is: on its shardings (orbax did that), and uncommitted where
-    ``like`` is. orbax commits every array it restores to a device; a fresh run's consensus is not
+    """``restored`` placed as ``like`` is: on its shardings (orbax did that), uncommitted where ``like`` is.
+
+    orbax commits every array it restores to a device; a fresh run's consensus is not
     committed, so jax moves it next to the mesh-sharded node states in a jitted call, while a
-    committed copy on device 0 makes that call fail (incompatible devices)."""
+    committed copy on device 0 makes that call fail (incompatible devices).
+    """
     if isinstance(like, jax.Array) and not like.committed and isinstance(restored, jax.Array):
         return jnp.asarray(np.asarray(restored))
     return restored
 
 
 class RunCheckpoints:
-    """Save and restore :class:`CoordinatorState` + history under ``<run_dir>/checkpoints``."""
+    """Save and restore :class:`CoordinatorState` + history under ``<run_dir>/checkpoints``.
+
+    Args:
+      run_dir: the run folder; checkpoints go to its ``checkpoints`` subfolder.
+      cfg: the run config (its fingerprint and numbers are saved with every checkpoint;
+        ``keep_checkpoints`` bounds how many are kept).
+      asynchronous: save in the background (orbax's asynchronous save, and in a single process
+        a worker thread); False saves synchronously.
+    """
 
     def __init__(self, run_dir: Path, cfg: Config, *, asynchronous: bool = True):
         import orbax.checkpoint as ocp
@@ -182,11 +207,20 @@ class RunCheckpoints:
             pending.result()
 
     def latest(self) -> int | None:
+        """The newest round with a checkpoint.
+
+        Returns:
+          The round, or None when there is no checkpoint.
+        """
         self._settle()
         return self.manager.latest_step()
 
     def steps(self) -> list[int]:
-        """The rounds with a checkpoint, oldest first."""
+        """The rounds with a checkpoint, oldest first.
+
+        Returns:
+          The rounds, sorted ascending.
+        """
         self._settle()
         return sorted(int(s) for s in self.manager.all_steps())
 
@@ -201,6 +235,10 @@ class RunCheckpoints:
         Returns at once in a single process: the save runs on a worker thread and is on
         disk after :meth:`wait` or :meth:`close` (or before the next save starts). A save
         that failed raises at the next call to this object.
+
+        Args:
+          state: the coordinator's state after a round.
+          history: the rounds so far (copied: the caller may keep appending).
         """
         history = list(history)  # the caller's list grows while the worker reads it
         if self._worker is None:
@@ -237,7 +275,20 @@ class RunCheckpoints:
     def restore(
         self, template: CoordinatorState, step: int | None = None
     ) -> tuple[CoordinatorState, list[RoundInfo]]:
-        """The checkpoint at ``step`` (default: the latest) against a freshly initialized state."""
+        """The checkpoint at ``step`` (default: the latest) against a freshly initialized state.
+
+        Args:
+          template: a freshly initialized state of the same config (shapes, shardings, key types).
+          step: the round to restore (default: the latest).
+
+        Returns:
+          ``(state, history)`` as saved.
+
+        Raises:
+          FileNotFoundError: when there is no checkpoint.
+          CheckpointError: when the checkpoint was written by a different config.
+          ValueError: when the aggregator state saved does not match this config's.
+        """
         ocp = self._ocp
         self._settle()
         step = self.latest() if step is None else step
@@ -315,8 +366,18 @@ class RunCheckpoints:
         damage). The damaged newer ones are moved to ``<run>/checkpoints.damaged/`` (by process 0,
         the others wait) so that the resumed run can save those rounds again; nothing is moved
         when none restores (a wrong environment, e.g. another device count, looks like damage
-        to every checkpoint alike). Raises :class:`CheckpointError` naming the folder when
-        there is no checkpoint or none restores.
+        to every checkpoint alike).
+
+        Args:
+          template: a freshly initialized state of the same config (see :meth:`restore`).
+          move_damaged: move the damaged newer checkpoints aside (False: leave them).
+
+        Returns:
+          ``(state, history, skipped)``: the newest intact checkpoint and the newer ones skipped.
+
+        Raises:
+          CheckpointError: naming the folder when there is no checkpoint or none restores, or
+            at once for a checkpoint of a different config.
         """
         skipped: list[SkippedCheckpoint] = []
         for step in reversed(self.steps()):
@@ -358,6 +419,7 @@ class RunCheckpoints:
         return moved
 
     def close(self) -> None:
+        """Finish the save in flight (re-raising its error), stop the worker and close orbax."""
         try:
             self._settle()
         finally:
@@ -368,7 +430,14 @@ class RunCheckpoints:
 
 
 def load_history(path: Path) -> list[RoundInfo]:
-    """The rounds of a metrics.jsonl file."""
+    """The rounds of a metrics.jsonl file.
+
+    Args:
+      path: the metrics.jsonl file.
+
+    Returns:
+      One :class:`RoundInfo` per non-empty line, in file order.
+    """
     out = []
     for line in Path(path).read_text().splitlines():
         if line.strip():
@@ -384,7 +453,14 @@ _STEP_MARKERS = ("_CHECKPOINT_METADATA", "commit_success.txt")
 
 
 def is_step_directory(path: Path) -> bool:
-    """Whether ``path`` looks like one saved round of :class:`RunCheckpoints` (``<run>/checkpoints/<n>``)."""
+    """Whether ``path`` looks like one saved round of :class:`RunCheckpoints` (``<run>/checkpoints/<n>``).
+
+    Args:
+      path: a folder.
+
+    Returns:
+      True when it holds an ``arrays`` item and orbax's finished-step marker.
+    """
     path = Path(path)
     return (path / ARRAYS_ITEM).is_dir() and any((path / m).exists() for m in _STEP_MARKERS)
 
@@ -396,8 +472,15 @@ def _finished_steps(directory: Path) -> list[Path]:
 
 
 def find_step_directory(path: str | Path) -> Path | None:
-    """The checkpoint an input path names: a step folder itself, else the latest step of a
-    ``checkpoints`` folder or of a run folder's ``checkpoints/``; None when ``path`` is none of these."""
+    """The checkpoint an input path names.
+
+    Args:
+      path: a step folder, a ``checkpoints`` folder or a run folder.
+
+    Returns:
+      The step folder itself, else the latest step of a ``checkpoints`` folder or of a run
+      folder's ``checkpoints/``; None when ``path`` is none of these.
+    """
     path = Path(path)
     if not path.is_dir():
         return None
@@ -436,8 +519,9 @@ class TreeReader:
       tree: which tree of the ``arrays`` item: ``"consensus"`` or ``"fedavg"``.
       group_bytes: the least a group may hold (a larger leaf is restored alone).
 
-    Raises :class:`consensus.io.CheckpointError` (a user error) for a folder that is not such a
-    checkpoint, one whose metadata cannot be read, or a leaf that cannot be restored.
+    Raises:
+      consensus.io.CheckpointError: (a user error) for a folder that is not such a checkpoint,
+        one whose metadata cannot be read, or a leaf that cannot be restored.
     """
 
     GROUP_BYTES = 8 << 20
@@ -498,20 +582,48 @@ class TreeReader:
         self.close()
 
     def close(self) -> None:
+        """Drop the group in hand and close orbax's handler (idempotent)."""
         self._held = {}
         handler, self._handler = getattr(self, "_handler", None), None
         if handler is not None:
             handler.close()
 
     def keys(self) -> list[str]:
+        """The tree's dotted keys, in :attr:`specs` order.
+
+        Returns:
+          The keys.
+        """
         return list(self.specs)
 
     def nbytes(self, key: str) -> int:
+        """The size of the leaf ``key`` in bytes, from its shape and dtype (nothing is read).
+
+        Args:
+          key: a dotted key.
+
+        Returns:
+          The leaf's byte count.
+
+        Raises:
+          KeyError: for a key not in the tree.
+        """
         shape, dtype = self.specs[key]
         return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
     def get(self, key: str) -> np.ndarray:
-        """The leaf ``key`` as a numpy array (from the group in hand, else a restore of its group)."""
+        """The leaf ``key`` as a numpy array (from the group in hand, else a restore of its group).
+
+        Args:
+          key: a dotted key.
+
+        Returns:
+          The leaf, in its saved shape and dtype.
+
+        Raises:
+          consensus.io.CheckpointKeyError: for a key not in the tree.
+          consensus.io.CheckpointError: when the leaf cannot be restored.
+        """
         if key not in self.specs:
             raise self._io.CheckpointKeyError(f"{self.path} has no key {key!r}")
         if key not in self._held:
@@ -576,7 +688,16 @@ class TreeReader:
         return out
 
     def read_into(self, key: str, out: np.ndarray) -> None:
-        """Read the leaf ``key`` into ``out`` (its shape and dtype)."""
+        """Read the leaf ``key`` into ``out`` (its shape and dtype).
+
+        Args:
+          key: a dotted key.
+          out: a numpy array of the leaf's shape and dtype.
+
+        Raises:
+          consensus.io.CheckpointKeyError: for a key not in the tree.
+          ValueError: when ``out``'s shape or dtype is not the leaf's.
+        """
         if key not in self.specs:
             raise self._io.CheckpointKeyError(f"{self.path} has no key {key!r}")
         shape, dtype = self.specs[key]
@@ -585,7 +706,14 @@ class TreeReader:
         out[...] = self.get(key)
 
     def check_against(self, like: PyTree) -> None:
-        """Every key, shape and dtype of the template ``like``; the error names the first mismatch."""
+        """Check every key, shape and dtype of the template ``like``; the error names the first mismatch.
+
+        Args:
+          like: a tree of arrays (or shape-dtype structs) with the expected keys.
+
+        Raises:
+          consensus.io.CheckpointKeyError: naming the first mismatch.
+        """
         self._io.check_against(self.specs, like, str(self.path))
 
 

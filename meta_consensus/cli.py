@@ -201,8 +201,11 @@ def _last_checkpoint(run_dir: Path) -> str:
 
 
 def _heartbeat_timeout(args: argparse.Namespace) -> int:
-    """The config's ``heartbeat_timeout_s``, read before jax starts (the checked load comes after:
-    jax.distributed must start before anything touches a device, and a bad value is reported then)."""
+    """The config's ``heartbeat_timeout_s``, read before jax starts.
+
+    The checked load comes after: jax.distributed must start before anything touches a device,
+    and a bad value is reported then.
+    """
     import tomllib
 
     from meta_consensus.config import Config, apply_overrides, default_text
@@ -219,6 +222,18 @@ def _heartbeat_timeout(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``meta-consensus run``: load the config, train, print the table and where the outputs are.
+
+    Args:
+      args: the parsed ``run`` arguments.
+
+    Returns:
+      The exit code: 0, ``EXIT_NO_ROUND`` when no round succeeded, ``EXIT_SIGTERM`` when stopped
+      by SIGTERM (a lost process in a multi-process run leaves with ``EXIT_PROCESS_LOST``).
+
+    Raises:
+      UserError: for a bad config, run directory, checkpoint, ``init_from`` or task.
+    """
     _check_run_args(args)
     _set_device_flags(args)
     args.heartbeat_timeout = _heartbeat_timeout(args) if args.num_processes > 1 else None
@@ -308,6 +323,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def report_cmd(args: argparse.Namespace) -> int:
+    """``meta-consensus report``: the table and plots of a run directory, from its files.
+
+    Args:
+      args: the parsed ``report`` arguments (``run_dir``).
+
+    Returns:
+      0; the table is printed and written to ``table.txt``, the plots next to it.
+
+    Raises:
+      UserError: when the folder lacks ``config.toml`` or ``metrics.jsonl``, or either is unreadable.
+    """
     from meta_consensus import config, report
     from meta_consensus.checkpoint import load_history
 
@@ -333,7 +359,17 @@ def report_cmd(args: argparse.Namespace) -> int:
 
 
 def merge_cmd(args: argparse.Namespace) -> int:
-    """``meta-consensus merge``: see :mod:`meta_consensus.merge`."""
+    """``meta-consensus merge``: see :mod:`meta_consensus.merge`.
+
+    Args:
+      args: the parsed ``merge`` arguments.
+
+    Returns:
+      The merge command's exit code.
+
+    Raises:
+      UserError: for the merge's user errors (inputs, plan, plug-ins).
+    """
     from meta_consensus import merge as merging
 
     _load_plugins(args.plugin)
@@ -359,6 +395,17 @@ def _check_environment() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``meta-consensus`` command: parse the arguments and run the sub-command.
+
+    A user error is one line on stderr and exit code 2 (``--debug`` adds the traceback).
+
+    Args:
+      argv: the arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+      The exit code: 0, 1 (no round succeeded or a process was lost), 2 (a user error), 130
+      (interrupted) or 143 (SIGTERM).
+    """
     args = _parser().parse_args(argv)
     try:
         _check_environment()

@@ -40,14 +40,21 @@ OBJECTIVES: Registry[Spec] = Registry("weight objective")
 
 
 def needs_classification(spec: Spec) -> bool:
-    """The objective reads per-class logits, so it runs on classification tasks only."""
+    """Whether the objective reads per-class logits, so that it runs on classification tasks only.
+
+    Args:
+      spec: an entry of :data:`OBJECTIVES`.
+
+    Returns:
+      True when its ``classification`` trait is set.
+    """
     return bool(spec.traits.get("classification", False))
 
 
 # Both keep a uniform-mean vote a uniform mean, so DP-FedAvg's C / n sensitivity still holds.
 @OBJECTIVES.declare("vote", traits={"keeps_uniform_mean": True})
 def _vote(cfg, task, heldout) -> None:
-    """the vote's own output is the consensus"""
+    """The vote's own output is the consensus."""
     return None
 
 
@@ -67,7 +74,7 @@ def _options(cfg: Any, mask: np.ndarray, cache: ProblemCache) -> dict[str, Any]:
 
 @OBJECTIVES.declare("uniform", traits={"keeps_uniform_mean": True})
 def _uniform(cfg, task, heldout) -> Weigher:
-    """plain mean of the nodes the vote accepted"""
+    """Plain mean of the nodes the vote accepted."""
 
     def weigh(stacked, params, mask, **extra):
         k = int(mask.sum())
@@ -86,7 +93,7 @@ def _metrics(task: Task):
 
 @OBJECTIVES.declare("quadratic", traits={"classification": True})
 def _quadratic(cfg, task, heldout) -> Weigher:
-    """trust-region quadratic (Gauss-Newton) model of the held-out loss"""
+    """Trust-region quadratic (Gauss-Newton) model of the held-out loss."""
     cache, metrics = ProblemCache(), _metrics(task)
     x, y = heldout["x"], heldout["y"]
 
@@ -127,7 +134,7 @@ def _true_label_probs(task: Task):
 
 @OBJECTIVES.declare("mixture_nll")
 def _mixture_nll(cfg, task, heldout) -> Weigher:
-    """NLL of the mixture of the nodes' held-out predictions"""
+    """NLL of the mixture of the nodes' held-out predictions."""
     cache, probs_fn = ProblemCache(), _true_label_probs(task)
 
     def weigh(stacked, params, mask, **extra):
@@ -141,7 +148,7 @@ def _mixture_nll(cfg, task, heldout) -> Weigher:
 
 @OBJECTIVES.declare("anchor")
 def _anchor(cfg, task, heldout) -> Weigher:
-    """the convex combination of accepted nodes closest to the vote's output"""
+    """The convex combination of accepted nodes closest to the vote's output."""
     cache = ProblemCache()
 
     def weigh(stacked, params, mask, *, voted=None, **extra):

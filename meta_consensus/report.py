@@ -28,14 +28,30 @@ def _last_ok(history: Sequence[RoundInfo]) -> RoundInfo | None:
 
 
 def roles(cfg: Config) -> list[str]:
-    """Each node's strategy, and its attack when Byzantine."""
+    """Each node's strategy, and its attack when Byzantine.
+
+    Args:
+      cfg: the run config.
+
+    Returns:
+      One label per node: ``"<strategy>"``, or ``"<strategy> + <attack> (Byzantine)"``.
+    """
     strategies = cfg.nodes.strategy_of()
     byz = set(cfg.byzantine.nodes)
     return [f"{s} + {cfg.byzantine.attack} (Byzantine)" if i in byz else s for i, s in enumerate(strategies)]
 
 
 def table(cfg: Config, history: Sequence[RoundInfo], seconds: float | None = None) -> str:
-    """The end-of-run table: every node, plain FedAvg and the consensus, epsilon and time."""
+    """The end-of-run table: every node, plain FedAvg and the consensus, epsilon and time.
+
+    Args:
+      cfg: the run config.
+      history: the rounds logged (failed attempts included).
+      seconds: the run's wall time (default: the sum of the rounds' timings).
+
+    Returns:
+      The table as text, one line per row.
+    """
     last = _last_ok(history)
     lines = []
     ok = sum(h.ok for h in history)
@@ -87,8 +103,11 @@ def table(cfg: Config, history: Sequence[RoundInfo], seconds: float | None = Non
 
 
 def _both_accountants(history: Sequence[RoundInfo], last: RoundInfo) -> str:
-    """``RDP x, PLD y`` of ``last``; the comparison accountant is logged only at checkpoints and
-    at the last round, so when ``last`` lacks it the newest round that has it is named."""
+    """``RDP x, PLD y`` of ``last``.
+
+    The comparison accountant is logged only at checkpoints and at the last round, so when
+    ``last`` lacks it the newest round that has it is named.
+    """
     text = []
     for name, attr in (("RDP", "epsilon_rdp"), ("PLD", "epsilon_pld")):
         value = getattr(last, attr)
@@ -104,7 +123,16 @@ def _both_accountants(history: Sequence[RoundInfo], last: RoundInfo) -> str:
 
 
 def plot(cfg: Config, history: Sequence[RoundInfo], run_dir: Path) -> list[Path]:
-    """accuracy.png (nodes, FedAvg, consensus per round) and weights.png (weight of each node per round)."""
+    """Write accuracy.png (nodes, FedAvg, consensus per round) and weights.png (each node's weight per round).
+
+    Args:
+      cfg: the run config.
+      history: the rounds logged.
+      run_dir: the folder the plots are written to.
+
+    Returns:
+      The paths written.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -173,7 +201,12 @@ def plot(cfg: Config, history: Sequence[RoundInfo], run_dir: Path) -> list[Path]
 
 
 class RunLog:
-    """Appends rounds to metrics.jsonl and TensorBoard; writes nothing when ``enabled`` is False."""
+    """Appends rounds to metrics.jsonl and TensorBoard; writes nothing when ``enabled`` is False.
+
+    Args:
+      run_dir: the run folder (created when enabled).
+      enabled: whether to write (False: a process other than the first, or a run without files).
+    """
 
     def __init__(self, run_dir: Path, enabled: bool = True):
         self.run_dir = Path(run_dir)
@@ -188,7 +221,11 @@ class RunLog:
             self.run_dir.mkdir(parents=True, exist_ok=True)
 
     def restart(self, history: Sequence[RoundInfo]) -> None:
-        """Rewrite metrics.jsonl to exactly ``history`` (rounds logged after the checkpoint are dropped)."""
+        """Rewrite metrics.jsonl to exactly ``history`` (rounds logged after the checkpoint are dropped).
+
+        Args:
+          history: the rounds of the checkpoint the run resumes from.
+        """
         if not self.enabled:
             return
         tmp = self.run_dir / "metrics.jsonl.tmp"
@@ -203,6 +240,13 @@ class RunLog:
         return self._tb
 
     def log(self, info: RoundInfo) -> None:
+        """Append one round: to metrics.jsonl before returning, to TensorBoard on a worker thread.
+
+        Failed attempts go to metrics.jsonl only.
+
+        Args:
+          info: the round's record.
+        """
         if not self.enabled:
             return
         with open(self.run_dir / "metrics.jsonl", "a") as f:
@@ -235,6 +279,7 @@ class RunLog:
             tb.add_scalar(f"weights/node_{i}", w, step)
 
     def close(self) -> None:
+        """Wait for the TensorBoard writes and close the writer; the first failed write raises here."""
         if self._tb_worker is not None:
             self._tb_worker.shutdown(wait=True)
             self._tb_worker = None

@@ -71,7 +71,15 @@ class ClientSample:
         return np.where(self.real, self.ids, fill)
 
     def to_nodes(self, values: np.ndarray, fill: float | bool) -> np.ndarray:
-        """(n,) array of per-slot ``values`` placed at their nodes, ``fill`` elsewhere."""
+        """Per-slot ``values`` placed at their nodes, ``fill`` elsewhere.
+
+        Args:
+          values: (slots,) one value per slot (padding slots are ignored).
+          fill: the value of the nodes not sampled.
+
+        Returns:
+          (n,) array.
+        """
         values = np.asarray(values)
         out = np.full((self.num_nodes,), fill, dtype=np.result_type(values.dtype, np.asarray(fill).dtype))
         out[self.ids[self.real]] = values[self.real]
@@ -79,7 +87,17 @@ class ClientSample:
 
 
 def place(values: np.ndarray, nodes: list[int] | np.ndarray, n: int, fill: float | bool) -> np.ndarray:
-    """(n,) array with ``values[j]`` at node ``nodes[j]`` and ``fill`` at every other node."""
+    """An (n,) array with ``values[j]`` at node ``nodes[j]`` and ``fill`` at every other node.
+
+    Args:
+      values: one value per listed node.
+      nodes: the node ids.
+      n: the fleet size.
+      fill: the value of every other node.
+
+    Returns:
+      (n,) array of the common dtype of ``values`` and ``fill``.
+    """
     values = np.asarray(values)
     out = np.full((n,), fill, dtype=np.result_type(values.dtype, np.asarray(fill).dtype))
     out[np.asarray(nodes, np.int64)] = values
@@ -87,12 +105,27 @@ def place(values: np.ndarray, nodes: list[int] | np.ndarray, n: int, fill: float
 
 
 def sample_key(round_key: jax.Array) -> jax.Array:
-    """The sample's key of a round key (its own stream; the round's other keys are unchanged)."""
+    """The sample's key of a round key (its own stream; the round's other keys are unchanged).
+
+    Args:
+      round_key: the round's key.
+
+    Returns:
+      ``fold_in(round_key, SAMPLE_STREAM)``.
+    """
     return jax.random.fold_in(round_key, SAMPLE_STREAM)
 
 
 def draw(nodes: NodesConfig, round_key: jax.Array) -> ClientSample | None:
-    """The round's sample (None under full participation), padded to a multiple of the chunk."""
+    """The round's sample (None under full participation), padded to a multiple of the chunk.
+
+    Args:
+      nodes: the ``[nodes]`` config (``sampling``, ``per_round`` or the Poisson rate, the chunk).
+      round_key: the round's key.
+
+    Returns:
+      The sample, or None when every node takes part.
+    """
     if not nodes.sampled:
         return None
     n, key = nodes.count, sample_key(round_key)
@@ -114,6 +147,12 @@ def privacy_sampling_rate(nodes: NodesConfig) -> float:
 
     Poisson: the sampler's exact probability (q rounded to a multiple of 2^-32), as
     :func:`consensus.dp.effective_sampling_rate` gives it; 1.0 otherwise.
+
+    Args:
+      nodes: the ``[nodes]`` config.
+
+    Returns:
+      The sampling rate.
     """
     q = nodes.poisson_rate()
     return effective_sampling_rate(q) if nodes.sampling == "poisson" else 1.0

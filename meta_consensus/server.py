@@ -50,13 +50,27 @@ SERVER_STREAM = 0x5E4  # fold_in tag of the server's minibatch key inside a roun
 
 
 def vote_rules_of(cfg: Config) -> list[str]:
-    """Every registered rule the config's vote runs (pre-aggregators, the rule, the top rule)."""
+    """Every registered rule the config's vote runs (pre-aggregators, the rule, the top rule).
+
+    Args:
+      cfg: the run config.
+
+    Returns:
+      The rule names, in the order they run.
+    """
     v = cfg.vote
     return [*v.pre, v.rule, *([v.top_rule] if v.groups > 1 else [])]
 
 
 def vote_needs(cfg: Config) -> frozenset[str]:
-    """What the config's vote rules need from the round besides the stack and params."""
+    """What the config's vote rules need from the round besides the stack and params.
+
+    Args:
+      cfg: the run config.
+
+    Returns:
+      The union of the rules' ``needs``, ``"params"`` excluded.
+    """
     out: set[str] = set()
     for name in vote_rules_of(cfg):
         out |= registry.RULES[name].needs
@@ -64,8 +78,14 @@ def vote_needs(cfg: Config) -> frozenset[str]:
 
 
 def round_needs(cfg: Config) -> frozenset[str]:
-    """What the round must compute for the merge: the vote's needs, and the server update for
-    ``vote.server_step`` (see :func:`server_step`)."""
+    """What the round must compute for the merge.
+
+    Args:
+      cfg: the run config.
+
+    Returns:
+      The vote's needs, and the server update for ``vote.server_step`` (see :func:`server_step`).
+    """
     return vote_needs(cfg) | ({SERVER_UPDATE} if cfg.vote.server_step > 0 else frozenset())
 
 
@@ -81,6 +101,14 @@ def server_step(merged: PyTree, server_update: PyTree, step: float) -> PyTree:
     held-out data; 1 and above overshoots). Server-side training on the coordinator's own data,
     as in server-side fine-tuning on proxy data; it assumes that data is clean and like the
     nodes' task. Dtypes are kept.
+
+    Args:
+      merged: the merged consensus.
+      server_update: the coordinator's update g, like ``merged``.
+      step: the step size (``vote.server_step``).
+
+    Returns:
+      The moved consensus, in ``merged``'s dtypes.
     """
     return jax.tree.map(lambda m, g: (m + step * g.astype(m.dtype)).astype(m.dtype), merged, server_update)
 
@@ -89,6 +117,13 @@ def root_rows(root_size: int | float, total: int) -> int:
     """Rows of the root set: ``root_size`` itself (an int), or that share of ``total`` rows, rounded.
 
     Halves round up (0.25 of 50 rows is 13), not to even as Python's ``round`` does.
+
+    Args:
+      root_size: a row count (int) or a share of the held-out rows (float).
+      total: the number of held-out rows.
+
+    Returns:
+      The number of root rows.
     """
     return root_size if isinstance(root_size, int) else math.floor(root_size * total + 0.5)
 
@@ -96,10 +131,23 @@ def root_rows(root_size: int | float, total: int) -> int:
 def split_root(
     heldout: Mapping[str, np.ndarray], root_size: int | float, seed: int
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """(root set, the rest): :func:`root_rows` held-out rows drawn without replacement from ``seed``.
+    """Split the held-out rows into the root set and the rest.
 
-    Both keep the held-out split's row order. Raises ConfigError when the held-out split
-    is too small to leave rows for the quality gate, the weights and evaluation.
+    The root set is :func:`root_rows` held-out rows drawn without replacement from ``seed``.
+    Both keep the held-out split's row order.
+
+    Args:
+      heldout: the held-out split, arrays with one row count.
+      root_size: a row count (int) or a share of the held-out rows (float).
+      seed: the run's seed.
+
+    Returns:
+      ``(root set, the rest)``.
+
+    Raises:
+      ValueError: when the held-out arrays disagree on their row count.
+      ConfigError: when the held-out split is too small to leave rows for the quality gate,
+        the weights and evaluation.
     """
     sizes = {len(v) for v in heldout.values()}
     if len(sizes) != 1:
@@ -122,7 +170,14 @@ def split_root(
 
 
 class ServerReference:
-    """The coordinator's update on its root set (see the module docstring)."""
+    """The coordinator's update on its root set (see the module docstring).
+
+    Args:
+      task: the task (its model and loss).
+      root: the root set's rows.
+      cfg: the run config (``vote.server_steps``, else ``nodes.local_steps``; the nodes'
+        learning rate and batch size).
+    """
 
     def __init__(self, task: Task, root: Mapping[str, np.ndarray], cfg: Config):
         nd = cfg.nodes
@@ -143,7 +198,15 @@ class ServerReference:
         )
 
     def update(self, params: PyTree, round_key: jax.Array) -> PyTree:
-        """g = (``steps`` Adam steps on the root set from ``params``) - ``params``, like ``params``."""
+        """The update g = (``steps`` Adam steps on the root set from ``params``) - ``params``.
+
+        Args:
+          params: the round's starting consensus.
+          round_key: the round's key (the minibatches are drawn from it).
+
+        Returns:
+          g, like ``params`` (its dtypes).
+        """
         key = jax.random.fold_in(round_key, SERVER_STREAM)
         state = self.trainer.init(key, params, 1)
         state, _ = self.trainer.fit(state, self.data, self.steps)
@@ -159,6 +222,18 @@ def round_extra(
     """The keyword arguments the round hands the merge: ``key``, ``server_update`` when the vote needs them.
 
     Both come from the round key (a retry draws fresh ones; a resumed run the same ones).
+
+    Args:
+      needs: what the round must compute (:func:`round_needs`).
+      server: the coordinator's root-set trainer, if it has one.
+      consensus: the round's starting consensus.
+      round_key: the round's key.
+
+    Returns:
+      The keyword arguments for the merge.
+
+    Raises:
+      ValueError: when the vote needs a server update and there is no root set.
     """
     extra: dict[str, Any] = {}
     if "key" in needs:

@@ -42,7 +42,16 @@ STATISTICS = ("fisher", "grams")
 
 
 def check_config(cfg: Any, needs: frozenset[str], process_count: int) -> None:
-    """ConfigError when the vote needs per-node statistics the run cannot provide (DP, several processes)."""
+    """Check that the run can provide the per-node statistics the vote needs.
+
+    Args:
+      cfg: the run config.
+      needs: what the vote needs from the round.
+      process_count: the number of JAX processes.
+
+    Raises:
+      ConfigError: when the vote needs per-node statistics under DP or with several processes.
+    """
     wanted = statistics_needs(needs)
     if not wanted:
         return
@@ -59,19 +68,41 @@ def check_config(cfg: Any, needs: frozenset[str], process_count: int) -> None:
 
 
 def statistics_needs(needs: frozenset[str]) -> tuple[str, ...]:
-    """The per-node statistics among what the vote needs, in a fixed order."""
+    """The per-node statistics among what the vote needs, in a fixed order.
+
+    Args:
+      needs: what the vote needs from the round.
+
+    Returns:
+      The names among ``STATISTICS`` that ``needs`` holds.
+    """
     return tuple(s for s in STATISTICS if s in needs)
 
 
 def flat_inputs(x: jax.Array) -> jax.Array:
-    """A batch of inputs as (B, d) float32 rows: integer images scaled to [0, 1] as the tasks read them."""
+    """A batch of inputs as (B, d) float32 rows: integer images scaled to [0, 1] as the tasks read them.
+
+    Args:
+      x: (B, ...) inputs.
+
+    Returns:
+      (B, d) float32.
+    """
     x = jnp.asarray(x)
     scaled = x.astype(jnp.float32) / 255.0 if jnp.issubdtype(x.dtype, jnp.integer) else x
     return scaled.astype(jnp.float32).reshape(x.shape[0], -1)
 
 
 def mlp_inputs_on_raw(params: PyTree, x: jax.Array) -> dict[str, jax.Array]:
-    """The Dense layers' inputs of a plain ReLU MLP on raw task inputs (flattened, integers scaled)."""
+    """The Dense layers' inputs of a plain ReLU MLP on raw task inputs (flattened, integers scaled).
+
+    Args:
+      params: the MLP's parameters.
+      x: (B, ...) raw inputs.
+
+    Returns:
+      Each Dense layer's (B, d_in) inputs by its path.
+    """
     return mlp_layer_inputs(params, flat_inputs(x))
 
 
@@ -80,6 +111,14 @@ def check_plain_mlp(task: Any, params: PyTree, x: np.ndarray) -> None:
 
     The logits the MLP's last Dense layer gives on ``x`` must equal the task's own,
     else RegMean's Grams would describe some other model.
+
+    Args:
+      task: the task.
+      params: one node's parameters.
+      x: a few inputs to compare the logits on.
+
+    Raises:
+      ValueError: when the task's model is not such an MLP.
     """
     name = getattr(task, "name", type(task).__name__)
     try:
@@ -99,7 +138,16 @@ def check_plain_mlp(task: Any, params: PyTree, x: np.ndarray) -> None:
 
 
 def node_batch(train: Mapping[str, np.ndarray], count: np.ndarray, i: int) -> dict[str, np.ndarray]:
-    """Node i's valid training rows (padding removed)."""
+    """Node i's valid training rows (padding removed).
+
+    Args:
+      train: the (n, m, ...) training shards (a ``mask`` entry is left out).
+      count: (n,) valid rows per node.
+      i: the node.
+
+    Returns:
+      The node's rows by name.
+    """
     m = int(count[i])
     return {k: np.asarray(v[i][:m]) for k, v in train.items() if k != "mask"}
 
@@ -112,8 +160,13 @@ def round_statistics(needs: frozenset[str], task: Any, data: Any, submitted: PyT
       task: the fleet's task (its ``loss``; ``apply`` for the RegMean check).
       data: the fleet's TaskData (``train`` dict of (n, m, ...) shards, ``train_count``).
       submitted: the nodes' stacked candidates; node i's statistics are taken at its candidate.
+
     Returns:
       {} when the vote needs no statistic.
+
+    Raises:
+      ValueError: when this host lacks some node's shard, or (for Grams) the task's model is
+        not a plain ReLU MLP.
     """
     wanted = statistics_needs(needs)
     if not wanted:
