@@ -11,7 +11,9 @@ which formulation is faster there is a question for a measurement on that backen
 The formulations (``ORDER_IMPLS``):
 
 * ``"network"``: sorting networks up to their limits, exact selection above (the CPU's);
-* ``"sort"``: ``jnp.sort`` of the stack over the node axis (:mod:`kernels.stack_sort`).
+* ``"sort"``: ``jnp.sort`` of the stack over the node axis (:mod:`kernels.stack_sort`);
+* ``"hybrid"``: sorting networks up to their limits, ``jnp.sort`` above (the GPU's: exact
+  selection's packed counters are shaped for XLA:CPU's loops, not for a GPU).
 
 Both compute the same rule with the same semantics (excluded rows, NaN and ``poison``); the
 results agree to float32 rounding (sums in another order). The default per backend is
@@ -33,12 +35,14 @@ from collections.abc import Iterator, Mapping
 
 import jax
 
-ORDER_IMPLS = ("network", "sort")
+ORDER_IMPLS = ("network", "sort", "hybrid")
 ORDER_IMPL_ENV = "META_CONSENSUS_ORDER_IMPL"
 
-# GPU and TPU keep the CPU's formulation until a run of the accelerator benchmark on that
-# backend shows the other one faster (benchmarks/results/accelerator_<backend>.md).
-DEFAULT_ORDER_IMPL: Mapping[str, str] = {"cpu": "network", "gpu": "network", "tpu": "network"}
+# Chosen per backend by the accelerator benchmark run on that backend
+# (benchmarks/results/accelerator_<backend>.md). On a GPU the networks beat jnp.sort where they
+# fit, and exact selection, the CPU's path above the networks' limits, is far slower there than
+# jnp.sort: hence "hybrid". TPU keeps the CPU's formulation until a run there says otherwise.
+DEFAULT_ORDER_IMPL: Mapping[str, str] = {"cpu": "network", "gpu": "hybrid", "tpu": "network"}
 FALLBACK_ORDER_IMPL = "network"  # a backend not in the table (a plugin)
 
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("order_impl", default=None)

@@ -109,7 +109,8 @@ def meamed(
     coordinate (as :func:`kernels.sorting.median`), for the one-pass optimistic path.
     ``impl``: the formulation (:func:`kernels.backend.order_impl`; default: the backend's).
     """
-    if order_impl(impl) == "sort":
+    chosen = order_impl(impl)
+    if chosen == "sort" or (chosen == "hybrid" and x.shape[0] > WINDOW_NETWORK_MAX):
         return stack_sort.nearest_to_median_mean(x, f, keep, m, mixing, centre, diagonal, poison)
     if x.shape[0] > WINDOW_NETWORK_MAX:
         if poison:

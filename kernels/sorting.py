@@ -195,10 +195,12 @@ def median(
     coordinate, so a finite result certifies that every kept row was finite.
     ``impl``: the formulation (:func:`kernels.backend.order_impl`; default: the backend's).
     """
-    if order_impl(impl) == "sort":
+    chosen = order_impl(impl)
+    if chosen == "sort":
         return stack_sort.median(x, keep, m, mixing, centre, diagonal, poison)
     if not network_fits(x.shape[0], _static_count(keep, x.shape[0], m), mixing, diagonal):
-        return selection.median(x, keep, m, mixing, centre, diagonal, poison)
+        above = stack_sort if chosen == "hybrid" else selection
+        return above.median(x, keep, m, mixing, centre, diagonal, poison)
     return _network_median(x, keep, m, mixing, centre, diagonal, poison)
 
 
@@ -225,10 +227,12 @@ def trimmed_mean(
     Needs m > 2f kept rows; with fewer the result is NaN (callers check first).
     ``poison`` and ``impl`` as in :func:`median`.
     """
-    if order_impl(impl) == "sort":
+    chosen = order_impl(impl)
+    if chosen == "sort":
         return stack_sort.trimmed_mean(x, f, keep, m, mixing, centre, diagonal, poison)
     if not network_fits(x.shape[0], _static_count(keep, x.shape[0], m), mixing, diagonal):
-        return selection.trimmed_mean(x, f, keep, m, mixing, centre, diagonal, poison)
+        above = stack_sort if chosen == "hybrid" else selection
+        return above.trimmed_mean(x, f, keep, m, mixing, centre, diagonal, poison)
     return _network_trimmed_mean(x, f, keep, m, mixing, centre, diagonal, poison)
 
 
@@ -247,10 +251,11 @@ def order_statistic(
     x: jax.Array, k: int, keep: jax.Array | None = None, *, impl: str | None = None
 ) -> jax.Array:
     """The k-th smallest value (0-based) over the kept rows, coordinate-wise (+inf if k >= m)."""
-    if order_impl(impl) == "sort":
+    chosen = order_impl(impl)
+    if chosen == "sort":
         return stack_sort.order_statistic(x, k, keep)
     if not network_fits(x.shape[0], k):  # k is static: the one position read is a constant
-        return selection.order_statistic(x, k, keep)
+        return (stack_sort if chosen == "hybrid" else selection).order_statistic(x, k, keep)
     return _network_order_statistic(x, k, keep)
 
 
@@ -289,7 +294,8 @@ def closest_to_median_mean(
     attackers send one vector f times, and keeping the first of them could keep
     the attackers' copies. ``impl`` as in :func:`median`.
     """
-    if order_impl(impl) == "sort":
+    chosen = order_impl(impl)
+    if chosen == "sort" or (chosen == "hybrid" and x.shape[0] > WINDOW_NETWORK_MAX):
         return stack_sort.nearest_to_median_mean(x, 2 * f, keep, m, mixing, centre, diagonal)
     if x.shape[0] > WINDOW_NETWORK_MAX:
         return selection.closest_to_median_mean(x, f, keep, m, mixing, centre, diagonal)
