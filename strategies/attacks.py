@@ -67,7 +67,21 @@ def _repeat(tree: PyTree, f: int, like: PyTree) -> PyTree:
 
 @ATTACKS.declare(kind="update")
 def sign_flip(key: jax.Array, honest: PyTree, num_byzantine: int, scale: float = 1.0) -> PyTree:
-    """Every Byzantine node sends ``-scale`` times the honest mean update (Allen-Zhu et al. 2020)."""
+    """Every Byzantine node sends ``-scale`` times the honest mean update (Allen-Zhu et al. 2020).
+
+    Args:
+      key: jax.random key (unused: the attack is deterministic).
+      honest: stacked tree of the h honest updates.
+      num_byzantine: f, the number of malicious updates to return.
+      scale: the factor of the reversed mean.
+
+    Returns:
+      Stacked tree of ``num_byzantine`` updates, shaped and typed like ``honest``'s rows.
+
+    References:
+      Allen-Zhu, Ebrahimian, Li and Alistarh, "Byzantine-Resilient Non-Convex Stochastic Gradient
+      Descent", ICLR 2021 (arXiv 2020).
+    """
     del key
     mean = _honest_mean(honest)
     return _repeat(jax.tree.map(lambda m: -scale * m, mean), num_byzantine, honest)
@@ -75,7 +89,17 @@ def sign_flip(key: jax.Array, honest: PyTree, num_byzantine: int, scale: float =
 
 @ATTACKS.declare(kind="update")
 def gaussian(key: jax.Array, honest: PyTree, num_byzantine: int, std: float = 1.0) -> PyTree:
-    """Each Byzantine node sends an independent N(0, std^2) update, keyed per node and leaf."""
+    """Each Byzantine node sends an independent N(0, std^2) update, keyed per node and leaf.
+
+    Args:
+      key: jax.random key (the same key gives the same updates).
+      honest: stacked tree of the h honest updates.
+      num_byzantine: f, the number of malicious updates to return.
+      std: the standard deviation of every coordinate.
+
+    Returns:
+      Stacked tree of ``num_byzantine`` updates, shaped and typed like ``honest``'s rows.
+    """
     leaves, treedef = jax.tree_util.tree_flatten(honest)
     keys = jax.random.split(key, len(leaves))
     out = [
@@ -89,6 +113,17 @@ def alie_z(num_nodes: int, num_byzantine: int) -> float:
     """z_max of "A Little Is Enough" (Baruch, Baruch and Goldberg 2019).
 
     s = floor(n/2 + 1) - f supporters are needed; z = Phi^{-1}((n - s) / n).
+
+    Args:
+      num_nodes: n, all nodes.
+      num_byzantine: f, the Byzantine ones.
+
+    Returns:
+      z_max.
+
+    References:
+      Baruch, Baruch and Goldberg, "A Little Is Enough: Circumventing Defenses For Distributed
+      Learning", NeurIPS 2019.
     """
     s = num_nodes // 2 + 1 - num_byzantine
     return float(stats.norm.ppf((num_nodes - s) / num_nodes))
@@ -103,6 +138,19 @@ def alie(
     mu and sigma are the honest mean and std; z defaults to :func:`alie_z` with
     n = h + f nodes. Small per-coordinate shifts that stay inside the honest
     spread, so median- and Krum-type rules accept them.
+
+    Args:
+      key: jax.random key (unused: the attack is deterministic).
+      honest: stacked tree of the h honest updates.
+      num_byzantine: f, the number of malicious updates to return.
+      z: the shift in honest standard deviations (default: :func:`alie_z`).
+      num_nodes: n, filled in by :func:`apply_attack` (default: h + f).
+
+    Returns:
+      Stacked tree of ``num_byzantine`` updates, shaped and typed like ``honest``'s rows.
+
+    References:
+      Baruch, Baruch and Goldberg, "A Little Is Enough", NeurIPS 2019.
     """
     del key
     h = jax.tree_util.tree_leaves(honest)[0].shape[0]
@@ -115,7 +163,21 @@ def alie(
 
 @ATTACKS.declare(kind="update")
 def ipm(key: jax.Array, honest: PyTree, num_byzantine: int, epsilon: float = 0.1) -> PyTree:
-    """Inner-product manipulation (Xie, Koyejo and Gupta 2020): -epsilon times the honest mean."""
+    """Inner-product manipulation (Xie, Koyejo and Gupta 2020): -epsilon times the honest mean.
+
+    Args:
+      key: jax.random key (unused: the attack is deterministic).
+      honest: stacked tree of the h honest updates.
+      num_byzantine: f, the number of malicious updates to return.
+      epsilon: the factor of the reversed mean.
+
+    Returns:
+      Stacked tree of ``num_byzantine`` updates, shaped and typed like ``honest``'s rows.
+
+    References:
+      Xie, Koyejo and Gupta, "Fall of Empires: Breaking Byzantine-tolerant SGD by Inner Product
+      Manipulation", UAI 2019 (PMLR 115, 2020).
+    """
     del key
     mean = _honest_mean(honest)
     return _repeat(jax.tree.map(lambda m: -epsilon * m, mean), num_byzantine, honest)
@@ -123,7 +185,17 @@ def ipm(key: jax.Array, honest: PyTree, num_byzantine: int, epsilon: float = 0.1
 
 @ATTACKS.declare(kind="update")
 def nonfinite(key: jax.Array, honest: PyTree, num_byzantine: int, value: float = float("nan")) -> PyTree:
-    """Byzantine (or crashed) nodes send NaN (or +-Inf with ``value``) everywhere."""
+    """Byzantine (or crashed) nodes send NaN (or +-Inf with ``value``) everywhere.
+
+    Args:
+      key: jax.random key (unused: the attack is deterministic).
+      honest: stacked tree of the h honest updates.
+      num_byzantine: f, the number of malicious updates to return.
+      value: the value of every coordinate.
+
+    Returns:
+      Stacked tree of ``num_byzantine`` updates, shaped and typed like ``honest``'s rows.
+    """
     del key
     return jax.tree.map(lambda x: jnp.full((num_byzantine, *x.shape[1:]), value, x.dtype), honest)
 
@@ -133,6 +205,19 @@ def mimic(key: jax.Array, honest: PyTree, num_byzantine: int, target: int = 0) -
     """Every Byzantine node copies honest node ``target`` (Karimireddy, He and Jaggi 2022).
 
     Over-represents one honest node: harmless for i.i.d. data, a bias under heterogeneity.
+
+    Args:
+      key: jax.random key (unused: the attack is deterministic).
+      honest: stacked tree of the h honest updates.
+      num_byzantine: f, the number of malicious updates to return.
+      target: the index of the honest node copied, among the honest ones.
+
+    Returns:
+      Stacked tree of ``num_byzantine`` updates, shaped and typed like ``honest``'s rows.
+
+    References:
+      Karimireddy, He and Jaggi, "Byzantine-Robust Learning on Heterogeneous Datasets via
+      Bucketing", ICLR 2022.
     """
     del key
     return jax.tree.map(lambda x: jnp.broadcast_to(x[target], (num_byzantine, *x.shape[1:])), honest)
@@ -226,6 +311,24 @@ def min_max(
     honest update than the honest updates are from each other:
     max_i ||m - h_i|| <= max_{i,j} ||h_i - h_j||. gamma by bisection
     (``steps`` halvings, the paper's Algorithm 1).
+
+    Args:
+      key: jax.random key (unused: the attack is deterministic).
+      honest: stacked tree of the h honest updates.
+      num_byzantine: f, the number of malicious updates to return.
+      gamma_max: the largest gamma tried.
+      perturbation: ``"std"``, ``"unit"`` or ``"sign"``.
+      steps: the bisection steps.
+
+    Returns:
+      Stacked tree of ``num_byzantine`` updates, shaped and typed like ``honest``'s rows.
+
+    Raises:
+      ValueError: for an unknown ``perturbation``.
+
+    References:
+      Shejwalkar and Houmansadr, "Manipulating the Byzantine: Optimizing Model Poisoning Attacks
+      and Defenses for Federated Learning", NDSS 2021.
     """
     del key
     return _min_max_sum(honest, num_byzantine, gamma_max, perturbation, steps, use_sum=False)
@@ -240,8 +343,28 @@ def min_sum(
     perturbation: str = "std",
     steps: int = 40,
 ) -> PyTree:
-    """Min-sum (Shejwalkar and Houmansadr 2021): as :func:`min_max`, but the constraint is on sums of
-    squared distances: sum_i ||m - h_i||^2 <= max_j sum_i ||h_j - h_i||^2."""
+    """Min-sum (Shejwalkar and Houmansadr 2021): as :func:`min_max`, with a constraint on sums.
+
+    The constraint is on sums of squared distances:
+    sum_i ||m - h_i||^2 <= max_j sum_i ||h_j - h_i||^2.
+
+    Args:
+      key: jax.random key (unused: the attack is deterministic).
+      honest: stacked tree of the h honest updates.
+      num_byzantine: f, the number of malicious updates to return.
+      gamma_max: the largest gamma tried.
+      perturbation: ``"std"``, ``"unit"`` or ``"sign"``.
+      steps: the bisection steps.
+
+    Returns:
+      Stacked tree of ``num_byzantine`` updates, shaped and typed like ``honest``'s rows.
+
+    Raises:
+      ValueError: for an unknown ``perturbation``.
+
+    References:
+      Shejwalkar and Houmansadr, "Manipulating the Byzantine", NDSS 2021.
+    """
     del key
     return _min_max_sum(honest, num_byzantine, gamma_max, perturbation, steps, use_sum=True)
 
@@ -257,6 +380,18 @@ def fltrust_aware(key: jax.Array, honest: PyTree, num_byzantine: int, cosine: fl
     unit inverse-std direction (-sigma) made orthogonal to mu. Its cosine to mu
     is exactly ``cosine`` > 0 (so FLTrust trusts it) and its norm the honest
     mean's (the trusted norm, as far as the attacker can tell).
+
+    Args:
+      key: jax.random key (unused: the attack is deterministic).
+      honest: stacked tree of the h honest updates.
+      num_byzantine: f, the number of malicious updates to return.
+      cosine: the cosine to the honest mean, in (0, 1].
+
+    Returns:
+      Stacked tree of ``num_byzantine`` updates, shaped and typed like ``honest``'s rows.
+
+    Raises:
+      ValueError: for ``cosine`` outside (0, 1].
     """
     del key
     if not 0.0 < cosine <= 1.0:
@@ -280,6 +415,13 @@ def label_flip(task: Any, batch: PyTree) -> PyTree:
     it never replaces a submitted update. A plug-in's data attack has this signature, with
     its options as keyword parameters after ``batch``; it must be jittable and return a
     batch of the same structure, shapes and dtypes.
+
+    Args:
+      task: the task (its ``flip_labels``).
+      batch: a training batch.
+
+    Returns:
+      The batch with flipped labels.
     """
     return task.flip_labels(batch)
 
@@ -290,6 +432,11 @@ class DataAttack:
 
     The trainer takes it as a static argument of its jitted step: two bindings of one function
     with equal options are equal and hash alike, so each configuration compiles once.
+
+    Attributes:
+      name: the attack's registered name.
+      fn: its function, ``fn(task, batch, **options)``.
+      options: the options as sorted ``(name, value)`` pairs (lists as tuples, so they hash).
     """
 
     name: str
@@ -297,6 +444,15 @@ class DataAttack:
     options: tuple[tuple[str, Any], ...] = ()
 
     def __call__(self, task: Any, batch: PyTree) -> PyTree:
+        """Poison one batch: ``fn(task, batch, **options)``.
+
+        Args:
+          task: the task.
+          batch: a training batch of the poisoned nodes.
+
+        Returns:
+          A batch of the same structure, shapes and dtypes.
+        """
         return self.fn(task, batch, **dict(self.options))
 
 
@@ -308,8 +464,17 @@ def _frozen(value: Any) -> Any:
 def data_attack(name: str, options: Mapping[str, Any] | None = None) -> DataAttack:
     """The data attack ``name`` bound to ``options`` (checked against its declared options).
 
-    Raises a RegistryError for unknown names and options, a ValueError for an update attack
-    or for options that do not hash (numbers, strings, booleans and lists of them do).
+    Args:
+      name: a data attack's name in :data:`ATTACKS`.
+      options: its keyword options (default: none).
+
+    Returns:
+      The bound attack.
+
+    Raises:
+      RegistryError: for unknown names and options.
+      ValueError: for an update attack or for options that do not hash (numbers, strings,
+        booleans and lists of them do).
     """
     spec = ATTACKS[name]
     if spec.kind != "data":
@@ -328,13 +493,29 @@ def data_attack(name: str, options: Mapping[str, Any] | None = None) -> DataAtta
 
 
 def attack_options(spec: Spec) -> list[str]:
-    """An attack's keyword options: its parameters less those the caller passes (:data:`PASSED`)."""
+    """An attack's keyword options: its parameters less those the caller passes (:data:`PASSED`).
+
+    Args:
+      spec: an entry of :data:`ATTACKS`.
+
+    Returns:
+      The option names, in signature order.
+    """
     passed = PASSED.get(spec.kind, ())
     return [k for k in spec.params if k not in passed]
 
 
 def check_options(name: str, options: Mapping[str, Any]) -> None:
-    """A RegistryError naming the options that ``name`` does not take, and the valid ones."""
+    """Check that the attack ``name`` takes every one of ``options``.
+
+    Args:
+      name: an attack's name in :data:`ATTACKS`.
+      options: keyword options.
+
+    Raises:
+      RegistryError: naming the options that ``name`` does not take, and the valid ones (also
+        for an unknown name).
+    """
     spec = ATTACKS[name]
     unknown = sorted(set(options) - set(attack_options(spec)))
     if unknown and not spec.takes_any_option:
@@ -344,7 +525,18 @@ def check_options(name: str, options: Mapping[str, Any]) -> None:
 
 
 def get_attack(name: str) -> Attack:
-    """The function of the update attack ``name`` (a ValueError for unknown names and data attacks)."""
+    """The function of the update attack ``name``.
+
+    Args:
+      name: an update attack's name in :data:`ATTACKS`.
+
+    Returns:
+      The attack function.
+
+    Raises:
+      RegistryError: for an unknown name.
+      ValueError: for a data attack.
+    """
     spec = ATTACKS[name]
     if spec.kind != "update":
         raise ValueError(
@@ -376,8 +568,13 @@ def apply_attack(
       params: current global params; attacks act on updates x_i - params
         (on the raw rows when None).
       **kwargs: forwarded to the attack (``num_nodes`` is filled in for attacks that take it).
+
     Returns:
       stacked tree with the Byzantine rows replaced by ``params + attack(...)``.
+
+    Raises:
+      ValueError: when every node is Byzantine (attacks are functions of honest updates), or
+        for a data attack's name.
     """
     fn = get_attack(attack) if isinstance(attack, str) else attack
     mask = np.asarray(byzantine_mask, bool)

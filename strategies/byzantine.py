@@ -46,8 +46,15 @@ class Byzantine:
       kwargs: keyword arguments of the attack (``scale``, ``std``, ``epsilon``, ``z``, ...;
         a data attack's options).
 
-    ``data_attack`` (derived): the data attack the poisoned nodes train under, bound to its
-    options once (:func:`strategies.attacks.data_attack`), or None.
+    Attributes:
+      data_attack: (derived) the data attack the poisoned nodes train under, bound to its
+        options once (:func:`strategies.attacks.data_attack`), or None.
+
+    Raises:
+      TypeError: when ``mask`` is not a 1-D numpy bool array.
+      ValueError: for an unknown attack name, a model attack with no honest node, or (from
+        :func:`strategies.attacks.data_attack`) options that do not hash.
+      consensus.specs.RegistryError: for options the data attack does not take.
     """
 
     mask: np.ndarray
@@ -80,6 +87,7 @@ class Byzantine:
 
     @property
     def num_byzantine(self) -> int:
+        """The number of Byzantine nodes."""
         return int(self.mask.sum())
 
     @property
@@ -101,14 +109,34 @@ class Byzantine:
 
 
 def honest(num_nodes: int) -> Byzantine:
-    """No Byzantine node."""
+    """No Byzantine node.
+
+    Args:
+      num_nodes: n.
+
+    Returns:
+      A configuration with an all-False mask.
+    """
     return Byzantine(np.zeros((num_nodes,), bool))
 
 
 def last_nodes(
     num_nodes: int, num_byzantine: int, attack: str | Callable = LABEL_FLIP, **kwargs: Any
 ) -> Byzantine:
-    """The last ``num_byzantine`` nodes are Byzantine (a common convention; masks are positional)."""
+    """The last ``num_byzantine`` nodes are Byzantine (a common convention; masks are positional).
+
+    Args:
+      num_nodes: n.
+      num_byzantine: f, with 0 <= f <= n.
+      attack: the attack (see :class:`Byzantine`).
+      **kwargs: the attack's keyword arguments.
+
+    Returns:
+      The configuration.
+
+    Raises:
+      ValueError: for f outside [0, n] (and as :class:`Byzantine` for the attack).
+    """
     if not 0 <= num_byzantine <= num_nodes:
         raise ValueError(f"need 0 <= num_byzantine <= num_nodes, got {num_byzantine} of {num_nodes}")
     mask = np.zeros((num_nodes,), bool)
@@ -125,8 +153,12 @@ def submit(byz: Byzantine, key: jax.Array, stacked: PyTree, anchor: PyTree | Non
       stacked: trained stacked params (n rows).
       anchor: the last consensus; attacks act on the updates ``x_i - anchor``
         (on raw params when None).
+
     Returns:
       The stacked params, unchanged for label flipping or with no Byzantine node.
+
+    Raises:
+      ValueError: when the mask's length is not the number of stacked nodes.
     """
     n = int(jax.tree_util.tree_leaves(stacked)[0].shape[0])
     if byz.mask.shape != (n,):
@@ -165,16 +197,25 @@ def byzantine_fit(
     """Train honest and Byzantine nodes together, then form what each node submits.
 
     Args:
-      trainer, state, data, steps: as :meth:`NodeTrainer.fit`.
+      trainer: the node trainer.
+      state: the nodes' training state (as :meth:`NodeTrainer.fit`).
+      data: the nodes' data (as :meth:`NodeTrainer.fit`).
+      steps: the local steps (as :meth:`NodeTrainer.fit`).
       byz: the Byzantine configuration (mask over all n nodes).
       key: PRNG key of the model attack.
       anchor: the last consensus (the reference of model attacks).
       **fit_kwargs: passed to :meth:`NodeTrainer.fit` (``schedule``,
         ``hyperparams``, ``proximal``, ``record``).
+
     Returns:
       ``(state, submitted, log)``: the trained state (Byzantine nodes keep
       training honestly-shaped params), the stacked params submitted to the
       coordinator, and the fit log.
+
+    Raises:
+      ValueError: when the mask's length is not the number of nodes in ``state``.
+      TypeError: when ``fit_kwargs`` carries a data attack (``flip_labels``, ``poisoned``,
+        ``data_attack``): those come from ``byz``.
     """
     n = int(state.step.shape[0])
     if byz.mask.shape != (n,):

@@ -91,6 +91,7 @@ def tree_distance(params: PyTree, anchor: PyTree) -> Array:
     Args:
       params: a params tree.
       anchor: a tree of the same structure and shapes.
+
     Returns:
       A scalar array.
     """
@@ -131,8 +132,14 @@ def proximal_step(params: PyTree, anchor: PyTree, mu: Scalar, lr: Scalar) -> PyT
       anchor: the anchor tree (last consensus), same structure and shapes.
       mu: proximal strength, a scalar >= 0 (per node under ``vmap``).
       lr: the step size of the optimizer step that produced ``v``, scalar >= 0.
+
     Returns:
       The proximal point, a tree with the dtypes of ``params``.
+
+    Raises:
+      consensus.tree.TreeMismatchError: when ``params`` and ``anchor`` differ in structure or shapes.
+      TypeError: for a leaf that is not floating-point.
+      ValueError: for a concrete ``mu`` or ``lr`` that is negative, NaN, infinite or not a scalar.
 
     Example:
       >>> theta = proximal_step({"w": jnp.ones(3)}, {"w": jnp.zeros(3)}, mu=1.0, lr=1.0)
@@ -178,8 +185,14 @@ def project_l2_ball(params: PyTree, anchor: PyTree, radius: Scalar) -> PyTree:
       anchor: the ball's centre, same structure and shapes.
       radius: the radius ``r >= 0`` (``inf`` allowed: no constraint), scalar
         per node under ``vmap``.
+
     Returns:
       The projected tree, with the dtypes of ``params``.
+
+    Raises:
+      consensus.tree.TreeMismatchError: when ``params`` and ``anchor`` differ in structure or shapes.
+      TypeError: for a leaf that is not floating-point.
+      ValueError: for a concrete ``radius`` that is negative, NaN or not a scalar.
 
     Example:
       >>> p = project_l2_ball({"w": jnp.array([3.0, 4.0])}, {"w": jnp.zeros(2)}, 1.0)
@@ -253,12 +266,19 @@ def convex_constrained(
       Note: under ``jax_numpy_dtype_promotion="strict"`` (this repository's tests),
       optax 0.2.8's ``adam``/``adamw`` and ``MultiSteps`` do not trace (they mix
       int32 step counts with floats); ``sgd`` with or without momentum does.
+
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose update is
       ``update(grads, state, params, *, anchor=None, mu=None, radius=None,
       learning_rate=None, **extra)``; ``anchor`` is required whenever the prox or
       the projection is on, ``params`` always then. Other extra args go to
       ``inner``. Works under ``jit`` and ``vmap``.
+
+    Raises:
+      ValueError: for a negative or NaN ``mu``, ``radius`` or ``learning_rate`` (an infinite one
+        but ``radius``); and from
+        ``update``, when the prox or the projection is on and ``params`` or ``anchor`` is
+        missing, or the prox finds no learning rate (none given and none in the inner state).
 
     Example:
       >>> opt = convex_constrained(optax.sgd(0.5), mu=0.1, radius=1.0, learning_rate=0.5)
@@ -449,9 +469,15 @@ def loss_barrier(
       params_b: the tree at ``alpha = 1``, same structure.
       batch: the data passed to ``loss_fn`` unchanged (held-out data).
       num_points: number of alphas, ends included (>= 2; odd puts one at 0.5).
+
     Returns:
       A :class:`BarrierReport` with ``losses`` and ``gaps`` of shape (k,) and a
       scalar ``barrier``.
+
+    Raises:
+      ValueError: for ``num_points`` that is not an int >= 2.
+      consensus.tree.TreeMismatchError: when the two trees differ in structure or shapes.
+      TypeError: for a leaf that is not floating-point.
 
     Example:
       >>> def task_loss(p, batch): return jnp.sum((p["w"] ** 2 - batch) ** 2)
@@ -495,10 +521,17 @@ def anchor_barriers(
       anchor: one tree (the last consensus).
       batch: held-out data, passed unchanged.
       num_points: alphas per line, ends included.
+
     Returns:
       A :class:`BarrierReport` with ``losses``/``gaps`` of shape (n, k) and ``barrier`` of shape (n,).
 
-    References: as :func:`loss_barrier`.
+    Raises:
+      ValueError: for ``num_points`` that is not an int >= 2.
+      consensus.tree.TreeMismatchError: when ``stacked`` is not ``anchor`` with a node axis added.
+      TypeError: for a leaf that is not floating-point.
+
+    References:
+      As :func:`loss_barrier`.
     """
     _check_num_points(num_points, "anchor_barriers")
     ctree.check_stacked_against(stacked, anchor)
@@ -544,12 +577,17 @@ def pairwise_barriers(
       stacked: n node trees stacked on a leading axis.
       batch: held-out data, passed unchanged.
       num_points: alphas per line, ends included.
+
     Returns:
       A :class:`BarrierReport` with ``losses``/``gaps`` of shape (n, n, k)
       (row i, column j is the line from node i to node j; the diagonal holds
       node i's own loss) and ``barrier`` of shape (n, n).
 
-    References: as :func:`loss_barrier`.
+    Raises:
+      ValueError: for ``num_points`` that is not an int >= 2, or a tree without leaves.
+
+    References:
+      As :func:`loss_barrier`.
     """
     _check_num_points(num_points, "pairwise_barriers")
     ctree.num_nodes(stacked)

@@ -44,7 +44,18 @@ TASK_METHODS = ("init", "apply", "loss", "metrics", "logical_axes", "flip_labels
 
 
 def check_task(obj: Any, origin: str) -> Task:
-    """Raise a TypeError naming what ``obj`` lacks of the :class:`~strategies.tasks.base.Task` protocol."""
+    """Check that ``obj`` follows the :class:`~strategies.tasks.base.Task` protocol.
+
+    Args:
+      obj: the candidate task.
+      origin: how the error names it (e.g. ``"task 'digits'"``).
+
+    Returns:
+      ``obj`` itself.
+
+    Raises:
+      NotATaskError: (a TypeError) naming what ``obj`` lacks of the protocol.
+    """
     missing = [m for m in TASK_METHODS if not callable(getattr(obj, m, None))]
     if not isinstance(getattr(obj, "name", None), str):
         missing.insert(0, "name (a str attribute)")
@@ -57,7 +68,20 @@ def check_task(obj: Any, origin: str) -> Task:
 
 
 def build_task(name: str, options: Mapping[str, Any] | None = None) -> Task:
-    """The declared task ``name`` built with ``options`` (a RegistryError names unknown ones)."""
+    """The declared task ``name`` built with ``options``.
+
+    Args:
+      name: a name in :data:`TASKS`.
+      options: keyword arguments of its factory (default: none).
+
+    Returns:
+      The task.
+
+    Raises:
+      RegistryError: for an unknown name or options the factory does not take.
+      ValueError: for a bad option value (the factory's own error, a TaskError included).
+      TaskError: when the factory fails otherwise (a plug-in's code, a data file it reads).
+    """
     spec = TASKS[name]
     options = dict(options or {})
     unknown = sorted(set(options) - set(spec.params))
@@ -76,6 +100,19 @@ def resolve_task(name: str, options: Mapping[str, Any] | None = None) -> Task:
 
     The import path may name a factory (called with ``**options``) or a ready Task object; the
     current directory is importable, as with ``python -m``.
+
+    Args:
+      name: a declared name, or ``"package.module:attribute"``.
+      options: keyword arguments of the factory (default: none).
+
+    Returns:
+      The task, checked against the protocol (:func:`check_task`).
+
+    Raises:
+      RegistryError: for an unknown name, a module that cannot be imported, a missing
+        attribute, options the factory does not take, or options given to a ready object.
+      TaskError: when the user's module or factory fails.
+      NotATaskError: when the result is not a Task.
     """
     options = dict(options or {})
     if ":" not in name:

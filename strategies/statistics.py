@@ -52,9 +52,19 @@ def mlp_layer_inputs(params: PyTree, inputs: Array) -> dict[str, Array]:
 
     The architecture of :class:`strategies.tasks.digits.MLP` (and the
     Fashion-MNIST MLP): ``x_{i+1} = relu(x_i W_i + b_i)``, no activation after
-    the last layer. Returns {leaf path of dense_i's kernel: (B, d_in) x_i}.
-    Tasks with other models pass their own ``layer_inputs`` to
+    the last layer. Tasks with other models pass their own ``layer_inputs`` to
     :func:`node_statistics`.
+
+    Args:
+      params: the MLP's parameters, keys ``dense_0`` ... ``dense_(L-1)`` only.
+      inputs: (B, d) inputs of the first layer.
+
+    Returns:
+      {leaf path of dense_i's kernel: (B, d_in) x_i}, float32.
+
+    Raises:
+      TypeError: when ``params`` is not a dict.
+      ValueError: when its keys are not exactly ``dense_0`` ... ``dense_(L-1)``.
     """
     if not isinstance(params, Mapping):
         raise TypeError(
@@ -129,6 +139,10 @@ def node_statistics(
 
     Returns:
       :class:`NodeStatistics`; the Gram keys are checked against the params' leaf paths.
+
+    Raises:
+      ValueError: for a batch without ``"x"`` or without an example, ``chunk_size < 1``, or
+        Gram keys that are not leaf paths of ``params``.
     """
     if "x" not in batch:
         raise ValueError(f"node_statistics: batch needs an 'x' entry, got keys {sorted(batch)}")
