@@ -76,13 +76,20 @@ def _require_some(rule: str, precondition: Precondition, valid: jax.Array, n: in
     traits={"uniform_mean": True},
 )
 def mean() -> Aggregator:
-    """Uniform mean of the valid nodes (FedAvg with equal weights).
+    r"""Uniform mean of the valid nodes (FedAvg with equal weights).
 
-    .. math:: \\bar x = \\frac{1}{m} \\sum_{i \\in V} x_i
+    .. math:: \bar x = \frac{1}{m} \sum_{i \in V} x_i
 
     V is the set of valid nodes (allowed by ``mask`` and finite), m = |V|.
     Not robust: a single Byzantine node moves the output arbitrarily far.
-    Precondition: m >= 1.
+    Precondition: m >= 1. DP sensitivity: C / n (a uniform mean of updates clipped to C).
+    ``update`` also takes ``assume_finite=True`` to skip the finiteness check.
+
+    Returns:
+      An :class:`~consensus.base.Aggregator`; ``info.weights`` is 1/m on every valid node.
+
+    Raises:
+      ByzantineToleranceError: From ``update``, when no node is valid.
 
     Example:
       >>> from consensus import stack
@@ -119,13 +126,29 @@ def mean() -> Aggregator:
     reads_views=True,
 )
 def weighted_mean(weights: jax.Array | np.ndarray | None = None) -> Aggregator:
-    """Weighted mean with non-negative node weights, renormalized over the valid nodes.
+    r"""Weighted mean with non-negative node weights, renormalized over the valid nodes.
 
-    .. math:: \\bar x = \\sum_{i \\in V} \\frac{\\alpha_i}{\\sum_{j \\in V} \\alpha_j} x_i
+    .. math:: \bar x = \sum_{i \in V} \frac{\alpha_i}{\sum_{j \in V} \alpha_j} x_i
 
     The weights (for example local dataset sizes, McMahan et al. 2017) are given
     here or per call as ``update(..., weights=alpha)``; per-call weights win.
     Not robust. Precondition: some valid node has a positive weight.
+    DP sensitivity: C * max_i w_i (fixed weights).
+
+    Args:
+      weights: (n,) non-negative node weights alpha, or None to require them per call.
+
+    Returns:
+      An :class:`~consensus.base.Aggregator`; ``info.weights`` are the renormalized weights.
+
+    Raises:
+      ValueError: From ``update``, when no weights are given (here or per call), their shape
+        is not (n,), or one is negative.
+      ByzantineToleranceError: From ``update``, when no valid node has a positive weight.
+
+    References:
+      McMahan, Moore, Ramage, Hampson and Agüera y Arcas 2017, AISTATS,
+      "Communication-Efficient Learning of Deep Networks from Decentralized Data".
     """
     fixed = None if weights is None else jnp.asarray(weights, jnp.float32)
 

@@ -1,5 +1,9 @@
-"""Bucketing (Karimireddy, He and Jaggi 2022, ICLR, "Byzantine-Robust Learning on Heterogeneous
-Datasets via Bucketing")."""
+"""Bucketing: average random buckets of nodes, then merge the bucket means with a robust rule.
+
+References:
+  Karimireddy, He and Jaggi 2022, ICLR, "Byzantine-Robust Learning on Heterogeneous
+  Datasets via Bucketing".
+"""
 
 from __future__ import annotations
 
@@ -28,7 +32,16 @@ DEFAULT_BUCKET_SIZE = 2
 
 
 def bucket_requirement(n: int, f: int, bucket_size: int) -> str | None:
-    """None when n nodes in buckets of ``bucket_size`` leave a majority of buckets free of Byzantine nodes."""
+    """Check that n nodes in buckets of ``bucket_size`` leave a majority of buckets free of Byzantine nodes.
+
+    Args:
+      n: The number of nodes.
+      f: The number of Byzantine nodes.
+      bucket_size: s, the nodes per bucket.
+
+    Returns:
+      None when ceil(n / s) > 2f, else the requirement in words (for the error message).
+    """
     buckets = math.ceil(n / bucket_size)
     if buckets > 2 * f:
         return None
@@ -40,16 +53,37 @@ def bucket_requirement(n: int, f: int, bucket_size: int) -> str | None:
 
 
 def bucketing_precondition(n: int, f: int) -> str | None:
-    """The declared precondition: buckets of the default size, a majority of them free of Byzantine nodes."""
+    """Return the declared precondition: buckets of the default size, most free of Byzantine nodes.
+
+    Args:
+      n: The number of nodes.
+      f: The number of Byzantine nodes.
+
+    Returns:
+      None when it holds, else the requirement in words.
+    """
     return bucket_requirement(n, f, DEFAULT_BUCKET_SIZE)
 
 
 def inner_rule(inner: str | Aggregator, f: int) -> tuple[Spec | None, Aggregator]:
-    """The inner rule's declaration (None for a hand-built Aggregator) and the rule itself.
+    """Resolve bucketing's inner rule: its declaration and the rule itself.
 
     A name is looked up in :data:`consensus.specs.RULES` and built with bucketing's f (when
     the rule takes one); a built rule is used as it is, with its declaration. A declared inner
     rule must be a plain n -> 1 rule: bucketing consumes the key and hands the rule nothing else.
+
+    Args:
+      inner: A registered rule name or a built :class:`~consensus.base.Aggregator`.
+      f: Bucketing's number of Byzantine nodes.
+
+    Returns:
+      ``(spec, aggregator)``; ``spec`` is None for a hand-built Aggregator.
+
+    Raises:
+      TypeError: If ``inner`` is neither a name nor an Aggregator.
+      RegistryError: If the name is not registered.
+      ValueError: If the declared rule is not a plain n -> 1 rule (a pre-aggregator, or one
+        that needs extra inputs).
     """
     if isinstance(inner, str):
         spec: Spec | None = RULES[inner]
@@ -67,9 +101,17 @@ def inner_rule(inner: str | Aggregator, f: int) -> tuple[Spec | None, Aggregator
 
 
 def bucket_matrix(key: jax.Array, valid: jax.Array, bucket_size: int) -> jax.Array:
-    """(B, n) averaging matrix: a keyed random permutation cut into B = ceil(n / s) consecutive buckets.
+    """Return the (B, n) averaging matrix: a keyed random permutation cut into B = ceil(n / s) buckets.
 
     Row b averages the valid nodes of bucket b (all zero when it has none).
+
+    Args:
+      key: A jax.random key for the permutation.
+      valid: (n,) bool, the valid nodes.
+      bucket_size: s, the nodes per bucket.
+
+    Returns:
+      (B, n) float32 matrix whose non-empty rows sum to 1.
     """
     n = valid.shape[0]
     buckets = math.ceil(n / bucket_size)
@@ -118,6 +160,26 @@ def bucketing(
     Otherwise one finiteness pass, one pass writing the B bucket means, and
     the inner rule on B / n of the stack. An empty bucket (every member
     invalid) is dropped, not averaged to zero. DP sensitivity: the inner rule's.
+
+    Args:
+      num_byzantine: f, the number of Byzantine nodes (up to f buckets can be spoiled).
+      bucket_size: s, the nodes per bucket (default 2).
+      inner: The rule that merges the bucket means: a registered rule name (built with
+        bucketing's f) or a built Aggregator (default ``"geometric_median"``).
+
+    Returns:
+      An :class:`~consensus.base.Aggregator` whose ``update`` needs ``key=``.
+
+    Raises:
+      ValueError: If ``num_byzantine`` or ``bucket_size`` is not a valid int, or ``inner`` is not
+        a plain n -> 1 rule; from ``update``, when no ``key`` is given.
+      TypeError: If ``inner`` is neither a name nor an Aggregator.
+      ByzantineToleranceError: From ``update``, when ceil(n / s) > 2f or the inner rule's
+        precondition on the B buckets fails.
+
+    References:
+      Karimireddy, He and Jaggi 2022, ICLR, "Byzantine-Robust Learning on Heterogeneous
+      Datasets via Bucketing".
     """
     f = check_f("bucketing", num_byzantine)
     if not isinstance(bucket_size, int) or bucket_size < 1:

@@ -22,21 +22,52 @@ from consensus.base import AggregationInfo, Aggregator, PreAggregator, empty_inf
 
 
 def reads_views(agg: Aggregator | PreAggregator) -> bool:
-    """The rule declared that its update reads a lazy view (``spec.reads_views``); hand-built ones do not."""
+    """Tell whether the rule declared that its update reads a lazy view (``spec.reads_views``).
+
+    Args:
+      agg: A rule or pre-aggregator.
+
+    Returns:
+      True when its declaration says so; False for hand-built ones (no spec).
+    """
     return agg.spec is not None and agg.spec.reads_views
 
 
 def reads_dropped(agg: Aggregator | PreAggregator) -> bool:
-    """The rule declared that its update reads DARE's lazy rows (``spec.reads_dropped``)."""
+    """Tell whether the rule declared that its update reads DARE's lazy rows (``spec.reads_dropped``).
+
+    Args:
+      agg: A rule or pre-aggregator.
+
+    Returns:
+      True when its declaration says so; False for hand-built ones (no spec).
+    """
     return agg.spec is not None and agg.spec.reads_dropped
 
 
 def view_centre(p: PreAggregator) -> str:
-    """Where a pre-aggregator without params centres its view, as declared; ``"median"`` when hand-built."""
+    """Return where a pre-aggregator without params centres its view, as declared.
+
+    Args:
+      p: A pre-aggregator.
+
+    Returns:
+      Its ``spec.centre`` (``"zero"``, ``"none"`` or ``"median"``); ``"median"`` when hand-built.
+    """
     return "median" if p.spec is None else p.spec.centre
 
 
 class ProcessState(NamedTuple):
+    """The state of a :func:`process` pipeline.
+
+    Attributes:
+      pre: The pre-aggregators' states, in pipeline order.
+      aggregator: The rule's state.
+      post: The server optimizer's state (None without ``post``).
+      info: The pipeline's :class:`~consensus.base.AggregationInfo`, with ``weights`` pulled
+        back to the original nodes.
+    """
+
     pre: tuple
     aggregator: Any
     post: Any
@@ -63,6 +94,25 @@ def process(
     ``state.info.weights`` is pulled back through the pre-aggregators, so it is
     each *original* node's weight in the merged tree. With ``post`` the update
     needs ``params``.
+
+    Args:
+      aggregator: The rule (n -> 1).
+      pre: Pre-aggregators (n -> n) applied first, in order.
+      post: A server optimizer (an optax transform) applied to the pseudo-gradient
+        ``params - merged``, or None for the merged tree itself.
+
+    Returns:
+      An :class:`~consensus.base.Aggregator` with a :class:`ProcessState`. Its DP sensitivity
+      is the rule's when there is neither ``pre`` nor ``post``, else None (not worked out).
+
+    Raises:
+      TypeError: If ``pre`` holds something other than PreAggregators, or ``aggregator`` is
+        not an Aggregator.
+      ValueError: From ``update``, when ``post`` is given and ``params`` is None.
+
+    References:
+      Reddi, Charles, Zaheer, Garrett, Rush, Konečný, Kumar and McMahan 2021, ICLR,
+      "Adaptive Federated Optimization" (the server optimizer).
     """
     pre = tuple(pre)
     for p in pre:
@@ -122,7 +172,24 @@ def process(
 
 
 def chain(*stages: PreAggregator | Aggregator) -> Aggregator:
-    """``chain(pre_1, ..., pre_k, aggregator)`` = ``process(aggregator, pre=(pre_1, ..., pre_k))``."""
+    """Chain pre-aggregators and a rule: ``process(aggregator, pre=(pre_1, ..., pre_k))``.
+
+    Args:
+      *stages: ``pre_1, ..., pre_k, aggregator``: pre-aggregators first, the rule last.
+
+    Returns:
+      The pipeline, as :func:`process` builds it.
+
+    Raises:
+      TypeError: If the last stage is not an Aggregator or an earlier one is not a
+        PreAggregator.
+
+    Example:
+      >>> import consensus
+      >>> agg = consensus.chain(consensus.nnm(1), consensus.krum(1))
+      >>> agg.name
+      'nnm+krum'
+    """
     if not stages or not isinstance(stages[-1], Aggregator):
         raise TypeError("chain: the last stage must be an Aggregator (pre-aggregators come first)")
     # process checks that each earlier stage is a PreAggregator (TypeError otherwise).

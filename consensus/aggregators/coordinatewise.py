@@ -31,7 +31,7 @@ from kernels import sorting
 
 
 def optimistic_pass(kernel, stacked, mask, n: int, **kwargs):
-    """One pass in the common case: run the rule on every allowed node, then check the result.
+    """Run a coordinate-wise rule in one pass on every allowed node, then check the result.
 
     With ``poison`` the kernels turn any NaN/Inf of a kept row into NaN at that
     coordinate of the output, so a finite output proves every allowed node was
@@ -45,6 +45,16 @@ def optimistic_pass(kernel, stacked, mask, n: int, **kwargs):
     back to the finiteness pass and the traced-count kernel only when it is
     not finite. With a traced mask, a first ``lax.cond`` on "every node allowed"
     chooses between the two.
+
+    Args:
+      kernel: A coordinate-wise kernel of :mod:`kernels.sorting`.
+      stacked: The stacked tree (or a lazy view).
+      mask: Optional (n,) bool vector of the nodes allowed to take part.
+      n: The number of nodes.
+      **kwargs: Passed on to the kernel (e.g. ``f``).
+
+    Returns:
+      ``(merged, valid)``, or None when the one-pass route does not apply.
     """
     if views.is_view(stacked) and (stacked.valid is not None or stacked.mixing is not None):
         return None
@@ -70,7 +80,16 @@ def optimistic_pass(kernel, stacked, mask, n: int, **kwargs):
 
 
 def keep_args(valid: jax.Array, n: int):
-    """(keep, m) for the kernels: no mask at all when every node is valid."""
+    """Return ``(keep, m)`` for the kernels: no mask at all when every node is valid.
+
+    Args:
+      valid: (n,) bool, the valid nodes.
+      n: The number of nodes.
+
+    Returns:
+      ``(None, None)`` when all n are valid (statically), else ``(valid, m)`` with m the static
+      count (None when traced).
+    """
     m = static_count(valid)
     if m == n:
         return None, None
@@ -79,14 +98,25 @@ def keep_args(valid: jax.Array, n: int):
 
 @RULES.declare(kind="coordinatewise", precondition=at_least(1), elementwise=True, reads_views=True)
 def median() -> Aggregator:
-    """Coordinate-wise median (Yin et al. 2018, "Byzantine-Robust Distributed Learning").
+    r"""Coordinate-wise median (Yin et al. 2018, "Byzantine-Robust Distributed Learning").
 
-    .. math:: y_k = \\mathrm{median}\\{x_{i,k} : i \\in V\\}
+    .. math:: y_k = \mathrm{median}\{x_{i,k} : i \in V\}
 
     With an even number m of valid nodes, the mean of the two middle values.
     Tolerates f < m/2 Byzantine nodes per coordinate (breakdown point 1/2).
     Precondition: m >= 1. ``info.linear`` is False; ``info.weights`` is the
-    uniform share over valid nodes.
+    uniform share over valid nodes. ``update`` also takes ``assume_finite=True`` to skip the
+    finiteness check.
+
+    Returns:
+      An :class:`~consensus.base.Aggregator`.
+
+    Raises:
+      ByzantineToleranceError: From ``update``, when no node is valid.
+
+    References:
+      Yin, Chen, Ramchandran and Bartlett 2018, ICML, "Byzantine-Robust Distributed
+      Learning: Towards Optimal Statistical Rates".
     """
 
     def update(stacked, state, params=None, *, mask=None, assume_finite=False, **extra):
@@ -109,12 +139,27 @@ def median() -> Aggregator:
     kind="coordinatewise", takes_f=True, precondition=honest_majority, elementwise=True, reads_views=True
 )
 def trimmed_mean(num_byzantine: int) -> Aggregator:
-    """Coordinate-wise trimmed mean (Yin et al. 2018), f removed from *each* side.
+    r"""Coordinate-wise trimmed mean (Yin et al. 2018), f removed from *each* side.
 
-    .. math:: y_k = \\frac{1}{m - 2f} \\sum_{r=f}^{m-f-1} x_{(r),k}
+    .. math:: y_k = \frac{1}{m - 2f} \sum_{r=f}^{m-f-1} x_{(r),k}
 
-    where x_(r),k is the r-th smallest of the m valid values at coordinate k.
+    where x_(r),k is the r-th smallest of the m valid values at coordinate k: f values
+    are trimmed per side (2f in all), m - 2f kept.
     Precondition: m > 2f (ValueError otherwise; NaN output under an outer jit).
+
+    Args:
+      num_byzantine: f, the number of values removed from each side at every coordinate.
+
+    Returns:
+      An :class:`~consensus.base.Aggregator`; ``info.linear`` is False.
+
+    Raises:
+      ValueError: If ``num_byzantine`` is not a non-negative int.
+      ByzantineToleranceError: From ``update``, when m > 2f does not hold (a ValueError).
+
+    References:
+      Yin, Chen, Ramchandran and Bartlett 2018, ICML, "Byzantine-Robust Distributed
+      Learning: Towards Optimal Statistical Rates".
     """
     f = check_f("trimmed_mean", num_byzantine)
 

@@ -1,5 +1,9 @@
-"""Divide-and-conquer (DnC, Shejwalkar and Houmansadr 2021, NDSS, "Manipulating the Byzantine:
-Optimizing Model Poisoning Attacks and Defenses for Federated Learning")."""
+"""Divide-and-conquer (DnC): drop the nodes that project most on the top singular direction.
+
+References:
+  Shejwalkar and Houmansadr 2021, NDSS, "Manipulating the Byzantine: Optimizing Model
+  Poisoning Attacks and Defenses for Federated Learning".
+"""
 
 from __future__ import annotations
 
@@ -31,11 +35,19 @@ from kernels.gram import HIGHEST
 
 
 def dnc_outliers(cols: jax.Array, valid: jax.Array, num_removed: int) -> jax.Array:
-    """(n,) bool: the ``num_removed`` valid rows of ``cols`` with the largest DnC outlier scores.
+    """Flag the ``num_removed`` valid rows of ``cols`` with the largest DnC outlier scores.
 
     Scores s_i = <c_i - mu, v>^2 with mu the mean of the valid rows and v the
     top right singular vector of the centred valid rows; computed in n x n
     space as lambda u_i^2 from the top eigenpair (lambda, u) of their Gram matrix.
+
+    Args:
+      cols: (n, d) the subsampled coordinates of each node.
+      valid: (n,) bool, the valid nodes.
+      num_removed: How many nodes to flag.
+
+    Returns:
+      (n,) bool, the flagged nodes.
     """
     m = jnp.sum(valid.astype(jnp.float32))
     cols = jnp.where(valid[:, None], cols, 0.0)
@@ -68,6 +80,23 @@ def dnc(
     Cost: one norm pass (validity), a gather of the subsampled coordinates and
     one weighted-sum pass. DP sensitivity: as a selection followed by a
     uniform mean, 2C (output in the C-ball around the last consensus).
+
+    Args:
+      num_byzantine: f, the number of Byzantine nodes.
+      subsample_dim: The number of coordinates drawn per iteration.
+      num_iters: The number of iterations (fresh coordinates each).
+      filter_frac: floor(filter_frac * f) nodes are flagged per iteration.
+
+    Returns:
+      An :class:`~consensus.base.Aggregator` whose ``update`` needs ``key=``.
+
+    Raises:
+      ValueError: If an argument is out of range; from ``update``, when no ``key`` is given.
+      ByzantineToleranceError: From ``update``, when m > 2f does not hold.
+
+    References:
+      Shejwalkar and Houmansadr 2021, NDSS, "Manipulating the Byzantine: Optimizing Model
+      Poisoning Attacks and Defenses for Federated Learning".
     """
     f = check_f("dnc", num_byzantine)
     if not isinstance(subsample_dim, int) or subsample_dim < 1:

@@ -47,7 +47,16 @@ def _centred_gram(g: jax.Array, w: jax.Array) -> jax.Array:
 
 @kernel_jit
 def caf_weights(g: jax.Array, valid: jax.Array, f: int | jax.Array) -> tuple[jax.Array, jax.Array]:
-    """CAF's final weights (n,) and the smallest top eigenvalue seen, from the Gram matrix."""
+    """Compute CAF's final weights and the smallest top eigenvalue seen, from the Gram matrix.
+
+    Args:
+      g: (n, n) Gram matrix of the node deltas.
+      valid: (n,) bool, the valid nodes.
+      f: The number of Byzantine nodes.
+
+    Returns:
+      ``(weights, lam)``: (n,) weights summing to 1 and the scalar top eigenvalue at them.
+    """
     n = g.shape[0]
     c0 = valid.astype(jnp.float32)
     m = jnp.sum(c0)
@@ -82,8 +91,9 @@ def caf_weights(g: jax.Array, valid: jax.Array, f: int | jax.Array) -> tuple[jax
 
 @RULES.declare(kind="vector", takes_f=True, precondition=honest_majority, reads_views=True)
 def caf(num_byzantine: int) -> Aggregator:
-    """Covariance-bound agnostic filter (CAF; Allouah, Guerraoui and Stephan 2025, ICML, "Towards
-    Trustworthy Federated Learning with Untrusted Participants"; ByzFL's ``CAF``).
+    """Covariance-bound agnostic filter (CAF; Allouah et al. 2025): shrink the weights of outliers.
+
+    ByzFL's ``CAF``.
 
     Start from weights c_i = 1 on the m valid nodes. While sum_i c_i > m - 2f:
     take the weighted mean mu_c = sum c_i x_i / sum c_i, the top eigenpair
@@ -95,6 +105,20 @@ def caf(num_byzantine: int) -> Aggregator:
     still weighted (so every step removes at least one node and the loop ends
     after at most m steps). ``info.weights`` = c / sum c at the chosen step.
     Precondition: m > 2f. DP sensitivity: 2C (output in the C-ball).
+
+    Args:
+      num_byzantine: f; the loop runs while the total weight exceeds m - 2f.
+
+    Returns:
+      An :class:`~consensus.base.Aggregator`.
+
+    Raises:
+      ValueError: If ``num_byzantine`` is not a non-negative int.
+      ByzantineToleranceError: From ``update``, when m > 2f does not hold.
+
+    References:
+      Allouah, Guerraoui and Stephan 2025, ICML, "Towards Trustworthy Federated Learning
+      with Untrusted Participants".
     """
     f = check_f("caf", num_byzantine)
 
@@ -114,7 +138,15 @@ def caf(num_byzantine: int) -> Aggregator:
 
 
 def smea_drop_sets(n: int, f: int) -> np.ndarray:
-    """(C(n, f), n) bool: every set of f nodes to drop, in ``itertools.combinations`` order."""
+    """Enumerate every set of f nodes to drop, in ``itertools.combinations`` order.
+
+    Args:
+      n: The number of nodes.
+      f: The size of each dropped set.
+
+    Returns:
+      (C(n, f), n) bool array; row r marks the r-th set.
+    """
     sets = np.zeros((math.comb(n, f), n), bool)
     for row, drop in enumerate(itertools.combinations(range(n), f)):
         sets[row, list(drop)] = True
@@ -123,7 +155,16 @@ def smea_drop_sets(n: int, f: int) -> np.ndarray:
 
 @kernel_jit
 def smea_choice(g: jax.Array, valid: jax.Array, drops: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(kept nodes (n,) bool, top eigenvalue) of the size m - f subset with the smallest top eigenvalue."""
+    """Find the size m - f subset with the smallest top eigenvalue of its covariance.
+
+    Args:
+      g: (n, n) Gram matrix of the node deltas.
+      valid: (n,) bool, the valid nodes.
+      drops: (C(n, f), n) bool, the candidate dropped sets (:func:`smea_drop_sets`).
+
+    Returns:
+      ``(keep, lam)``: the kept nodes (n,) bool and their top eigenvalue.
+    """
     ok = ~jnp.any(drops & ~valid[None, :], axis=1)
     keep = valid[None, :] & ~drops
     k = jnp.maximum(jnp.sum(keep.astype(jnp.float32), axis=1), 1.0)
@@ -140,7 +181,15 @@ def smea_choice(g: jax.Array, valid: jax.Array, drops: jax.Array) -> tuple[jax.A
 
 
 def smea_precondition(n: int, f: int) -> str | None:
-    """SMEA's: an honest majority, and few enough subsets to enumerate."""
+    """Check SMEA's precondition: an honest majority, and few enough subsets to enumerate.
+
+    Args:
+      n: The number of valid nodes.
+      f: The number of Byzantine nodes.
+
+    Returns:
+      None when n > 2f and C(n, f) <= 20000, else the requirement in words.
+    """
     subsets = math.comb(n, f)
     return honest_majority(n, f) or need(
         subsets <= SMEA_MAX_SUBSETS, f"C(n, f) = {subsets} <= {SMEA_MAX_SUBSETS} subsets"
@@ -155,8 +204,7 @@ def smea_precondition(n: int, f: int) -> str | None:
     reads_views=True,
 )
 def smea(num_byzantine: int) -> Aggregator:
-    """Smallest maximum eigenvalue averaging (SMEA; Allouah, Guerraoui, Gupta, Pinot and Stephan
-    2023, ICML, "On the Privacy-Robustness-Utility Trilemma in Distributed Learning").
+    """Smallest maximum eigenvalue averaging (SMEA; Allouah et al. 2023): the least spread subset's mean.
 
     Over every subset S of m - f valid nodes, the top eigenvalue of the
     empirical covariance (1/|S|) sum_{i in S} (x_i - mu_S)(x_i - mu_S)^T; the
@@ -165,6 +213,20 @@ def smea(num_byzantine: int) -> Aggregator:
     enumeration: C(n, f) eigenvalue problems of size n x n on the Gram matrix.
     Precondition: m > 2f and C(n, f) <= 20000 (ValueError otherwise).
     DP sensitivity: 2C (output in the C-ball around the last consensus).
+
+    Args:
+      num_byzantine: f; subsets of m - f valid nodes are compared.
+
+    Returns:
+      An :class:`~consensus.base.Aggregator`.
+
+    Raises:
+      ValueError: If ``num_byzantine`` is not a non-negative int.
+      ByzantineToleranceError: From ``update``, when m > 2f or C(n, f) <= 20000 does not hold.
+
+    References:
+      Allouah, Guerraoui, Gupta, Pinot and Stephan 2023, ICML, "On the
+      Privacy-Robustness-Utility Trilemma in Distributed Learning".
     """
     f = check_f("smea", num_byzantine)
 

@@ -23,9 +23,9 @@ from kernels import weiszfeld
 
 @RULES.declare(kind="vector", precondition=at_least(1), reads_views=True)
 def geometric_median(max_iter: int = 100, eps: float = 1e-8, tol: float = 1e-6) -> Aggregator:
-    """Geometric median by smoothed Weiszfeld iterations in Gram space (RFA).
+    r"""Geometric median by smoothed Weiszfeld iterations in Gram space (RFA).
 
-    .. math:: z = \\arg\\min_z \\sum_{i \\in V} \\alpha_i \\lVert x_i - z \\rVert_2
+    .. math:: z = \arg\min_z \sum_{i \in V} \alpha_i \lVert x_i - z \rVert_2
 
     Pillutla, Kakade and Harchaoui 2022 ("Robust Aggregation for Federated
     Learning"): z = sum_i w_i x_i with w_i ∝ alpha_i / max(||x_i - z||, eps).
@@ -34,6 +34,21 @@ def geometric_median(max_iter: int = 100, eps: float = 1e-8, tol: float = 1e-6) 
     Node weights alpha default to uniform; give them per call as
     ``update(..., weights=alpha)``. Breakdown point 1/2: tolerates f < m/2.
     Precondition: m >= 1. ``info.weights`` are the final Weiszfeld weights.
+
+    Args:
+      max_iter: The largest number of Weiszfeld iterations.
+      eps: The smoothing floor on distances (avoids division by zero at a node).
+      tol: Convergence tolerance on the change of the iterate.
+
+    Returns:
+      An :class:`~consensus.base.Aggregator`.
+
+    Raises:
+      ByzantineToleranceError: From ``update``, when no node is valid.
+
+    References:
+      Pillutla, Kakade and Harchaoui 2022, IEEE Transactions on Signal Processing,
+      "Robust Aggregation for Federated Learning".
     """
 
     def update(stacked, state, params=None, *, mask=None, weights=None, **extra):
@@ -53,11 +68,11 @@ def geometric_median(max_iter: int = 100, eps: float = 1e-8, tol: float = 1e-6) 
 
 @RULES.declare(kind="vector", precondition=at_least(1), defaults={"clip_radius": 10.0}, reads_views=True)
 def centered_clipping(clip_radius: float, iterations: int = 1) -> Aggregator:
-    """Centered clipping (Karimireddy, He and Jaggi 2021, ICML, "Learning from History ...").
+    r"""Centered clipping (Karimireddy, He and Jaggi 2021): clip the nodes around the last consensus.
 
     .. math::
-        v_{l+1} = v_l + \\frac{1}{m} \\sum_{i \\in V} (x_i - v_l)
-                  \\min(1, \\tau / \\lVert x_i - v_l \\rVert)
+        v_{l+1} = v_l + \frac{1}{m} \sum_{i \in V} (x_i - v_l)
+                  \min(1, \tau / \lVert x_i - v_l \rVert)
 
     for ``iterations`` steps from v_0 = ``params`` (the previous consensus, so
     the previous aggregate *update* is taken as zero). With params=None, v_0 is
@@ -68,6 +83,21 @@ def centered_clipping(clip_radius: float, iterations: int = 1) -> Aggregator:
     the rest, 1 - sum(a), stays on v_0. Without params they are the weights w of
     v = sum_i w_i x_i (v_0's share folded into the medoid's weight; they sum to 1).
     Precondition: m >= 1, tau > 0.
+
+    Args:
+      clip_radius: tau > 0, the clipping radius around the current iterate.
+      iterations: The number of clipping steps (a positive int).
+
+    Returns:
+      An :class:`~consensus.base.Aggregator`.
+
+    Raises:
+      ValueError: If ``clip_radius`` is not > 0 or ``iterations`` not a positive int.
+      ByzantineToleranceError: From ``update``, when no node is valid.
+
+    References:
+      Karimireddy, He and Jaggi 2021, ICML, "Learning from History for Byzantine Robust
+      Optimization".
     """
     if not clip_radius > 0:
         raise ValueError(f"centered_clipping: clip_radius must be > 0, got {clip_radius}")

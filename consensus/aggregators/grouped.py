@@ -12,7 +12,13 @@ from consensus.base import AggregationInfo, Aggregator, empty_info, get_info
 
 
 class GroupedVoteState(NamedTuple):
-    """State of :func:`grouped_vote`: each group's rule state, the top rule's, the node-level info."""
+    """State of :func:`grouped_vote`.
+
+    Attributes:
+      groups: Each group's rule state, in block order.
+      top: The top rule's state.
+      info: The node-level :class:`~consensus.base.AggregationInfo`.
+    """
 
     groups: tuple
     top: Any
@@ -32,12 +38,16 @@ def grouped_vote(inner: Aggregator, top: Aggregator, groups: int) -> Aggregator:
     blocks.
 
     Args:
-      inner: the rule inside each block.
-      top: the rule over the block results.
-      groups: number of blocks; must divide n.
+      inner: The rule inside each block.
+      top: The rule over the block results.
+      groups: The number of blocks; must divide n.
 
     Returns:
-      An :class:`~consensus.base.Aggregator`.
+      An :class:`~consensus.base.Aggregator` with a :class:`GroupedVoteState`.
+
+    Raises:
+      ValueError: If ``groups`` is not a positive int; from ``update``, when it does not
+        divide n.
     """
     if not isinstance(groups, int) or groups < 1:
         raise ValueError(f"grouped_vote: groups must be a positive int, got {groups!r}")

@@ -21,7 +21,17 @@ from consensus.specs import RULES, need
 
 
 def iqm_precondition(n: int, f: int) -> str | None:
-    """At least one valid node, and f within the quarter that each side trims."""
+    """Check the interquartile mean's precondition: n >= max(1, 4f).
+
+    At least one valid node, and f within the quarter that each side trims.
+
+    Args:
+      n: The number of valid nodes.
+      f: The number of Byzantine nodes.
+
+    Returns:
+      None when it holds, else the requirement in words.
+    """
     return need(n >= max(1, 4 * f), f"n >= max(1, 4f) = {max(1, 4 * f)}")
 
 
@@ -42,9 +52,9 @@ def _iqm_leaf(x: jax.Array, valid: jax.Array) -> jax.Array:
 
 @RULES.declare(kind="coordinatewise", precondition=iqm_precondition, elementwise=True)
 def interquartile_mean() -> Aggregator:
-    """Interquartile mean: at every coordinate, the mean of the middle half of the valid values.
+    r"""Interquartile mean: at every coordinate, the mean of the middle half of the valid values.
 
-    .. math:: y_k = \\frac{1}{m - 2q} \\sum_{r=q}^{m-q-1} x_{(r),k}, \\quad q = \\lfloor m / 4 \\rfloor
+    .. math:: y_k = \frac{1}{m - 2q} \sum_{r=q}^{m-q-1} x_{(r),k}, \quad q = \lfloor m / 4 \rfloor
 
     where x_(r),k is the r-th smallest of the m valid values at coordinate k: a trimmed
     mean whose trim per side, q, follows the valid count instead of a given f. It
@@ -52,6 +62,12 @@ def interquartile_mean() -> Aggregator:
     against their f; the rule itself is not told f. Precondition at run time: m >= 1
     (ByzantineToleranceError eagerly; NaN output under an outer jit). ``info.linear`` is
     False; ``info.weights`` is the uniform share over the valid nodes.
+
+    Returns:
+      An :class:`~consensus.base.Aggregator`.
+
+    Raises:
+      ByzantineToleranceError: From ``update``, when no node is valid.
     """
 
     def update(stacked, state, params=None, *, mask=None, **extra):

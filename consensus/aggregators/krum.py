@@ -31,12 +31,30 @@ from kernels import sorting
 
 
 def krum_precondition(n: int, f: int) -> str | None:
-    """Krum's and Multi-Krum's (Blanchard et al. 2017): more than 2f + 2 valid nodes."""
+    """Check Krum's and Multi-Krum's precondition (Blanchard et al. 2017): n > 2f + 2.
+
+    Args:
+      n: The number of valid nodes.
+      f: The number of Byzantine nodes.
+
+    Returns:
+      None when it holds, else the requirement in words.
+    """
     return need(n > 2 * f + 2, f"n > 2f + 2 = {2 * f + 2}")
 
 
 def bulyan_precondition(n: int, f: int) -> str | None:
-    """Bulyan's: theta = m - 2f selected nodes leave beta = theta - 2f >= 3 values per coordinate."""
+    """Check Bulyan's precondition: n >= 4f + 3.
+
+    theta = m - 2f selected nodes leave beta = theta - 2f >= 3 values per coordinate.
+
+    Args:
+      n: The number of valid nodes.
+      f: The number of Byzantine nodes.
+
+    Returns:
+      None when it holds, else the requirement in words.
+    """
     return need(n >= 4 * f + 3, f"n >= 4f + 3 = {4 * f + 3}")
 
 
@@ -54,6 +72,21 @@ def krum(num_byzantine: int) -> Aggregator:
 
     Precondition: m > 2f + 2 valid nodes (ValueError naming n, f otherwise;
     NaN output under an outer jit).
+
+    Args:
+      num_byzantine: f, the number of Byzantine nodes; each score sums over the
+        k = m - f - 2 nearest neighbours.
+
+    Returns:
+      An :class:`~consensus.base.Aggregator`; ``info.selected`` is the winner (one-hot).
+
+    Raises:
+      ValueError: If ``num_byzantine`` is not a non-negative int.
+      ByzantineToleranceError: From ``update``, when m > 2f + 2 does not hold (a ValueError).
+
+    References:
+      Blanchard, El Mhamdi, Guerraoui and Stainer 2017, NeurIPS, "Machine Learning with
+      Adversaries: Byzantine Tolerant Gradient Descent".
     """
     f = check_f("krum", num_byzantine)
 
@@ -87,6 +120,23 @@ def multi_krum(num_byzantine: int, num_selected: int | None = None) -> Aggregato
     all valid nodes. ``num_selected`` defaults to m - f.
 
     Preconditions: m > 2f + 2 and 1 <= num_selected <= m - f.
+
+    Args:
+      num_byzantine: f, the number of Byzantine nodes (scores sum over the m - f - 2 nearest).
+      num_selected: How many best-scored nodes to average; None for m - f.
+
+    Returns:
+      An :class:`~consensus.base.Aggregator`; ``info.selected`` is the selection.
+
+    Raises:
+      ValueError: If ``num_byzantine`` is not a non-negative int or ``num_selected`` not a
+        positive int; from ``update`` under jit when ``num_selected`` is None.
+      ByzantineToleranceError: From ``update``, when m > 2f + 2 or num_selected <= m - f
+        does not hold.
+
+    References:
+      Blanchard, El Mhamdi, Guerraoui and Stainer 2017, NeurIPS, "Machine Learning with
+      Adversaries: Byzantine Tolerant Gradient Descent".
     """
     f = check_f("multi_krum", num_byzantine)
     if num_selected is not None and (not isinstance(num_selected, int) or num_selected < 1):
@@ -148,6 +198,20 @@ def bulyan(num_byzantine: int) -> Aggregator:
     stage is one sorting-network pass over the masked stack up to theta = 16
     rows and, above, an exact bisection selection over a gathered copy of the
     theta chosen rows (theta / n of the stack in extra memory).
+
+    Args:
+      num_byzantine: f, the number of Byzantine nodes.
+
+    Returns:
+      An :class:`~consensus.base.Aggregator`.
+
+    Raises:
+      ValueError: If ``num_byzantine`` is not a non-negative int.
+      ByzantineToleranceError: From ``update``, when m >= 4f + 3 does not hold (a ValueError).
+
+    References:
+      El Mhamdi, Guerraoui and Rouault 2018, ICML, "The Hidden Vulnerability of Distributed
+      Learning in Byzantium".
     """
     f = check_f("bulyan", num_byzantine)
 

@@ -1,5 +1,8 @@
-"""Meamed, the coordinate-wise mean around the median (Xie, Koyejo and Gupta 2018,
-"Generalized Byzantine-tolerant SGD")."""
+"""Meamed, the coordinate-wise mean around the median.
+
+References:
+  Xie, Koyejo and Gupta 2018, "Generalized Byzantine-tolerant SGD".
+"""
 
 from __future__ import annotations
 
@@ -27,9 +30,9 @@ from kernels.sorting import WINDOW_NETWORK_MAX
     kind="coordinatewise", takes_f=True, precondition=honest_majority, elementwise=True, reads_views=True
 )
 def meamed(num_byzantine: int) -> Aggregator:
-    """Mean around the median (Meamed, Xie et al. 2018), coordinate-wise.
+    r"""Mean around the median (Meamed, Xie et al. 2018), coordinate-wise.
 
-    .. math:: y_k = \\frac{1}{m - f} \\sum_{i \\in N_k} x_{i,k}
+    .. math:: y_k = \frac{1}{m - f} \sum_{i \in N_k} x_{i,k}
 
     where N_k holds the m - f valid values at coordinate k nearest to their
     median (ties: the window of sorted values whose farther end is nearest the
@@ -41,7 +44,20 @@ def meamed(num_byzantine: int) -> Aggregator:
     proves every node finite, as the median's); otherwise, or when a node is
     not finite, a finiteness pass first. Above 16 rows: exact selection.
     DP sensitivity: as the coordinate-wise rules, 2C (any output in the
-    C-ball around the last consensus).
+    C-ball around the last consensus). ``update`` also takes ``assume_finite=True``.
+
+    Args:
+      num_byzantine: f; the m - f values nearest the median are averaged (f dropped in all).
+
+    Returns:
+      An :class:`~consensus.base.Aggregator`; ``info.linear`` is False.
+
+    Raises:
+      ValueError: If ``num_byzantine`` is not a non-negative int.
+      ByzantineToleranceError: From ``update``, when m > 2f does not hold (a ValueError).
+
+    References:
+      Xie, Koyejo and Gupta 2018, "Generalized Byzantine-tolerant SGD".
     """
     f = check_f("meamed", num_byzantine)
 

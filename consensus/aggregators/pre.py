@@ -33,11 +33,23 @@ from kernels import weiszfeld
 
 
 class ClipState(NamedTuple):
-    scale: jax.Array  # (n,) factor applied to each node's delta (0 for invalid nodes)
+    """The state of a norm-scaling pre-aggregator (:func:`clip`, ARC).
+
+    Attributes:
+      scale: (n,) factor applied to each node's delta (0 for invalid nodes).
+    """
+
+    scale: jax.Array
 
 
 class MixState(NamedTuple):
-    mixing: jax.Array  # (n, n) row i = weights of the nodes averaged into node i
+    """The state of :func:`nnm`.
+
+    Attributes:
+      mixing: (n, n) matrix; row i holds the weights of the nodes averaged into node i.
+    """
+
+    mixing: jax.Array
 
 
 def _finish(view: views.NodeView, lazy: bool):
@@ -50,12 +62,22 @@ def norm_scaling_update(
     precondition: Precondition | None = None,
     f: int = 0,
 ):
-    """The update of a pre-aggregator that scales each node's delta by a function of its norm.
+    """Build the update of a pre-aggregator that scales each node's delta by a function of its norm.
 
     ``scales_of(sq_norms, valid) -> (n,) scale`` (0 at invalid nodes); clipping and ARC differ
     only there. The squared norms come from the view's Gram matrix when a stage before formed
     one, else from one norm pass; the output is a lazy view (``lazy``) or its rows. With a
     ``precondition`` it is checked on n and on the valid count (:func:`check_count`).
+
+    Args:
+      name: The pre-aggregator's name, for error messages.
+      scales_of: ``scales_of(sq_norms, valid) -> (n,) scale``.
+      precondition: Optional precondition on (n, f), checked before and after validity.
+      f: The number of Byzantine nodes the precondition is checked with.
+
+    Returns:
+      ``update(stacked, state, params=None, *, mask=None, lazy=False, **extra) ->
+      (rows or view, ClipState)``.
     """
 
     def update(stacked, state, params=None, *, mask=None, lazy=False, **extra):
@@ -91,15 +113,24 @@ def norm_scaling_update(
     centre="zero",
 )
 def clip(max_norm: float) -> PreAggregator:
-    """Per-node L2 clipping of the node's delta over the whole tree.
+    r"""Per-node L2 clipping of the node's delta over the whole tree.
 
-    .. math:: x_i' = c + (x_i - c) \\min(1, C / \\lVert x_i - c \\rVert_2)
+    .. math:: x_i' = c + (x_i - c) \min(1, C / \lVert x_i - c \rVert_2)
 
     with c = ``params`` (the current global params), or 0 when params is None.
     The norm is taken over every leaf together, not leaf by leaf. Non-finite or
     masked-out nodes come out as NaN ("no value"), so every rule downstream
     excludes them. Cost: one norm pass (none inside a pipeline that already has
-    a Gram matrix).
+    a Gram matrix). DP sensitivity: after clipping to C, each node's delta has norm <= C.
+
+    Args:
+      max_norm: C > 0, the largest L2 norm of a node's delta after clipping.
+
+    Returns:
+      A :class:`~consensus.base.PreAggregator` with a :class:`ClipState`.
+
+    Raises:
+      ValueError: If ``max_norm`` is not > 0.
     """
     if not max_norm > 0:
         raise ValueError(f"clip: max_norm must be > 0, got {max_norm}")
@@ -131,6 +162,20 @@ def nnm(num_byzantine: int) -> PreAggregator:
     paper's setting f < m/2). One Gram pass; inside a pipeline the mixed Gram
     matrix M G M^T is handed on, so a vector-wise rule after NNM needs no
     second Gram pass.
+
+    Args:
+      num_byzantine: f; each node is replaced by the mean of its m - f nearest valid nodes.
+
+    Returns:
+      A :class:`~consensus.base.PreAggregator` with a :class:`MixState`.
+
+    Raises:
+      ValueError: If ``num_byzantine`` is not a non-negative int.
+      ByzantineToleranceError: From ``update``, when m > 2f does not hold.
+
+    References:
+      Allouah, Farhadkhani, Guerraoui, Gupta, Pinot and Stephan 2023, AISTATS, "Fixing by
+      Mixing: A Recipe for Optimal Byzantine ML under Heterogeneity".
     """
     f = check_f("nnm", num_byzantine)
 
@@ -161,7 +206,16 @@ def nnm(num_byzantine: int) -> PreAggregator:
 
 
 def pull_back_weights(pre_state, weights: jax.Array) -> jax.Array:
-    """Weights on a pre-aggregator's outputs -> weights on its inputs."""
+    """Turn weights on a pre-aggregator's outputs into weights on its inputs.
+
+    Args:
+      pre_state: The pre-aggregator's state (:class:`MixState`, :class:`ClipState`, or
+        another state, which passes the weights through).
+      weights: (n,) weights on the outputs.
+
+    Returns:
+      (n,) weights on the inputs: ``M^T w`` after mixing, ``w * scale`` after clipping.
+    """
     if isinstance(pre_state, MixState):
         return pre_state.mixing.T @ weights
     if isinstance(pre_state, ClipState):

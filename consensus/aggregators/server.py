@@ -44,14 +44,36 @@ PyTree = Any
 
 
 class ServerStats(NamedTuple):
-    gram: jax.Array  # (n, n) Gram of the node deltas x_i - params, invalid rows/cols zeroed
-    cross: jax.Array  # (n,) <x_i - params, g>, 0 at invalid nodes
-    server_sq: jax.Array  # ||g||^2
-    valid: jax.Array  # (n,)
+    """What the server-guided rules read from their one pass (see :func:`server_stats`).
+
+    Attributes:
+      gram: (n, n) Gram matrix of the node deltas x_i - params, invalid rows/cols zeroed.
+      cross: (n,) inner products <x_i - params, g>, 0 at invalid nodes.
+      server_sq: The scalar ||g||^2.
+      valid: (n,) bool, the valid nodes.
+    """
+
+    gram: jax.Array
+    cross: jax.Array
+    server_sq: jax.Array
+    valid: jax.Array
 
 
 def server_stats(stacked: PyTree, params: PyTree, server_update: PyTree, mask) -> ServerStats:
-    """One streamed pass: the node deltas' Gram matrix and their inner products with the server's update g."""
+    """Compute, in one streamed pass, the deltas' Gram matrix and their inner products with g.
+
+    Args:
+      stacked: The stacked node trees.
+      params: The current global tree (deltas are taken from it).
+      server_update: The server's delta g, a tree like ``params``.
+      mask: Optional (n,) bool vector of the nodes allowed to take part.
+
+    Returns:
+      The :class:`ServerStats`.
+
+    Raises:
+      ValueError: If ``server_update`` does not have the params' structure, shapes and dtypes.
+    """
     try:
         tree.check_stacked_against(tree.broadcast(server_update, 1), params)
     except ValueError as e:
@@ -74,7 +96,18 @@ def server_stats(stacked: PyTree, params: PyTree, server_update: PyTree, mask) -
 
 
 def check_server_finite(rule: str, server_sq: jax.Array) -> jax.Array | None:
-    """Raise (eagerly) when the server's update is not finite; under jit return the NaN flag."""
+    """Raise (eagerly) when the server's update is not finite; under jit return the NaN flag.
+
+    Args:
+      rule: The rule's name, for the message.
+      server_sq: ||g||^2.
+
+    Returns:
+      None eagerly; under jit a traced bool that is True when g is not finite.
+
+    Raises:
+      ValueError: Eagerly, when g holds NaN or Inf.
+    """
     if is_concrete(server_sq):
         if not np.isfinite(float(server_sq)):
             raise ValueError(f"{rule}: the server_update holds NaN or Inf")
@@ -92,7 +125,17 @@ def _require_server(rule: str, server_update):
 
 
 def fltrust_weights(gram, cross, server_sq, valid):
-    """FLTrust's coefficients a (x = params + sum_i a_i d_i) and trust scores from Gram statistics."""
+    """Compute FLTrust's coefficients a (x = params + sum_i a_i d_i) and trust scores.
+
+    Args:
+      gram: (n, n) Gram matrix of the node deltas.
+      cross: (n,) inner products of the deltas with g.
+      server_sq: ||g||^2.
+      valid: (n,) bool, the valid nodes.
+
+    Returns:
+      ``(a, trust)``: (n,) coefficients and (n,) trust scores TS_i = ReLU(cos(d_i, g)).
+    """
     norms = jnp.sqrt(jnp.maximum(jnp.diagonal(gram), 0.0))
     server_norm = jnp.sqrt(jnp.maximum(server_sq, 0.0))
     positive = valid & (norms > 0)
@@ -111,15 +154,14 @@ def fltrust_weights(gram, cross, server_sq, valid):
     needs=("params", "server_update"),
 )
 def fltrust() -> Aggregator:
-    """FLTrust (Cao, Fang, Liu and Gong 2021, NDSS, "FLTrust: Byzantine-robust Federated Learning via
-    Trust Bootstrapping").
+    r"""FLTrust (Cao et al. 2021): node updates rescaled to the server's norm, weighed by their cosine.
 
     With node deltas d_i = x_i - params and the server's delta g (``server_update``):
 
     .. math::
-        TS_i = \\mathrm{ReLU}(\\cos(d_i, g)), \\qquad
-        x = \\mathrm{params} + \\frac{1}{\\sum_j TS_j}
-            \\sum_i TS_i \\frac{\\lVert g \\rVert}{\\lVert d_i \\rVert} d_i
+        TS_i = \mathrm{ReLU}(\cos(d_i, g)), \qquad
+        x = \mathrm{params} + \frac{1}{\sum_j TS_j}
+            \sum_i TS_i \frac{\lVert g \rVert}{\lVert d_i \rVert} d_i
 
     Every node's update is rescaled to the server's norm and weighed by its
     non-negative cosine to the server's direction. When no valid node has a
@@ -130,6 +172,19 @@ def fltrust() -> Aggregator:
     Needs ``params`` and ``server_update``. Precondition: m >= 1.
     DP sensitivity: 2 ||g|| (the output update is a convex combination of
     vectors of norm ||g||, so it lies in the ||g||-ball whatever the nodes send).
+
+    Returns:
+      An :class:`~consensus.base.Aggregator` whose ``update`` needs ``params`` and
+      ``server_update=``.
+
+    Raises:
+      ValueError: From ``update``, when ``params`` or ``server_update`` is missing, the server
+        update does not match the params or is not finite.
+      ByzantineToleranceError: From ``update``, when no node is valid.
+
+    References:
+      Cao, Fang, Liu and Gong 2021, NDSS, "FLTrust: Byzantine-robust Federated Learning via
+      Trust Bootstrapping".
     """
 
     def update(stacked, state, params=None, *, mask=None, server_update=None, **extra):
@@ -149,7 +204,15 @@ def fltrust() -> Aggregator:
 
 
 def server_monna_precondition(n: int, f: int) -> str | None:
-    """At least one node to average: n > f."""
+    """Check server MoNNA's precondition: at least one node to average, n > f.
+
+    Args:
+      n: The number of valid nodes.
+      f: The number of Byzantine nodes.
+
+    Returns:
+      None when it holds, else the requirement in words.
+    """
     return need(n > f, f"n > f = {f}")
 
 
@@ -161,8 +224,7 @@ def server_monna_precondition(n: int, f: int) -> str | None:
     needs=("params", "server_update"),
 )
 def server_monna(num_byzantine: int) -> Aggregator:
-    """MoNNA with the server's update as the trusted reference (after Farhadkhani et al. 2023, ICML,
-    "Robust Collaborative Learning with Linear Gradient Overhead").
+    """MoNNA with the server's update as the trusted reference (after Farhadkhani et al. 2023).
 
     MoNNA has each honest node average its m - f nearest neighbours. Here the
     coordinator plays that honest node with its own update g on its root set:
@@ -174,6 +236,22 @@ def server_monna(num_byzantine: int) -> Aggregator:
     Precondition: m > f (at least one node to average; ValueError otherwise,
     NaN under an outer jit). DP sensitivity: as the uniform mean of m - f
     nodes once the selection is fixed, C / (m - f) for deltas clipped to C.
+
+    Args:
+      num_byzantine: f; the m - f valid deltas nearest to g are averaged.
+
+    Returns:
+      An :class:`~consensus.base.Aggregator` whose ``update`` needs ``params`` and
+      ``server_update=``.
+
+    Raises:
+      ValueError: If ``num_byzantine`` is not a non-negative int; from ``update``, when
+        ``params`` or ``server_update`` is missing or the server update is not finite.
+      ByzantineToleranceError: From ``update``, when m > f does not hold.
+
+    References:
+      Farhadkhani, Guerraoui, Gupta, Hoang, Pinot and Stephan 2023, ICML, "Robust Collaborative
+      Learning with Linear Gradient Overhead".
     """
     f = check_f("server_monna", num_byzantine)
 

@@ -1,5 +1,9 @@
-"""SignGuard (Xu, Huang, Xue and Li 2022, ICDCS, "SignGuard: Byzantine-robust Federated Learning
-through Collaborative Malicious Gradient Filtering")."""
+"""SignGuard: a norm filter and a sign-statistics cluster filter, then a clipped mean.
+
+References:
+  Xu, Huang, Xue and Li 2022, ICDCS, "SignGuard: Byzantine-robust Federated Learning
+  through Collaborative Malicious Gradient Filtering".
+"""
 
 from __future__ import annotations
 
@@ -25,7 +29,14 @@ from consensus.specs import RULES, at_least
 
 
 def sign_features(cols: jax.Array) -> jax.Array:
-    """(n, 3): the fractions of positive, zero and negative entries of each row."""
+    """Return the fractions of positive, zero and negative entries of each row.
+
+    Args:
+      cols: (n, d) values.
+
+    Returns:
+      (n, 3) float fractions.
+    """
     return jnp.stack(
         [
             jnp.mean((cols > 0).astype(jnp.float32), 1),
@@ -37,7 +48,15 @@ def sign_features(cols: jax.Array) -> jax.Array:
 
 
 def median_of_valid(values: jax.Array, valid: jax.Array) -> jax.Array:
-    """Median of ``values`` over the valid entries (mean of the two middle ones when their count is even)."""
+    """Return the median of ``values`` over the valid entries.
+
+    Args:
+      values: (n,) values.
+      valid: (n,) bool, the entries that count.
+
+    Returns:
+      The scalar median (the mean of the two middle ones when their count is even).
+    """
     s = jnp.sort(jnp.where(valid, values, jnp.inf))
     m = jnp.sum(valid.astype(jnp.int32))
     lo = jnp.maximum((m - 1) // 2, 0)
@@ -52,7 +71,7 @@ def _dists(a: jax.Array, b: jax.Array) -> jax.Array:
 def largest_mean_shift_cluster(
     feats: jax.Array, valid: jax.Array, quantile: float = 0.5, steps: int = 20
 ) -> jax.Array:
-    """(n,) bool: the largest cluster of a flat-kernel mean shift over the valid rows of ``feats``.
+    """Find the largest cluster of a flat-kernel mean shift over the valid rows of ``feats``.
 
     Bandwidth h as scikit-learn's ``estimate_bandwidth``: the mean over valid
     points of the distance to their k-th nearest valid point (itself counted
@@ -60,6 +79,15 @@ def largest_mean_shift_cluster(
     that moves ``steps`` times to the mean of the valid points within h;
     points whose modes lie within h / 2 of each other form a cluster; the
     largest wins (the lowest seed index on ties).
+
+    Args:
+      feats: (n, k) feature rows.
+      valid: (n,) bool, the valid rows.
+      quantile: The bandwidth quantile (k = max(1, floor(quantile * m))).
+      steps: The number of shift steps.
+
+    Returns:
+      (n,) bool, the members of the largest cluster.
     """
     n = feats.shape[0]
     m = jnp.sum(valid.astype(jnp.int32))
@@ -107,6 +135,24 @@ def signguard(
     ``info.selected`` is S; ``info.weights`` the coefficients of the d_i.
     Precondition: m >= 1. Cost: one norm pass, a gather, one weighted pass.
     DP sensitivity: not bounded by a fixed C (M is the median norm).
+
+    Args:
+      lower: The norm filter's lower bound on ||d_i|| / M.
+      upper: The norm filter's upper bound on ||d_i|| / M (greater than ``lower``).
+      subsample_dim: The number of coordinates drawn for the sign features.
+      bandwidth_quantile: The mean-shift bandwidth quantile, in (0, 1].
+
+    Returns:
+      An :class:`~consensus.base.Aggregator` whose ``update`` needs ``key=``.
+
+    Raises:
+      ValueError: If 0 <= lower < upper does not hold or ``bandwidth_quantile`` is outside
+        (0, 1]; from ``update``, when no ``key`` is given.
+      ByzantineToleranceError: From ``update``, when no node is valid.
+
+    References:
+      Xu, Huang, Xue and Li 2022, ICDCS, "SignGuard: Byzantine-robust Federated Learning
+      through Collaborative Malicious Gradient Filtering".
     """
     if not 0 <= lower < upper:
         raise ValueError(f"signguard: needs 0 <= lower < upper, got lower={lower}, upper={upper}")

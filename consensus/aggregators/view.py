@@ -79,40 +79,98 @@ class DroppedRows(NamedTuple):
 
 
 def is_view(x: Any) -> TypeGuard[NodeView]:
+    """Tell whether ``x`` is a lazy :class:`NodeView` (rather than a stacked tree).
+
+    Args:
+      x: A stacked tree, a view or anything else.
+
+    Returns:
+      True for a :class:`NodeView`.
+    """
     return isinstance(x, NodeView)
 
 
 def is_dropped(x: Any) -> TypeGuard[DroppedRows]:
+    """Tell whether ``x`` is DARE's lazy :class:`DroppedRows`.
+
+    Args:
+      x: A stacked tree, a view or anything else.
+
+    Returns:
+      True for a :class:`DroppedRows`.
+    """
     return isinstance(x, DroppedRows)
 
 
 def base_of(x: PyTree | NodeView) -> PyTree:
+    """Return the stacked tree a view reads (x itself when it is not a view).
+
+    Args:
+      x: A stacked tree or a :class:`NodeView`.
+
+    Returns:
+      The base stack x.
+    """
     return x.base if is_view(x) else x
 
 
 def identity(stacked: PyTree, centre: PyTree | None) -> NodeView:
+    """Return the identity view of ``stacked`` around ``centre`` (A = I, diagonal, nothing cached).
+
+    Args:
+      stacked: The stacked tree x.
+      centre: The centre c (no node axis), or None for 0.
+
+    Returns:
+      A :class:`NodeView` whose rows are the nodes themselves.
+    """
     return NodeView(stacked, None, centre, None, None, True)
 
 
 def compose(
     view: NodeView, mixing: jax.Array, *, diagonal: bool, gram: jax.Array | None, valid: jax.Array
 ) -> NodeView:
-    """The view of ``z_i = c + sum_k M[i, k] (y_k - c)`` where y is ``view``."""
+    """Return the view of ``z_i = c + sum_k M[i, k] (y_k - c)`` where y is ``view``.
+
+    Args:
+      view: The view y.
+      mixing: (n, n) matrix M applied after the view's own A (the result holds M A).
+      diagonal: Whether M is diagonal.
+      gram: The Gram matrix of z around c, when known (cached), else None.
+      valid: (n,) bool, the rows of z that exist.
+
+    Returns:
+      The composed :class:`NodeView`.
+    """
     total = mixing if view.mixing is None else mixing @ view.mixing
     return NodeView(view.base, total, view.centre, valid, gram, view.diagonal and diagonal, view.floating)
 
 
 def with_norms(view: NodeView) -> NodeView:
-    """The view with a Gram matrix whose diagonal holds the norms around its centre.
+    """Return the view with a Gram matrix whose diagonal holds the norms around its centre.
 
     A floating view's Gram matrix is centred elsewhere (see :class:`NodeView`): it is
     dropped, so the next Gram pass forms the one around the view's centre.
+
+    Args:
+      view: A :class:`NodeView`.
+
+    Returns:
+      The view itself, or, when floating, the view without its cached Gram matrix.
     """
     return view._replace(gram=None, floating=False) if view.floating else view
 
 
 def weighted_sum(x: PyTree | NodeView, weights: jax.Array) -> PyTree:
-    """``sum_i w_i y_i`` in one pass over the base stack."""
+    """Return ``sum_i w_i y_i`` in one pass over the base stack.
+
+    Args:
+      x: A stacked tree or a :class:`NodeView` (rows y).
+      weights: (n,) weights w.
+
+    Returns:
+      One tree (no node axis).
+    """
     if not is_view(x):
         return tree.weighted_sum(x, weights)
     if x.mixing is None:
@@ -128,7 +186,16 @@ def weighted_sum(x: PyTree | NodeView, weights: jax.Array) -> PyTree:
 
 
 def combine(x: PyTree | NodeView, coeffs: jax.Array, ref: PyTree) -> PyTree:
-    """``ref + sum_i a_i (y_i - ref)``; for a view ``ref`` must be its centre."""
+    """Return ``ref + sum_i a_i (y_i - ref)``.
+
+    Args:
+      x: A stacked tree or a :class:`NodeView` (rows y).
+      coeffs: (n,) coefficients a (need not sum to 1).
+      ref: The reference tree; for a view it must be the view's centre.
+
+    Returns:
+      One tree (no node axis).
+    """
     if not is_view(x):
         return tree.combine(x, coeffs, ref)
     b = coeffs if x.mixing is None else x.mixing.T @ coeffs
@@ -138,7 +205,14 @@ def combine(x: PyTree | NodeView, coeffs: jax.Array, ref: PyTree) -> PyTree:
 
 
 def leaf_inputs(x: PyTree | NodeView) -> tuple[list, list, jax.Array | None, bool]:
-    """(base leaves, centre leaves or Nones, mixing, diagonal) for per-leaf kernels."""
+    """Return what per-leaf kernels read of a stack or a view.
+
+    Args:
+      x: A stacked tree or a :class:`NodeView`.
+
+    Returns:
+      ``(base leaves, centre leaves or Nones, mixing or None, diagonal)``.
+    """
     if not is_view(x):
         leaves = jax.tree_util.tree_leaves(x)
         return leaves, [None] * len(leaves), None, True
@@ -148,7 +222,14 @@ def leaf_inputs(x: PyTree | NodeView) -> tuple[list, list, jax.Array | None, boo
 
 
 def materialize(x: PyTree | NodeView | DroppedRows) -> PyTree:
-    """The rows of y as an ordinary stacked tree (one copy of the stack); invalid rows NaN."""
+    """Write out the rows of y as an ordinary stacked tree (one copy of the stack).
+
+    Args:
+      x: A stacked tree (returned as it is), a :class:`NodeView` or :class:`DroppedRows`.
+
+    Returns:
+      The stacked tree of the rows; invalid rows are NaN.
+    """
     if is_dropped(x):
         from kernels.dropout import dropped_rows
 
