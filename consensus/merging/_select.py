@@ -300,10 +300,13 @@ def kth_largest_delta_bits(
     """The k-th largest |x_i - base| of every row, as int32 bits, exactly; and the number of passes.
 
     Args:
-      x: (n, s) rows; base: (s,); valid: (n,) bool (invalid rows read as zeros).
+      x: (n, s) rows.
+      base: (s,) the base row subtracted from every row.
+      valid: (n,) bool (invalid rows read as zeros).
       k: 1 <= k <= s, static.
       mask_only: return, per row, a pattern T with ``{bits >= T}`` = the set of entries at or above
         the k-th largest (all a top-k mask needs); the k-th value itself may cost one more pass.
+
     Returns:
       ((n,) int32 bit patterns, int32 number of reads of x after the sample).
     """

@@ -33,11 +33,20 @@ PyTree = Any
 
 @kernel_jit
 def delta_sum(x: jax.Array, base: jax.Array, coeffs: jax.Array) -> jax.Array:
-    """``base + sum_i c_i (x_i - base)`` in one fused pass; rows with c_i = 0 never enter (NaN-safe).
+    """Compute ``base + sum_i c_i (x_i - base)`` in one fused pass; rows with c_i = 0 never enter.
 
     Written on the deltas rather than as ``sum_i c_i x_i + (1 - sum c) base``:
     a node equal to the base contributes exactly 0, and there is no
-    cancellation between a large ``sum c`` and the base.
+    cancellation between a large ``sum c`` and the base. NaN-safe: a row with c_i = 0 is
+    never read into the sum.
+
+    Args:
+      x: (n, ...) node rows of one leaf.
+      base: The base leaf (no node axis).
+      coeffs: (n,) coefficients c.
+
+    Returns:
+      The merged leaf, shaped like ``base``.
     """
     b = base.astype(jnp.float32)
     terms = [
@@ -55,9 +64,9 @@ def delta_sum(x: jax.Array, base: jax.Array, coeffs: jax.Array) -> jax.Array:
     reads_dropped=True,
 )
 def task_arithmetic(scale: float = 1.0, weights: Any = None, normalize: bool = False) -> Aggregator:
-    """Task arithmetic (Ilharco et al., "Editing Models with Task Arithmetic", ICLR 2023).
+    r"""Task arithmetic (Ilharco et al., "Editing Models with Task Arithmetic", ICLR 2023).
 
-    .. math:: \\theta = \\theta_0 + \\lambda \\sum_{i \\in V} w_i (x_i - \\theta_0)
+    .. math:: \theta = \theta_0 + \lambda \sum_{i \in V} w_i (x_i - \theta_0)
 
     with ``params`` = theta_0 the common base, lambda = ``scale`` and node
     weights w (default 1). A *sum* of task vectors, not a mean, as in the paper
@@ -76,6 +85,25 @@ def task_arithmetic(scale: float = 1.0, weights: Any = None, normalize: bool = F
     DP sensitivity: ``scale * max_i w_i * C`` for node deltas clipped to C
     (adding or removing one node adds or removes one term of the sum).
     Precondition: at least 1 valid node.
+
+    Args:
+      scale: lambda, the factor on the sum of the task vectors (finite).
+      weights: (n,) non-negative node weights w, or None for 1 (per-call weights win).
+      normalize: Divide the weights by their sum over the valid nodes (mergekit's
+        ``normalize: true``).
+
+    Returns:
+      An :class:`~consensus.base.Aggregator` whose ``update`` needs ``params`` (the base).
+
+    Raises:
+      ValueError: If ``scale`` is not finite, ``normalize`` not a bool, or the weights are
+        not a finite non-negative (n,) vector; from ``update``, when the base is missing or
+        does not match the stack.
+      ByzantineToleranceError: From ``update``, when no node is valid.
+
+    References:
+      Ilharco, Ribeiro, Wortsman, Gururangan, Schmidt, Hajishirzi and Farhadi 2023, ICLR,
+      "Editing Models with Task Arithmetic".
     """
     lam = check_scale("task_arithmetic", scale)
     fixed = fixed_weights("task_arithmetic", weights)
@@ -124,10 +152,10 @@ def _linear_leaf(x: jax.Array, coeffs: jax.Array) -> jax.Array:
     elementwise=True,
 )
 def linear(weights: Any = None, normalize: bool = True) -> Aggregator:
-    """Linear merge, mergekit's ``linear``: a weighted sum of the models, divided by the sum of the weights.
+    r"""Linear merge, mergekit's ``linear``: a weighted sum of the models, divided by the sum of the weights.
 
-    .. math:: \theta = \frac{\\sum_{i \\in V} w_i x_i}{\\sum_{i \\in V} w_i}
-              \\quad (\text{normalize}), \\qquad \theta = \\sum_{i \\in V} w_i x_i \\quad (\text{not})
+    .. math:: \theta = \frac{\sum_{i \in V} w_i x_i}{\sum_{i \in V} w_i}
+              \quad (\text{normalize}), \qquad \theta = \sum_{i \in V} w_i x_i \quad (\text{not})
 
     with node weights w (default 1: the plain mean) given here or per call
     ``update(..., weights=w)``, and V the valid nodes (allowed by ``mask`` and
@@ -137,6 +165,19 @@ def linear(weights: Any = None, normalize: bool = True) -> Aggregator:
     One pass over the stack (element-wise: streamed in column chunks by the merge
     command). Not robust: one node moves the output arbitrarily far.
     Precondition: at least 1 valid node (with a positive weight when normalizing).
+
+    Args:
+      weights: (n,) non-negative node weights w, or None for 1 (per-call weights win).
+      normalize: Divide by the sum of the valid nodes' weights (mergekit's default).
+
+    Returns:
+      An :class:`~consensus.base.Aggregator`; ``params`` is optional (checked against the
+      stack when given).
+
+    Raises:
+      ValueError: If ``normalize`` is not a bool or the weights are not a finite
+        non-negative (n,) vector.
+      ByzantineToleranceError: From ``update``, when no node is valid.
     """
     fixed = fixed_weights("linear", weights)
     normalize = check_flag("linear", "normalize", normalize)

@@ -23,7 +23,12 @@ RESCALES = (True, False, "l1")
 
 
 class DareState(NamedTuple):
-    """State of :func:`dare`: the factory's key (or None) and the number of rounds run."""
+    """State of :func:`dare`.
+
+    Attributes:
+      key: The factory's key, or None.
+      rounds: The number of rounds run (folded into the factory's key).
+    """
 
     key: jax.Array | None
     rounds: jax.Array
@@ -31,7 +36,7 @@ class DareState(NamedTuple):
 
 @kernel_jit
 def _dare_l1_leaf(x, base, key, density, valid):
-    """mergekit's L1 rescale: each node's leaf keeps the L1 norm of its task vector (two reductions)."""
+    """Apply mergekit's L1 rescale: each node's leaf keeps the L1 norm of its task vector (two reductions)."""
     n = x.shape[0]
     axes = tuple(range(1, x.ndim))
     b = base.astype(jnp.float32)
@@ -91,6 +96,22 @@ def dare(density: float, rescale: bool | str = True, *, key: jax.Array | None = 
 
     Precondition: density in (0, 1]. DP: DARE does not bound anything by
     itself; the rule after it decides.
+
+    Args:
+      density: The keep probability, in (0, 1].
+      rescale: True (divide by density), ``"l1"`` (keep each leaf's L1 norm) or False.
+      key: A jax.random key for the rounds without ``update(..., key=k)``, or None.
+
+    Returns:
+      A :class:`~consensus.base.PreAggregator` (n -> n) with a :class:`DareState`.
+
+    Raises:
+      ValueError: If ``density`` is outside (0, 1] or ``rescale`` is not one of True,
+        False, ``"l1"``; from ``update``, when the base or a key is missing.
+
+    References:
+      Yu, Yu, Yu, Huang and Li 2024, ICML, "Language Models are Super Mario: Absorbing
+      Abilities from Homologous Models as a Free Lunch".
     """
     rho = check_density("dare", density)
     if rescale not in RESCALES:
@@ -185,6 +206,25 @@ def dare_linear(
     ``normalize=True``; mergekit's default for dare_linear is ``normalize: false``).
     Randomized: the caller passes ``update(..., key=k)``. One pass over the stack.
     Precondition: density in (0, 1], at least 1 valid node.
+
+    Args:
+      density: The keep probability, in (0, 1].
+      weights: (n,) non-negative node weights w, or None for 1.
+      normalize: Divide by ``sum_i w_i`` (mergekit's default here is False).
+      scale: The factor on the merged task vector.
+      rescale: As for :func:`dare`: True, ``"l1"`` or False.
+
+    Returns:
+      An :class:`~consensus.base.Aggregator` whose ``update`` needs ``params`` and ``key=``.
+
+    Raises:
+      ValueError: If an argument is out of range; from ``update``, when the base or the key
+        is missing.
+      ByzantineToleranceError: From ``update``, when no node is valid.
+
+    References:
+      Yu, Yu, Yu, Huang and Li 2024, ICML, "Language Models are Super Mario: Absorbing
+      Abilities from Homologous Models as a Free Lunch".
     """
     from consensus.merging.arithmetic import task_arithmetic
 
@@ -210,6 +250,28 @@ def dare_ties(
     mergekit's default for dare_ties is ``normalize: false``), times ``scale``, added to
     the base. Randomized: ``update(..., key=k)``.
     Precondition: density in (0, 1], at least 1 valid node.
+
+    Args:
+      density: The keep probability, in (0, 1].
+      weights: (n,) non-negative node weights w, or None for 1.
+      normalize: Divide by the sum of the kept nodes' weights (mergekit's default here is
+        False).
+      scale: The factor on the merged task vector.
+      election: The sign election, ``"sum"`` or ``"count"`` (see :func:`~consensus.merging.ties`).
+      rescale: As for :func:`dare`: True, ``"l1"`` or False.
+
+    Returns:
+      An :class:`~consensus.base.Aggregator` whose ``update`` needs ``params`` and ``key=``.
+
+    Raises:
+      ValueError: If an argument is out of range; from ``update``, when the base or the key
+        is missing.
+      ByzantineToleranceError: From ``update``, when no node is valid.
+
+    References:
+      Yu, Yu, Yu, Huang and Li 2024, ICML, "Language Models are Super Mario: Absorbing
+      Abilities from Homologous Models as a Free Lunch"; Yadav, Tam, Choshen, Raffel and
+      Bansal 2023, NeurIPS, "TIES-Merging: Resolving Interference When Merging Models".
     """
     from consensus.merging.ties import ties
 

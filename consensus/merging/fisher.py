@@ -36,10 +36,10 @@ def _fisher_leaf(x, base, fisher, w, valid, epsilon):
     needs=("params", "fisher"),
 )
 def fisher_merge(epsilon: float = 1e-8, weights: Any = None) -> Aggregator:
-    """Fisher merging (Matena and Raffel, "Merging Models with Fisher-Weighted Averaging", NeurIPS 2022).
+    r"""Fisher merging (Matena and Raffel, "Merging Models with Fisher-Weighted Averaging", NeurIPS 2022).
 
-    .. math:: \\theta_j = \\frac{\\sum_{i \\in V} w_i (F_{i,j} + \\epsilon)\\, x_{i,j}}
-                          {\\sum_{i \\in V} w_i (F_{i,j} + \\epsilon)}
+    .. math:: \theta_j = \frac{\sum_{i \in V} w_i (F_{i,j} + \epsilon)\, x_{i,j}}
+                          {\sum_{i \in V} w_i (F_{i,j} + \epsilon)}
 
     coordinate by coordinate, with F_i node i's diagonal empirical Fisher (the
     mean over its examples of the squared per-example gradient of the loss,
@@ -56,6 +56,23 @@ def fisher_merge(epsilon: float = 1e-8, weights: Any = None) -> Aggregator:
     with a vote. Permutation invariant. DP sensitivity: not bounded (the
     weights are data-dependent). Precondition: at least 1 valid node, and
     ``fisher`` given. A node whose Fisher is non-finite is invalid.
+
+    Args:
+      epsilon: The floor added to every Fisher entry (>= 0).
+      weights: (n,) non-negative node weights w (the paper's lambda_i), or None for 1.
+
+    Returns:
+      An :class:`~consensus.base.Aggregator` whose ``update`` needs ``params`` (the base) and
+      ``fisher=``.
+
+    Raises:
+      ValueError: If ``epsilon`` < 0 or the weights are invalid; from ``update``, when the
+        base or ``fisher`` is missing.
+      TreeMismatchError: From ``update``, when ``fisher`` is not a stacked tree like the stack.
+      ByzantineToleranceError: From ``update``, when no node is valid.
+
+    References:
+      Matena and Raffel 2022, NeurIPS, "Merging Models with Fisher-Weighted Averaging".
     """
     eps = float(epsilon)
     if not eps >= 0:

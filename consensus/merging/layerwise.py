@@ -1,4 +1,4 @@
-"""Layer-wise convex merge weights: one simplex of node weights per leaf (or group of leaves).
+r"""Layer-wise convex merge weights: one simplex of node weights per leaf (or group of leaves).
 
 The task-wise objectives of :mod:`consensus.convex` choose one weight per node.
 Layer-wise AdaMerging (Yang et al., "AdaMerging: Adaptive Model Merging for
@@ -7,9 +7,9 @@ layer* merges far better. Here the same quadratic model of the held-out loss
 as :func:`consensus.quadratic_weights` (gradient g and diagonal curvature h at
 a reference theta_0) is minimized over one simplex per group of leaves:
 
-.. math:: \\min_{W} \\sum_{l} \\Big[ q_l^\\top w_l + \\tfrac12 w_l^\\top Q_l w_l
-          + \\lambda \\lVert w_l - u\\rVert^2 \\Big],\\quad
-          w_l \\ge 0,\\ \\textstyle\\sum_i w_{l,i} = 1,\\ w_{l,i} \\le \\text{ub}_i
+.. math:: \min_{W} \sum_{l} \Big[ q_l^\top w_l + \tfrac12 w_l^\top Q_l w_l
+          + \lambda \lVert w_l - u\rVert^2 \Big],\quad
+          w_l \ge 0,\ \textstyle\sum_i w_{l,i} = 1,\ w_{l,i} \le \text{ub}_i
 
 with ``Q_l = D_l H_l D_l^T`` and ``q_l = D_l g_l`` over the leaves of group l
 (rows of D_l: the deltas ``x_i - theta_0`` there). With a diagonal curvature
@@ -41,8 +41,19 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def group_names(params: PyTree, groups: str | Callable[[str], str] | None) -> list[str]:
-    """The group of every leaf: ``None`` / "leaf" one per leaf, "module" by the path without its last key,
-    "all" one group (task-wise), or a function of the leaf path."""
+    """Return the group of every leaf of ``params``.
+
+    Args:
+      params: A tree.
+      groups: ``None`` or ``"leaf"`` (one group per leaf), ``"module"`` (by the path without
+        its last key), ``"all"`` (one group: task-wise) or a function of the leaf path.
+
+    Returns:
+      One group name per leaf, in leaf order.
+
+    Raises:
+      ValueError: If ``groups`` is none of these.
+    """
     paths = tree.leaf_paths(params)
     if groups is None or groups == "leaf":
         return paths
@@ -104,7 +115,16 @@ def _build(num_groups: int, n: int, ridge: bool) -> _Compiled:
 
 
 class LayerwiseWeights(NamedTuple):
-    """One round's layer-wise weights: (groups, n) array, group names, status, solve time, fallback."""
+    """One round's layer-wise weights.
+
+    Attributes:
+      weights: (groups, n) array, one simplex per group.
+      groups: The group names.
+      status: The solver's status (or the error).
+      solve_time: Seconds in the solver.
+      fallback: True when the solve failed and the weights are uniform.
+      objective: The quadratic model's value at ``weights``.
+    """
 
     weights: np.ndarray
     groups: tuple[str, ...]
@@ -124,7 +144,23 @@ def solve_layerwise(
     solver: str = DEFAULT_SOLVER,
     names: tuple[str, ...] = (),
 ) -> LayerwiseWeights:
-    """Solve the layer-wise QP for (G, n, n) matrices and (G, n) vectors; uniform weights on failure."""
+    """Solve the layer-wise QP for (G, n, n) matrices and (G, n) vectors; uniform weights on failure.
+
+    Args:
+      qmats: (G, n, n) PSD matrices Q_l.
+      qs: (G, n) vectors q_l.
+      accepted: (n,) bool, the nodes that may get weight.
+      lambda_reg: lambda >= 0, the pull towards the uniform weights u.
+      max_weight: The cap on any node's weight in a group, or None for 1.
+      solver: The cvxpy solver's name.
+      names: The group names to report.
+
+    Returns:
+      The :class:`LayerwiseWeights`.
+
+    Raises:
+      ValueError: If no node is accepted or ``max_weight`` times the accepted count is below 1.
+    """
     num_groups, n = qs.shape
     acc = np.asarray(accepted, bool)
     m = int(acc.sum())
@@ -162,6 +198,13 @@ def solve_layerwise(
 
 
 class LayerwiseState(NamedTuple):
+    """State of :func:`layerwise_weights`.
+
+    Attributes:
+      info: The round's :class:`~consensus.base.AggregationInfo` (weights: the groups' mean).
+      result: The round's :class:`LayerwiseWeights`, None before the first round.
+    """
+
     info: AggregationInfo
     result: LayerwiseWeights | None = None
 
@@ -192,6 +235,26 @@ def layerwise_weights(
     e.g. 1/(n - f)); the held-out loss decides the rest. DP sensitivity: 2C
     (every group's output is a convex combination of the nodes), like
     :func:`consensus.convex_merge`. Precondition: at least 1 valid node.
+
+    Args:
+      model_fn: ``model_fn(theta_0, **extra) -> LossModel``, the held-out loss model at the
+        reference; ``extra`` are the keyword arguments given to ``update``.
+      groups: ``None``/``"leaf"``, ``"module"``, ``"all"`` or a function of the leaf path.
+      reference: ``"mean"`` (the valid nodes' uniform mean) or ``"params"``.
+      lambda_reg: lambda >= 0, the pull towards the uniform weights.
+      max_weight: The cap on any node's weight in a group, or None.
+      solver: The cvxpy solver's name.
+
+    Returns:
+      An :class:`~consensus.base.Aggregator` with a :class:`LayerwiseState`.
+
+    Raises:
+      ValueError: If ``reference`` or ``lambda_reg`` is invalid; from ``update``, when no node
+        is valid or ``reference="params"`` lacks params.
+
+    References:
+      Yang, Wang, Shen, Liu, Guo, Wang and Tao 2024, ICLR, "AdaMerging: Adaptive Model Merging
+      for Multi-Task Learning".
     """
     if reference not in ("mean", "params"):
         raise ValueError(f"layerwise_weights: reference must be 'mean' or 'params', got {reference!r}")

@@ -30,7 +30,7 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 @kernel_jit
 def _regmean_leaf(x, base, grams, valid, off_diagonal_scale, ridge):
-    """base + (sum_i G~_i + r I)^{-1} sum_i G~_i (W_i - base) over the valid nodes, float32."""
+    """Return base + (sum_i G~_i + r I)^{-1} sum_i G~_i (W_i - base) over the valid nodes, float32."""
     d_in = grams.shape[-1]
     eye = jnp.eye(d_in, dtype=jnp.float32)
     g = grams.astype(jnp.float32)
@@ -53,15 +53,14 @@ def _regmean_leaf(x, base, grams, valid, off_diagonal_scale, ridge):
     needs=("params", "grams"),
 )
 def regmean(off_diagonal_scale: float = 1.0, ridge: float = 1e-6) -> Aggregator:
-    """RegMean (Jin, Ren, Preotiuc-Pietro and Cheng, "Dataless Knowledge Fusion by Merging Weights
-    of Language Models", ICLR 2023).
+    r"""RegMean (Jin et al. 2023): the closed-form least-squares merge of linear layers.
 
     For a linear layer ``y = x W`` (a flax Dense kernel W of shape (d_in, d_out))
     the merge minimizing ``sum_i ||X_i W - X_i W_i||^2`` over the nodes' inputs
     X_i is the closed form
 
-    .. math:: W = \\Big(\\sum_{i \\in V} \\tilde G_i\\Big)^{-1} \\sum_{i \\in V} \\tilde G_i W_i,\\qquad
-              \\tilde G_i = a\\, G_i + (1 - a)\\operatorname{diag}(G_i),\\quad G_i = X_i^\\top X_i
+    .. math:: W = \Big(\sum_{i \in V} \tilde G_i\Big)^{-1} \sum_{i \in V} \tilde G_i W_i,\qquad
+              \tilde G_i = a\, G_i + (1 - a)\operatorname{diag}(G_i),\quad G_i = X_i^\top X_i
 
     with a = ``off_diagonal_scale`` (the paper's alpha; 1 is the exact least
     squares solution, the paper uses a < 1 to regularize towards the plain
@@ -82,6 +81,24 @@ def regmean(off_diagonal_scale: float = 1.0, ridge: float = 1e-6) -> Aggregator:
 
     Not robust: a node's Gram matrix weighs its layer arbitrarily. Permutation
     invariant. DP sensitivity: not bounded. Precondition: at least 1 valid node.
+
+    Args:
+      off_diagonal_scale: a, the scale of the Gram matrices' off-diagonal part, in [0, 1].
+      ridge: The relative ridge r (>= 0): ``ridge * tr(sum G~) / d_in`` is added to the diagonal.
+
+    Returns:
+      An :class:`~consensus.base.Aggregator` whose ``update`` needs ``params`` (the base) and
+      ``grams=``.
+
+    Raises:
+      ValueError: If ``off_diagonal_scale`` is outside [0, 1] or ``ridge`` < 0; from
+        ``update``, when the base or ``grams`` is missing, a Gram matrix names an unknown leaf
+        or has the wrong shape.
+      ByzantineToleranceError: From ``update``, when no node is valid.
+
+    References:
+      Jin, Ren, Preotiuc-Pietro and Cheng 2023, ICLR, "Dataless Knowledge Fusion by Merging
+      Weights of Language Models".
     """
     a = float(off_diagonal_scale)
     if not 0.0 <= a <= 1.0:

@@ -32,7 +32,12 @@ EPS = 1e-8  # mergekit's normalization guard
 
 
 class SphereState(NamedTuple):
-    """State of :func:`slerp` and :func:`karcher_mean`: info and per-leaf diagnostics (a tree)."""
+    """State of :func:`slerp` and :func:`karcher_mean`.
+
+    Attributes:
+      info: The round's :class:`~consensus.base.AggregationInfo`.
+      detail: Per-leaf diagnostics, a tree like params (SLERP's angle Omega per leaf).
+    """
 
     info: AggregationInfo
     detail: PyTree = None
@@ -56,7 +61,15 @@ def _prepare(rule: str, stacked, params, on: str):
 
 
 def slerp_coefficients(g: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(s0, s1, omega) of mergekit's ``slerp`` from the 2 x 2 Gram matrix of the two vectors."""
+    """Compute mergekit's SLERP coefficients from the 2 x 2 Gram matrix of the two vectors.
+
+    Args:
+      g: (2, 2) Gram matrix of v0 and v1.
+      t: The interpolation parameter in [0, 1].
+
+    Returns:
+      ``(s0, s1, omega)``: the output is ``s0 v0 + s1 v1``; omega is the angle.
+    """
     g = g.astype(jnp.float32)
     n0 = jnp.sqrt(jnp.maximum(g[0, 0], 0.0))
     n1 = jnp.sqrt(jnp.maximum(g[1, 1], 0.0))
@@ -96,15 +109,15 @@ def _slerp_leaf(x, ref, t, valid):
     order_matters=True,  # SLERP(t) goes from the first node towards the second
 )
 def slerp(t: float, *, on: str = "params") -> Aggregator:
-    """SLERP of two nodes (Shoemake 1985; mergekit's ``slerp``), leaf by leaf.
+    r"""SLERP of two nodes (Shoemake 1985; mergekit's ``slerp``), leaf by leaf.
 
     On the flattened leaf, with v0 and v1 the two valid nodes in node order
     (``on="params"``, mergekit's convention: the raw parameters) or their task
     vectors ``x_i - params`` (``on="deltas"``, then the base is added back):
 
-    .. math:: \\cos\\Omega = \\frac{\\langle v_0, v_1\\rangle}{\\lVert v_0\\rVert\\lVert v_1\\rVert},\\quad
-              \\text{slerp} = \\frac{\\sin((1-t)\\Omega)}{\\sin\\Omega} v_0
-              + \\frac{\\sin(t\\Omega)}{\\sin\\Omega} v_1
+    .. math:: \cos\Omega = \frac{\langle v_0, v_1\rangle}{\lVert v_0\rVert\lVert v_1\rVert},\quad
+              \text{slerp} = \frac{\sin((1-t)\Omega)}{\sin\Omega} v_0
+              + \frac{\sin(t\Omega)}{\sin\Omega} v_1
 
     applied to the *unnormalized* vectors, as mergekit does; when
     ``|cos Omega| > 0.9995`` (nearly collinear) it is the linear interpolation
@@ -114,6 +127,21 @@ def slerp(t: float, *, on: str = "params") -> Aggregator:
     ``slerp(1 - t)``). ``state.detail`` holds the angle Omega per leaf.
 
     Precondition: exactly 2 valid nodes. DP sensitivity: not bounded.
+
+    Args:
+      t: The interpolation parameter in [0, 1] (0: node 0, 1: node 1).
+      on: ``"params"`` (the raw parameters) or ``"deltas"`` (task vectors around ``params``).
+
+    Returns:
+      An :class:`~consensus.base.Aggregator` with a :class:`SphereState`.
+
+    Raises:
+      ValueError: If ``t`` is outside [0, 1] or ``on`` unknown; from ``update``, when
+        ``on="deltas"`` and the base is missing.
+      ByzantineToleranceError: From ``update``, when there are not exactly 2 valid nodes.
+
+    References:
+      Shoemake 1985, SIGGRAPH, "Animating Rotation with Quaternion Curves".
     """
     if not 0.0 <= float(t) <= 1.0:
         raise ValueError(f"slerp: t must be in [0, 1], got {t!r}")
@@ -193,15 +221,15 @@ def _karcher_leaf(x, ref, w, valid, tol, *, max_iter: int):
 def karcher_mean(
     max_iter: int = 100, tol: float = 1e-6, weights: Any = None, *, on: str = "params"
 ) -> Aggregator:
-    """Karcher (Riemannian) mean on the sphere: SLERP for n nodes (mergekit's ``karcher``), leaf by leaf.
+    r"""Karcher (Riemannian) mean on the sphere: SLERP for n nodes (mergekit's ``karcher``), leaf by leaf.
 
     With v_i the valid nodes' flattened leaves (``on="params"``) or task vectors
     (``on="deltas"``), unit vectors ``u_i = v_i / |v_i|`` and weights w
     normalized to sum 1, the direction mu minimizes ``sum_i w_i angle(mu, u_i)^2``
     (Karcher 1977; Buss and Fillmore 2001), found by the fixed-point iteration
 
-    .. math:: T = \\sum_i w_i \\frac{\\theta_i}{\\sin\\theta_i}(u_i - \\cos\\theta_i\\,\\mu),\\quad
-              \\mu \\leftarrow \\cos\\lVert T\\rVert \\mu + \\sin\\lVert T\\rVert \\frac{T}{\\lVert T\\rVert}
+    .. math:: T = \sum_i w_i \frac{\theta_i}{\sin\theta_i}(u_i - \cos\theta_i\,\mu),\quad
+              \mu \leftarrow \cos\lVert T\rVert \mu + \sin\lVert T\rVert \frac{T}{\lVert T\rVert}
 
     from the normalized weighted mean of the u_i, until ``|T| <= tol`` or
     ``max_iter``; the output is ``mu * sum_i w_i |v_i|`` (the weighted mean
@@ -211,6 +239,25 @@ def karcher_mean(
     are skipped. For two nodes with equal weights it is ``slerp(0.5)``.
     Permutation invariant. Precondition: at least 1 valid node.
     DP sensitivity: not bounded.
+
+    Args:
+      max_iter: The largest number of fixed-point iterations (>= 1).
+      tol: The stopping tolerance on |T| (> 0).
+      weights: (n,) non-negative node weights w, or None for 1 (normalized to sum 1).
+      on: ``"params"`` (the raw parameters) or ``"deltas"`` (task vectors around ``params``).
+
+    Returns:
+      An :class:`~consensus.base.Aggregator` with a :class:`SphereState`.
+
+    Raises:
+      ValueError: If ``on`` is unknown, ``max_iter`` < 1 or ``tol`` <= 0; from ``update``,
+        when ``on="deltas"`` and the base is missing.
+      ByzantineToleranceError: From ``update``, when no node is valid.
+
+    References:
+      Karcher 1977, "Riemannian center of mass and mollifier smoothing"; Buss and Fillmore
+      2001, ACM Transactions on Graphics, "Spherical Averages and Applications to Spherical
+      Splines and Interpolation".
     """
     if on not in ON:
         raise ValueError(f"karcher_mean: on must be one of {ON}, got {on!r}")

@@ -25,19 +25,31 @@ PyTree = Any
 
 
 class StockState(NamedTuple):
-    """State of :func:`model_stock`: the round's info and the per-leaf ratios t (a tree of scalars)."""
+    """State of :func:`model_stock`.
+
+    Attributes:
+      info: The round's :class:`~consensus.base.AggregationInfo`.
+      t: The per-leaf ratios t, a tree of scalars like params.
+    """
 
     info: AggregationInfo
     t: PyTree = None
 
 
 def stock_ratio(g: jax.Array, valid: jax.Array) -> jax.Array:
-    """Model Stock's t from the (n, n) Gram matrix of one leaf's task vectors.
+    """Compute Model Stock's t from the (n, n) Gram matrix of one leaf's task vectors.
 
     cos = mean over valid pairs i < j of <d_i, d_j> / (|d_i| |d_j|);
     t = m cos / (1 + (m - 1) cos), m the number of valid nodes. Singular cases
     (a zero task vector, fewer than 2 valid nodes, or 1 + (m - 1) cos = 0) give
     t = 0: the leaf keeps the base.
+
+    Args:
+      g: (n, n) Gram matrix of the task vectors.
+      valid: (n,) bool, the valid nodes.
+
+    Returns:
+      The scalar ratio t.
     """
     n = g.shape[0]
     g = g.astype(jnp.float32)
@@ -128,13 +140,13 @@ def _stock_leaf(x, base, valid):
     needs=("params",),
 )
 def model_stock() -> Aggregator:
-    """Model Stock (Jang, Yun and Han, "Model Stock: All we need is just a few fine-tuned models", ECCV 2024).
+    r"""Model Stock (Jang, Yun and Han, ECCV 2024): from the base towards the mean by the task vectors' angle.
 
     Per leaf, with task vectors ``d_i = x_i - theta_0`` of the m valid nodes:
 
-    .. math:: \\cos = \\operatorname{mean}_{i<j} \\frac{\\langle d_i, d_j\\rangle}{\\lVert d_i\\rVert
-              \\lVert d_j\\rVert},\\quad t = \\frac{m \\cos}{1 + (m - 1)\\cos},\\quad
-              \\theta = t\\,\\bar x + (1 - t)\\,\\theta_0
+    .. math:: \cos = \operatorname{mean}_{i<j} \frac{\langle d_i, d_j\rangle}{\lVert d_i\rVert
+              \lVert d_j\rVert},\quad t = \frac{m \cos}{1 + (m - 1)\cos},\quad
+              \theta = t\,\bar x + (1 - t)\,\theta_0
 
     ``params`` = theta_0 is the base (the paper's pre-trained model). mergekit's
     ``model_stock`` computes the same t per tensor (it clamps nothing either;
@@ -147,6 +159,17 @@ def model_stock() -> Aggregator:
     Not robust (the mean of the nodes is the target). Permutation invariant.
     DP sensitivity: not bounded by this package (t depends on every node).
     Precondition: at least 2 valid nodes (the angle needs a pair).
+
+    Returns:
+      An :class:`~consensus.base.Aggregator` with a :class:`StockState`; ``update`` needs
+      ``params`` (the base).
+
+    Raises:
+      ValueError: From ``update``, when the base is missing or does not match the stack.
+      ByzantineToleranceError: From ``update``, when fewer than 2 nodes are valid.
+
+    References:
+      Jang, Yun and Han 2024, ECCV, "Model Stock: All we need is just a few fine-tuned models".
     """
 
     def update(stacked, state, params=None, *, mask=None, assume_finite=False, **extra):

@@ -34,12 +34,21 @@ ELECTIONS = ("sum", "count")
 
 
 def trim_thresholds(x: jax.Array, base: jax.Array, density: float, valid: jax.Array) -> jax.Array:
-    """(n,) float32: node i keeps the entries of this leaf with ``|x_i - base| >= threshold_i``.
+    """Find each node's trim threshold: node i keeps the entries with ``|x_i - base| >= threshold_i``.
 
     k = max(1, int(density * size)); threshold_i keeps exactly the entries whose |x_i - base| is at
     or above the k-th largest over the leaf (it is that value, or a float between it and the next
     smaller magnitude, which keeps the same entries), found exactly without sorting
     (:mod:`consensus.merging._select`). Invalid rows read as zeros (they are excluded later anyway).
+
+    Args:
+      x: (n, ...) node rows of one leaf.
+      base: The base leaf (no node axis).
+      density: The kept fraction, in (0, 1].
+      valid: (n,) bool, the valid nodes.
+
+    Returns:
+      (n,) float32 thresholds.
     """
     n = x.shape[0]
     size = math.prod(x.shape[1:])  # not x[0].size: eagerly that slices out (copies) a row
@@ -50,9 +59,17 @@ def trim_thresholds(x: jax.Array, base: jax.Array, density: float, valid: jax.Ar
 
 
 def trim_count(density: float, size: int) -> int | None:
-    """k = max(1, int(density * size)): the entries of a leaf of ``size`` values that the trim
-    keeps per node, or None when it keeps them all (threshold 0). The merge command's streamed
-    thresholds (:mod:`meta_consensus.merge.trim`) use this same count."""
+    """Return k = max(1, int(density * size)), the entries of a leaf that the trim keeps per node.
+
+    The merge command's streamed thresholds (:mod:`meta_consensus.merge.trim`) use this same count.
+
+    Args:
+      density: The kept fraction, in (0, 1].
+      size: The number of values in the leaf.
+
+    Returns:
+      k, or None when the trim keeps them all (threshold 0).
+    """
     k = max(1, int(density * size))
     return None if k >= size else k
 
@@ -143,6 +160,26 @@ def ties(
     DP sensitivity: not bounded by this package (the elected sign of every
     coordinate can flip with one node); DP refuses it.
     Precondition: density in (0, 1], at least 1 valid node.
+
+    Args:
+      density: The fraction of each task vector's entries kept by the trim, in (0, 1].
+      election: ``"sum"`` or ``"count"``.
+      scale: lambda, the factor on the merged task vector (finite).
+      weights: (n,) non-negative node weights w, or None for 1.
+      normalize: Divide by the sum of the kept nodes' weights (mergekit's ``normalize: true``).
+
+    Returns:
+      An :class:`~consensus.base.Aggregator` whose ``update`` needs ``params`` (the base).
+
+    Raises:
+      ValueError: If ``density`` is outside (0, 1], ``election`` unknown, ``scale`` not
+        finite, ``normalize`` not a bool or the weights invalid; from ``update``, when the
+        base is missing or does not match the stack.
+      ByzantineToleranceError: From ``update``, when no node is valid.
+
+    References:
+      Yadav, Tam, Choshen, Raffel and Bansal 2023, NeurIPS, "TIES-Merging: Resolving
+      Interference When Merging Models".
     """
     rho = check_density("ties", density)
     if election not in ELECTIONS:
