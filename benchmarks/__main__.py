@@ -6,6 +6,8 @@
 * ``python -m benchmarks all [--quick]``: every benchmark in turn, each in a fresh process (what
   ``make bench`` and ``make bench-quick`` run), stopping at the first that fails.
 * ``python -m benchmarks --names``: the names alone, one a line.
+* ``python -m benchmarks publish [--check]``: render the documentation's results pages and the
+  README's numbers from ``benchmarks/results/*.json`` (``benchmarks/publish.py``).
 
 A benchmark is any module of ``benchmarks/speed``, ``benchmarks/quality`` or
 ``benchmarks/tuning`` that defines ``main(argv)``; its name is the module's. They are found by
@@ -60,7 +62,7 @@ def discover(root: Path = _HERE) -> dict[str, Benchmark]:
 
 def listing(benchmarks: dict[str, Benchmark]) -> str:
     width = max(len(name) for name in benchmarks)
-    lines = ["usage: python -m benchmarks NAME [--quick] [ARGS...]   (or: all [--quick])"]
+    lines = ["usage: python -m benchmarks NAME [--quick] [ARGS...]   (or: all [--quick], publish [--check])"]
     for purpose in PURPOSES:
         group = [b for b in benchmarks.values() if b.purpose == purpose]
         if group:
@@ -109,6 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args[0] == "all":
         return run_all(args[1:])
+    if args[0] == "publish":
+        from benchmarks import publish
+
+        return publish.main(args[1:])
     run(args[0], args[1:])
     return 0
 

@@ -242,6 +242,7 @@ def save(
     """
     cmd = command(benchmark or name, quick)
     record: dict[str, Any] = {"command": cmd, "argv": sys.argv, "machine": machine()}
+    record["date"] = time.strftime("%Y-%m-%d", time.gmtime())  # UTC; the published pages show it
     record["load_average"] = load_average()
     if settings is not None:
         record["settings"] = dict(settings)
