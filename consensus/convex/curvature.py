@@ -1,10 +1,10 @@
-"""Held-out loss, gradient and diagonal curvature at a reference point, as trees.
+r"""Held-out loss, gradient and diagonal curvature at a reference point, as trees.
 
 The quadratic model behind :func:`consensus.convex.weights.quadratic_weights`
 needs, at a reference point theta_0 and on a held-out batch of m examples,
 
-.. math:: L_0 = \\frac1m \\sum_j \\ell_j(\\theta_0),\\quad
-          g = \\nabla L_0,\\quad h \\approx \\mathrm{diag}\\,\\nabla^2 L_0,\\ h \\ge 0.
+.. math:: L_0 = \frac1m \sum_j \ell_j(\theta_0),\quad
+          g = \nabla L_0,\quad h \approx \mathrm{diag}\,\nabla^2 L_0,\ h \ge 0.
 
 Two PSD diagonal curvatures are provided:
 
@@ -117,9 +117,9 @@ def empirical_fisher(
     *,
     chunk_size: int = 256,
 ) -> LossModel:
-    """Held-out loss, gradient and diagonal empirical Fisher at ``params``.
+    r"""Held-out loss, gradient and diagonal empirical Fisher at ``params``.
 
-    .. math:: h = \\frac1m \\sum_j (\\nabla \\ell_j(\\theta_0))^{\\odot 2}
+    .. math:: h = \frac1m \sum_j (\nabla \ell_j(\theta_0))^{\odot 2}
 
     Args:
       example_loss: ``example_loss(params, example) -> scalar`` for ONE example

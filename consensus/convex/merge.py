@@ -45,7 +45,9 @@ class Weigher(Protocol):
 
     def __call__(
         self, stacked: PyTree, params: PyTree | None, mask: np.ndarray, **extra: Any
-    ) -> ConvexWeights: ...
+    ) -> ConvexWeights:
+        """Return the weights for ``stacked`` (see the class docstring)."""
+        ...
 
 
 class SolverFailure(RuntimeError):
@@ -97,10 +99,10 @@ def convex_merge(
     on_fallback: Literal["use", "raise"] = "use",
     name: str = "convex_merge",
 ) -> Aggregator:
-    """An aggregator that merges with weights from a convex problem.
+    r"""An aggregator that merges with weights from a convex problem.
 
-    .. math:: \\bar x = \\sum_i w_i x_i,\\qquad w = \\text{weigher}(x) \\in
-              \\{w \\ge 0, \\textstyle\\sum_i w_i = 1\\}
+    .. math:: \bar x = \sum_i w_i x_i,\qquad w = \text{weigher}(x) \in
+              \{w \ge 0, \textstyle\sum_i w_i = 1\}
 
     ``update(stacked, state, params=None, *, mask=None, **extra)`` combines
     ``mask`` with the finite-node mask, calls ``weigher(stacked, params, valid,
@@ -136,7 +138,15 @@ def convex_merge(
       name: the aggregator's name.
 
     Returns:
-      :class:`~consensus.base.Aggregator`.
+      :class:`~consensus.base.Aggregator` with a :class:`ConvexMergeState`.
+
+    Raises:
+      TypeError: If ``weigher`` is not callable; from ``update``, when it returns something
+        other than ConvexWeights.
+      ValueError: If ``on_fallback`` is not "use" or "raise"; from ``update``, the weigher's
+        ValueError for infeasible options.
+      SolverFailure: From ``update``, when the vote accepts no node, or the solver fails and
+        ``on_fallback="raise"``.
 
     Example:
       >>> from consensus import stack
@@ -246,11 +256,17 @@ def quadratic_weigher(
       reference: see above.
       trust_region: safeguard the weights by the true held-out loss.
       loss_fn: cheaper held-out loss for the trust region (optional).
-      eta, max_steps: trust-region acceptance threshold and number of ridge increases.
-      **options: lambda_reg, max_weight, min_weight, damping, solver, cache, solver_options.
+      eta: The trust region's acceptance threshold on rho.
+      max_steps: How many times the trust region's ridge may grow.
+      **options: lambda_reg, max_weight, min_weight, damping, solver, cache, solver_options
+        (see :func:`~consensus.convex.weights.quadratic_weights`).
 
     Returns:
       a :class:`Weigher`.
+
+    Raises:
+      ValueError: When the weigher runs, if ``reference`` is not "mean", "params" or an
+        Aggregator, or is "params" without params.
 
     Example:
       >>> from consensus import softmax_gauss_newton, stack
@@ -299,6 +315,14 @@ def mixture_nll_weigher(prob_fn: Callable[..., jax.Array], **options: Any) -> We
     the true label of each held-out example; it is vmapped over the node axis
     to form ``probs`` (n, m).
 
+    Args:
+      prob_fn: ``prob_fn(node_params, **extra) -> (m,)`` probabilities of the true labels.
+      **options: Keyword arguments of :func:`~consensus.convex.mixture.mixture_nll_weights`
+        (lambda_reg, max_weight, min_weight, method, solver, ...).
+
+    Returns:
+      a :class:`Weigher`.
+
     Example:
       >>> def prob_fn(p, batch):
       ...     return jnp.take_along_axis(jax.nn.softmax(batch["x"] @ p["w"] + p["b"]),
@@ -326,6 +350,14 @@ def anchor_weigher(anchor: Aggregator | None = None, **options: Any) -> Weigher:
     anchor. With ``anchor=None`` the anchor is the output of the vote that
     :func:`convex_merge` ran first (its ``vote=``): the convex combination of
     the accepted nodes closest to the vote.
+
+    Args:
+      anchor: The robust aggregator whose output is the anchor, or None for the vote's output.
+      **options: Keyword arguments of :func:`~consensus.convex.weights.anchor_weights`
+        (lambda_reg, max_weight, min_weight, solver, ...).
+
+    Returns:
+      a :class:`Weigher`.
 
     Example::
 

@@ -43,10 +43,10 @@ def mixture_nll_weights(
     tol: float = 1e-10,
     max_iter: int = 50,
 ) -> ConvexWeights:
-    """Stacking weights: minimize the held-out NLL of the mixture of the nodes.
+    r"""Stacking weights: minimize the held-out NLL of the mixture of the nodes.
 
-    .. math:: \\min_{w \\in W} -\\frac1m \\sum_{j=1}^m \\log\\Big(\\sum_i w_i P_{ij}\\Big)
-              + \\lambda \\|w - u\\|^2
+    .. math:: \min_{w \in W} -\frac1m \sum_{j=1}^m \log\Big(\sum_i w_i P_{ij}\Big)
+              + \lambda \|w - u\|^2
 
     ``P[i, j]`` is node i's predicted probability of the true label of held-out
     example j. Convex in w (minus the log of an affine function). Entries are
@@ -69,14 +69,25 @@ def mixture_nll_weights(
 
     Args:
       probs: (n, m) probabilities in [0, 1]. Rows with NaN/Inf reject the node.
-      lambda_reg, max_weight, mask, min_weight, solver, cache, solver_options:
-        see :func:`solve_qp_weights`.
+      lambda_reg: lambda >= 0, the ridge ``lambda ||w - u||^2`` towards the uniform weights u
+        over the accepted nodes.
+      max_weight: The cap on every weight, in (0, 1], or None for no cap (1).
+      min_weight: The floor on every accepted node's weight, in [0, 1].
+      mask: (n,) bool of the nodes allowed a positive weight, or None for all.
+      solver: An installed cvxpy solver's name; Clarabel by default.
+      cache: The problem cache (default: the process-wide one).
+      solver_options: Keyword arguments for ``problem.solve``.
       method: "auto", "conic" or "newton".
       floor: probability floor (> 0).
-      tol, max_iter: Newton stopping rule.
+      tol: Newton's stopping tolerance on the decrement ``-g^T d``.
+      max_iter: The largest number of Newton steps.
 
     Returns:
       :class:`ConvexWeights`; ``objective`` is the mean NLL (plus the ridge).
+
+    Raises:
+      ValueError: If ``probs`` is not (n, m), ``method`` or ``floor`` is invalid, or the
+        options are out of range or infeasible.
 
     Example:
       >>> probs = np.array([[0.9, 0.8], [0.1, 0.2], [0.5, 0.6]])  # 3 nodes, 2 held-out examples

@@ -49,8 +49,11 @@ import numpy as np
 
 
 class _Lazy:
-    """cvxpy, imported on first use: it takes over a second to import, and most runs
-    (and every ``import consensus``) never build a convex problem."""
+    """Import cvxpy on first use.
+
+    It takes over a second to import, and most runs (and every ``import consensus``) never
+    build a convex problem.
+    """
 
     def __getattr__(self, name: str) -> Any:
         import cvxpy
@@ -145,9 +148,11 @@ class ProblemCache:
         return self._items[key]
 
     def keys(self) -> list[ProblemKey]:
+        """Return the keys of the cached problems, least recently used first."""
         return list(self._items)
 
     def clear(self) -> None:
+        """Drop every cached problem."""
         self._items.clear()
 
 

@@ -120,9 +120,9 @@ def solve_qp_weights(
     cache: ProblemCache | None = None,
     solver_options: dict[str, Any] | None = None,
 ) -> ConvexWeights:
-    """Weights minimizing a convex quadratic over the capped simplex.
+    r"""Weights minimizing a convex quadratic over the capped simplex.
 
-    .. math:: \\min_{w \\in W} \\tfrac12 w^T Q w + q^T w + c + \\lambda \\|w - u\\|^2
+    .. math:: \min_{w \in W} \tfrac12 w^T Q w + q^T w + c + \lambda \|w - u\|^2
 
     Rows and columns of rejected nodes are ignored (they may hold NaN). The
     problem is scaled by ``max(|Q|, |q|)`` before solving so that the solver's
@@ -134,13 +134,21 @@ def solve_qp_weights(
       q: (n,) linear term.
       const: constant c (only changes the reported objective).
       objective_name: name recorded in the result.
-      lambda_reg, max_weight, min_weight, mask: see the module docstring.
-      solver: installed cvxpy solver; Clarabel by default.
-      cache: problem cache (default: the process-wide one).
-      solver_options: keyword arguments for ``problem.solve``.
+      lambda_reg: lambda >= 0, the ridge ``lambda ||w - u||^2`` towards the uniform weights u
+        over the accepted nodes.
+      max_weight: The cap on every weight, in (0, 1], or None for no cap (1).
+      min_weight: The floor on every accepted node's weight, in [0, 1].
+      mask: (n,) bool of the nodes allowed a positive weight, or None for all.
+      solver: An installed cvxpy solver's name; Clarabel by default.
+      cache: The problem cache (default: the process-wide one).
+      solver_options: Keyword arguments for ``problem.solve``.
 
     Returns:
-      :class:`ConvexWeights`.
+      :class:`ConvexWeights`; a solver failure gives the uniform fallback (``fallback=True``).
+
+    Raises:
+      ValueError: If the options are out of range or infeasible (no accepted node, a cap
+        below 1/n_accepted, a floor above it), before any solve.
     """
     check_options(lambda_reg, max_weight, min_weight)
     qmat = np.asarray(qmat, np.float64)
@@ -210,6 +218,23 @@ def solve_qp_weights(
 
 
 def uniform_fallback(acc, lb, ub, name, compiled, built, status, solve_time, why, objective) -> ConvexWeights:
+    """Return the uniform weights over the accepted nodes as a fallback :class:`ConvexWeights`.
+
+    Args:
+      acc: (n,) bool, the accepted nodes.
+      lb: (n,) lower bounds (unused; kept for a uniform call signature).
+      ub: (n,) upper bounds (unused; kept for a uniform call signature).
+      name: The objective's name.
+      compiled: The compiled problem (its solver is recorded).
+      built: Whether this call compiled the problem.
+      status: The solver's status.
+      solve_time: Seconds spent solving.
+      why: Why the fallback was taken (the start of ``message``).
+      objective: ``objective(w) -> float``, the objective at the weights.
+
+    Returns:
+      A :class:`ConvexWeights` with ``fallback=True``.
+    """
     w = uniform_weights(acc)
     return ConvexWeights(
         w,

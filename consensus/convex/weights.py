@@ -96,11 +96,20 @@ def _delta_dot(x: jax.Array, ref: jax.Array, v: jax.Array) -> jax.Array:
 def quadratic_statistics(
     stacked: PyTree, ref: PyTree, grad: PyTree, curvature: PyTree
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(Q, q) of the quadratic model, leaf by leaf, summed in float64.
+    r"""Compute (Q, q) of the quadratic model, leaf by leaf, summed in float64.
 
-    .. math:: Q = D H D^T = \\sum_{leaves} G((x - \\theta_0) \\sqrt h),\\qquad q = D g
+    .. math:: Q = D H D^T = \sum_{leaves} G((x - \theta_0) \sqrt h),\qquad q = D g
 
     where row i of D is node i's delta ``x_i - theta_0`` and ``H = diag(h)``.
+
+    Args:
+      stacked: Stacked tree of the n nodes' parameters.
+      ref: The reference point theta_0, a tree like one node.
+      grad: The gradient g at ``ref``, a tree like ``ref``.
+      curvature: The diagonal curvature h >= 0 at ``ref``, a tree like ``ref``.
+
+    Returns:
+      ``(Q, q)``: (n, n) and (n,) float64 numpy arrays.
     """
     tree.check_stacked_against(stacked, ref)
     _check_like("grad", grad, ref)
@@ -145,12 +154,12 @@ def quadratic_weights(
     cache: ProblemCache | None = None,
     solver_options: dict[str, Any] | None = None,
 ) -> ConvexWeights:
-    """Weights minimizing a quadratic model of the held-out loss of the merge.
+    r"""Weights minimizing a quadratic model of the held-out loss of the merge.
 
     With ``theta(w) = sum_i w_i x_i`` and ``sum_i w_i = 1``,
     ``theta(w) - theta_0 = D^T w`` (rows of D: the deltas ``x_i - theta_0``), so
 
-    .. math:: L(\\theta(w)) \\approx L_0 + (D g)^T w + \\tfrac12 w^T D (H + \\delta I) D^T w
+    .. math:: L(\theta(w)) \approx L_0 + (D g)^T w + \tfrac12 w^T D (H + \delta I) D^T w
 
     with g the held-out gradient and ``H = diag(h) >= 0`` a diagonal Fisher or
     Gauss-Newton curvature at theta_0 (see :mod:`consensus.convex.curvature`).
@@ -164,12 +173,21 @@ def quadratic_weights(
       curvature: diagonal curvature h >= 0 at ``ref``, a tree like ``ref``.
       loss: held-out loss at ``ref`` (only shifts the reported objective).
       damping: delta >= 0 added to h (a trust-region-like damping).
-      lambda_reg, max_weight, min_weight, mask, solver, cache, solver_options:
-        see :func:`solve_qp_weights`. Nodes holding NaN/Inf are rejected on
-        top of ``mask``.
+      lambda_reg: lambda >= 0, the ridge ``lambda ||w - u||^2`` towards the uniform weights u
+        over the accepted nodes.
+      max_weight: The cap on every weight, in (0, 1], or None for no cap (1).
+      min_weight: The floor on every accepted node's weight, in [0, 1].
+      mask: (n,) bool of the nodes allowed a positive weight, or None for all.
+      solver: An installed cvxpy solver's name; Clarabel by default.
+      cache: The problem cache (default: the process-wide one).
+      solver_options: Keyword arguments for ``problem.solve``.
+        Nodes holding NaN/Inf are rejected on top of ``mask``.
 
     Returns:
       :class:`ConvexWeights`; ``objective`` is the predicted held-out loss.
+
+    Raises:
+      ValueError: If the options are out of range or infeasible (see :func:`solve_qp_weights`).
 
     Example:
       >>> from consensus import softmax_gauss_newton, stack
@@ -228,7 +246,7 @@ def trust_region_quadratic_weights(
     cache: ProblemCache | None = None,
     solver_options: dict[str, Any] | None = None,
 ) -> ConvexWeights:
-    """Quadratic-model weights, safeguarded by the true held-out loss (a trust region).
+    r"""Quadratic-model weights, safeguarded by the true held-out loss (a trust region).
 
     The quadratic model is only trusted near its reference point; far from it
     (a vertex of the simplex, for a non-convex network) it can promise a loss
@@ -237,7 +255,7 @@ def trust_region_quadratic_weights(
     ridge lambda, evaluate the true held-out loss L of the merge, and accept
     when
 
-    .. math:: \\rho = \\frac{L(\\theta(u)) - L(\\theta(w))}{m(u) - m(w)} \\ge \\eta
+    .. math:: \rho = \frac{L(\theta(u)) - L(\theta(w))}{m(u) - m(w)} \ge \eta
 
     (m the quadratic model); otherwise ``lambda <- max(10 lambda, 0.01 |Q|)``
     and re-solve (a DPP re-solve: only Parameters change). Accepted weights
@@ -246,17 +264,31 @@ def trust_region_quadratic_weights(
     message says so).
 
     Args:
-      stacked, ref, grad, curvature, loss, damping, lambda_reg, max_weight,
-        min_weight, mask, solver, cache, solver_options: as in
-        :func:`quadratic_weights` (``lambda_reg`` is the first ridge tried).
+      stacked: Stacked tree of the n nodes' parameters.
+      ref: The reference point theta_0, a tree like one node.
+      grad: The gradient of the held-out loss at ``ref``.
+      curvature: The diagonal curvature h >= 0 at ``ref``.
       loss_at: ``loss_at(params) -> float``, the held-out loss of a tree like
         ``ref`` (for example ``lambda p: float(model_fn(p).loss)``).
+      loss: The held-out loss at ``ref`` (only shifts the reported objective).
       eta: acceptance threshold on rho, in (0, 1).
       max_steps: how many times the ridge may grow.
+      damping: delta >= 0 added to h.
+      lambda_reg: lambda >= 0, the ridge ``lambda ||w - u||^2`` towards the uniform weights u;
+        the first ridge tried.
+      max_weight: The cap on every weight, in (0, 1], or None for no cap (1).
+      min_weight: The floor on every accepted node's weight, in [0, 1].
+      mask: (n,) bool of the nodes allowed a positive weight, or None for all.
+      solver: An installed cvxpy solver's name; Clarabel by default.
+      cache: The problem cache (default: the process-wide one).
+      solver_options: Keyword arguments for ``problem.solve``.
 
     Returns:
       :class:`ConvexWeights`; ``iterations`` counts the solves, ``message``
       gives the accepted lambda, rho and held-out losses.
+
+    Raises:
+      ValueError: If the options are out of range or infeasible (see :func:`solve_qp_weights`).
 
     References:
       Nocedal & Wright, "Numerical Optimization", ch. 4 (trust regions), 2006.
@@ -349,9 +381,9 @@ def anchor_weights(
     cache: ProblemCache | None = None,
     solver_options: dict[str, Any] | None = None,
 ) -> ConvexWeights:
-    """Weights whose merged point is closest to a robust anchor.
+    r"""Weights whose merged point is closest to a robust anchor.
 
-    .. math:: \\min_{w \\in W} \\|D^T w - (a - \\theta_0)\\|^2 = w^T G w - 2 b^T w + c
+    .. math:: \min_{w \in W} \|D^T w - (a - \theta_0)\|^2 = w^T G w - 2 b^T w + c
 
     Give the anchor either as a tree ``anchor`` (e.g. the trimmed mean): then
     theta_0 = a, so G is the Gram matrix of the deltas from the anchor and
@@ -368,12 +400,22 @@ def anchor_weights(
       anchor_node_weights: (n,) nonnegative weights summing to 1, zero on
         rejected nodes, or None. Exactly one of ``anchor`` and this is given.
       ref: centring point for the node-weights form.
-      lambda_reg, max_weight, min_weight, mask, solver, cache, solver_options:
-        see :func:`solve_qp_weights`.
+      lambda_reg: lambda >= 0, the ridge ``lambda ||w - u||^2`` towards the uniform weights u
+        over the accepted nodes.
+      max_weight: The cap on every weight, in (0, 1], or None for no cap (1).
+      min_weight: The floor on every accepted node's weight, in [0, 1].
+      mask: (n,) bool of the nodes allowed a positive weight, or None for all.
+      solver: An installed cvxpy solver's name; Clarabel by default.
+      cache: The problem cache (default: the process-wide one).
+      solver_options: Keyword arguments for ``problem.solve``.
 
     Returns:
       :class:`ConvexWeights`; ``objective`` is the squared distance to the anchor
       (plus the ridge).
+
+    Raises:
+      ValueError: If not exactly one of ``anchor`` and ``anchor_node_weights`` is given, or
+        the options are out of range or infeasible.
 
     Example:
       >>> from consensus import stack
