@@ -38,7 +38,18 @@ PyTree = Any
 
 
 def sum_noise_multiplier(cfg: MechanismSpec, m: float) -> float:
-    """z for the sum: z itself, or z_sum = (z^-2 - (2 sigma_b)^-2)^-1/2 under adaptive clipping."""
+    """Return the sum's noise multiplier: z, or z_sum = (z^-2 - (2 sigma_b)^-2)^-1/2 under adaptive clipping.
+
+    Args:
+      cfg: The mechanism's static configuration (z, adaptive settings).
+      m: The expected number of participants (sets the default count noise m / 20).
+
+    Returns:
+      The noise multiplier of the sum's release.
+
+    Raises:
+      ValueError: Under adaptive clipping with z > 0, when 2 sigma_b <= z.
+    """
     z = cfg.noise_multiplier
     if cfg.adaptive is None or z == 0.0:
         return z
@@ -62,7 +73,20 @@ def _count_std(cfg: MechanismSpec, m: float) -> float:
 
 
 def participation(stacked, params, mask, key, clip_norm, cfg: MechanismSpec):
-    """valid (n,), norms (n,), clip scale (n,)."""
+    """Decide the round's participants and their clip factors.
+
+    Args:
+      stacked: The stacked node trees.
+      params: The current global tree (updates are x_i - params).
+      mask: Optional (n,) bool of the nodes allowed to take part.
+      key: The round's typed key (the Poisson sample's stream).
+      clip_norm: C.
+      cfg: The mechanism's static configuration.
+
+    Returns:
+      ``(valid, norms, scale)``: (n,) bool participants, (n,) update norms (0 for the others)
+      and (n,) float32 clip factors ``min(1, C / ||u_i||)``.
+    """
     n = tree.num_nodes(stacked)
     sq = tree.sq_norms(stacked, params)
     # A node holding NaN or Inf has a non-finite update norm, so this is tree.finite_mask
@@ -82,7 +106,26 @@ def participation(stacked, params, mask, key, clip_norm, cfg: MechanismSpec):
 def finish_release(
     delta, params, opt_state, key, clip_norm, valid, norms, scale, shardings, cfg, optimizer, m, unit
 ):
-    """Noise, server step and adaptive clip update. ``unit``: sensitivity per unit of C."""
+    """Add the noise, take the server step and update the adaptive clip norm.
+
+    Args:
+      delta: The merged clipped update, a tree like ``params``.
+      params: The current global tree.
+      opt_state: The server optimizer's state.
+      key: The round's typed key.
+      clip_norm: C this round.
+      valid: (n,) bool participants.
+      norms: (n,) update norms.
+      scale: (n,) clip factors.
+      shardings: Each params leaf's sharding or None (see :func:`shardings_of`).
+      cfg: The mechanism's static configuration.
+      optimizer: The server optimizer (optax).
+      m: The denominator (expected participants).
+      unit: The release's L2 sensitivity per unit of C.
+
+    Returns:
+      ``(new_params, opt_state, new_clip_norm, DPRoundInfo)``.
+    """
     z_sum = sum_noise_multiplier(cfg, m)
     noise_std = jnp.float32(z_sum * unit) * clip_norm
     noise_key = jax.random.fold_in(key, _NOISE_STREAM)
@@ -133,7 +176,14 @@ def finish_release(
 
 
 def shardings_of(params: PyTree) -> tuple:
-    """Each params leaf's sharding when it is a concrete array spread over several devices."""
+    """Return each params leaf's sharding when it is a concrete array spread over several devices.
+
+    Args:
+      params: The global tree.
+
+    Returns:
+      One entry per leaf: its sharding, or None (a tracer, or one device).
+    """
     out = []
     for p in jax.tree_util.tree_leaves(params):
         sh = (
@@ -146,6 +196,21 @@ def shardings_of(params: PyTree) -> tuple:
 
 
 def check_update_args(stacked, params, mask, name: str):
+    """Check a DP update's arguments.
+
+    Args:
+      stacked: The stacked node trees.
+      params: The current global tree (required).
+      mask: Optional (n,) bool mask.
+      name: The aggregator's name, for messages.
+
+    Returns:
+      ``(n, mask)`` with the mask as a jax array (or None).
+
+    Raises:
+      ValueError: If ``params`` is None, does not match the stack, or the mask's shape is wrong.
+      TypeError: If the mask is not boolean.
+    """
     if params is None:
         raise ValueError(f"{name}: the current global params are required (updates are clipped around them)")
     tree.check_stacked_against(stacked, params)
@@ -160,6 +225,23 @@ def check_update_args(stacked, params, mask, name: str):
 
 
 def check_common_args(clip_norm, noise_multiplier, sampling_rate, expected_nodes, adaptive, server_optimizer):
+    """Check the arguments every DP recipe shares.
+
+    Args:
+      clip_norm: C, finite and > 0.
+      noise_multiplier: z, finite and >= 0.
+      sampling_rate: q in (0, 1].
+      expected_nodes: m, finite and > 0, or None.
+      adaptive: An :class:`AdaptiveClipConfig` or None.
+      server_optimizer: An optax transform, or None for ``optax.sgd(1.0)``.
+
+    Returns:
+      ``(C, z, q, m, optimizer)`` with q the exact sampling probability.
+
+    Raises:
+      ValueError: If a number is out of range.
+      TypeError: If ``adaptive`` or ``server_optimizer`` has the wrong type.
+    """
     c = float(clip_norm)
     if not (math.isfinite(c) and c > 0.0):
         raise ValueError(f"clip_norm must be finite and > 0, got {clip_norm}")
@@ -188,6 +270,21 @@ def check_common_args(clip_norm, noise_multiplier, sampling_rate, expected_nodes
 
 
 def make_init(clip_norm: float, cfg: MechanismSpec, optimizer, key, inner_init=None):
+    """Build a DP aggregator's ``init``.
+
+    Args:
+      clip_norm: The initial C.
+      cfg: The mechanism's static configuration.
+      optimizer: The server optimizer (optax).
+      key: A jax.random key (typed or raw uint32 data) or an int seed.
+      inner_init: The wrapped rule's ``init`` (:func:`privatize`), or None.
+
+    Returns:
+      ``init(params) -> DPState``.
+
+    Raises:
+      ValueError: If the key is not a key or raw uint32 data of shape (2,).
+    """
     key = raw_key(jax.random.key(key) if isinstance(key, int | np.integer) else key)
     if key.shape != (2,) or key.dtype != jnp.uint32:
         raise ValueError(
@@ -213,12 +310,37 @@ def make_init(clip_norm: float, cfg: MechanismSpec, optimizer, key, inner_init=N
 
 
 def denominator_of(cfg: MechanismSpec, n: int) -> float:
+    """Return the fixed denominator m: ``expected_nodes``, else ``sampling_rate * n``.
+
+    Args:
+      cfg: The mechanism's static configuration.
+      n: The length of the node axis.
+
+    Returns:
+      m.
+    """
     return cfg.expected_nodes if cfg.expected_nodes is not None else cfg.sampling_rate * n
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "optimizer", "shardings"))
 def linear_core(stacked, params, mask, weights, key, clip_norm, opt_state, *, cfg, optimizer, shardings):
-    """One jitted round of :func:`dp_fedavg` / :func:`dp_weighted_mean` (shared across instances)."""
+    """Run one jitted round of :func:`dp_fedavg` / :func:`dp_weighted_mean` (shared across instances).
+
+    Args:
+      stacked: The stacked node trees.
+      params: The current global tree.
+      mask: Optional (n,) bool mask.
+      weights: (n,) node weights (dp_weighted_mean), or None.
+      key: Raw uint32 key data of this round.
+      clip_norm: C this round.
+      opt_state: The server optimizer's state.
+      cfg: The mechanism's static configuration.
+      optimizer: The server optimizer.
+      shardings: Each params leaf's sharding or None.
+
+    Returns:
+      ``(new_params, opt_state, new_clip_norm, next_key, valid, shown_weights, DPRoundInfo)``.
+    """
     n = tree.num_nodes(stacked)
     m = denominator_of(cfg, n)
     k = jax.random.wrap_key_data(key)

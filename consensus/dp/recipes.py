@@ -130,6 +130,13 @@ def dp_fedavg(
       An :class:`~consensus.base.Aggregator` whose ``update(stacked, state, params, *, mask=None)``
       returns ``(new_params, state)``; ``params`` is required.
 
+    Raises:
+      ValueError: If ``clip_norm`` is not finite and > 0, ``noise_multiplier`` not finite and
+        >= 0, ``sampling_rate`` outside (0, 1], the adaptive settings out of range, or the key
+        malformed; from ``update``, when ``params`` is missing or the mask has the wrong shape.
+      TypeError: If ``adaptive`` is not an AdaptiveClipConfig or ``server_optimizer`` not an
+        optax transform.
+
     Example:
       >>> from consensus import PrivacyLedger, privacy_event, round_participants
       >>> n, params = 20, {"w": jnp.zeros(3)}
@@ -144,7 +151,9 @@ def dp_fedavg(
       (3,)
 
     References:
-      McMahan et al. (2018); Andrew et al. (2021) for ``adaptive``.
+      McMahan, Ramage, Talwar and Zhang 2018, ICLR, "Learning Differentially Private
+      Recurrent Language Models"; Andrew, Thakkar, McMahan and Ramaswamy 2021, NeurIPS,
+      "Differentially Private Learning with Adaptive Clipping" for ``adaptive``.
     """
     return _linear_dp(
         clip_norm,
@@ -188,6 +197,14 @@ def dp_weighted_mean(
 
     Returns:
       An Aggregator with ``update(stacked, state, params, *, weights, mask=None)``.
+
+    Raises:
+      ValueError: If ``clip_norm`` is not finite and > 0, ``noise_multiplier`` not finite and
+        >= 0, ``sampling_rate`` outside (0, 1], the adaptive settings out of range, or the key
+        malformed, or ``max_weight`` not finite and > 0; from ``update``, when ``params`` or
+        valid (n,) non-negative ``weights`` are missing, or the mask has the wrong shape.
+      TypeError: If ``adaptive`` is not an AdaptiveClipConfig or ``server_optimizer`` not an
+        optax transform.
     """
     w = float(max_weight)
     if not (math.isfinite(w) and w > 0.0):
@@ -249,14 +266,26 @@ def privatize(
       aggregator: the rule to privatize; with ``project=False`` its
         ``sensitivity(clip_norm, num_nodes)`` must hold for updates clipped to ``clip_norm``
         under add/remove of one node.
-      clip_norm, noise_multiplier, sampling_rate, adaptive, server_optimizer, key: as in
-        :func:`dp_fedavg`.
+      clip_norm: C > 0, the whole-tree L2 clip norm (as in :func:`dp_fedavg`).
+      noise_multiplier: z >= 0; the noise std is ``z * s``.
       expected_nodes: m, passed to the rule's sensitivity and used by adaptive clipping.
+      sampling_rate: q in (0, 1] (Poisson sampling from the state's key).
+      adaptive: :class:`AdaptiveClipConfig`, or None for a fixed C.
+      server_optimizer: optax transform of the pseudo-gradient (default ``sgd(1.0)``).
+      key: jax.random key or int seed.
       project: project the merged update onto the C-ball and use sensitivity 2C (see above).
 
     Returns:
       An Aggregator (``update(stacked, state, params, *, mask=None, **extra)``; extra
       arguments go to the wrapped rule).
+
+    Raises:
+      ValueError: If ``project=False`` and the rule states no sensitivity, or
+        ``clip_norm`` is not finite and > 0, ``noise_multiplier`` not finite and >= 0,
+        ``sampling_rate`` outside (0, 1], the adaptive settings out of range or the key
+        malformed; from ``update``, when ``params`` is missing or the mask has the wrong shape.
+      TypeError: If ``aggregator`` is not an Aggregator, ``adaptive`` not an
+        AdaptiveClipConfig or ``server_optimizer`` not an optax transform.
     """
     if project:
         aggregator = aggregator._replace(sensitivity=_projected_sensitivity)

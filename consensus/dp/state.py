@@ -42,12 +42,21 @@ class AdaptiveClipConfig(NamedTuple):
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class MechanismSpec:
-    """Static configuration of a DP aggregator (no array leaves; hashable)."""
+    """Static configuration of a DP aggregator (no array leaves; hashable).
+
+    Attributes:
+      noise_multiplier: z.
+      sampling_rate: q, exactly the probability the sampler uses (a multiple of 2^-32).
+      expected_nodes: m, the fixed denominator, or None for ``sampling_rate * n``.
+      max_weight: w_max of :func:`dp_weighted_mean`; None for the uniform 1 / m.
+      adaptive: The adaptive clipping settings, or None.
+      name: The aggregator's name.
+    """
 
     noise_multiplier: float
-    sampling_rate: float  # exactly the probability the sampler uses (a multiple of 2^-32)
+    sampling_rate: float
     expected_nodes: float | None
-    max_weight: float | None  # None: uniform 1 / expected_nodes
+    max_weight: float | None
     adaptive: AdaptiveClipConfig | None
     name: str
 
@@ -100,7 +109,15 @@ class DPState(NamedTuple):
 
 
 def check_dp_compatible(aggregator: Aggregator) -> None:
-    """Raise ValueError unless ``aggregator`` states its L2 sensitivity (``sensitivity`` not None)."""
+    """Raise ValueError unless ``aggregator`` states its L2 sensitivity (``sensitivity`` not None).
+
+    Args:
+      aggregator: The rule to check.
+
+    Raises:
+      TypeError: If ``aggregator`` is not an :class:`~consensus.base.Aggregator`.
+      ValueError: If its sensitivity to adding or removing one node has not been worked out.
+    """
     if not isinstance(aggregator, Aggregator):
         raise TypeError(f"expected a consensus.base.Aggregator, got {type(aggregator).__name__}")
     if aggregator.sensitivity is None:
@@ -113,7 +130,23 @@ def check_dp_compatible(aggregator: Aggregator) -> None:
 
 
 def dp_sensitivity(aggregator: Aggregator, clip_norm: float, num_nodes: float) -> float:
-    """The rule's L2 sensitivity for updates clipped to ``clip_norm`` (ValueError if unknown)."""
+    """Return the rule's L2 sensitivity for updates clipped to ``clip_norm``.
+
+    The sensitivity is to adding or removing one node whose update is clipped to
+    ``clip_norm`` (e.g. C / n for the uniform mean).
+
+    Args:
+      aggregator: The rule.
+      clip_norm: C.
+      num_nodes: n (or the expected number of participants).
+
+    Returns:
+      The sensitivity, finite and > 0.
+
+    Raises:
+      TypeError: If ``aggregator`` is not an Aggregator.
+      ValueError: If the rule states no sensitivity or reports an invalid one.
+    """
     check_dp_compatible(aggregator)
     assert aggregator.sensitivity is not None  # check_dp_compatible raised otherwise
     s = float(aggregator.sensitivity(float(clip_norm), float(num_nodes)))
@@ -131,7 +164,17 @@ def _threshold(q: float) -> int:
 
 
 def effective_sampling_rate(sampling_rate: float) -> float:
-    """The exact probability :func:`sample_participants` uses for ``sampling_rate`` (a multiple of 2^-32)."""
+    """Return the exact probability :func:`sample_participants` uses for ``sampling_rate``.
+
+    Args:
+      sampling_rate: q in (0, 1].
+
+    Returns:
+      q rounded to a multiple of 2^-32 (the q to give the accountant).
+
+    Raises:
+      ValueError: If ``sampling_rate`` is outside (0, 1].
+    """
     q = float(sampling_rate)
     if not (0.0 < q <= 1.0):
         raise ValueError(f"sampling_rate must lie in (0, 1], got {sampling_rate}")
@@ -139,10 +182,21 @@ def effective_sampling_rate(sampling_rate: float) -> float:
 
 
 def sample_participants(key: jax.Array, num_nodes: int, sampling_rate: float) -> jax.Array:
-    """(n,) bool Poisson sample: each node independently with probability ``sampling_rate``.
+    """Draw a Poisson sample of the nodes: each independently with probability ``sampling_rate``.
 
     Compares uniform uint32 bits with an integer threshold, so the probability is exactly
     :func:`effective_sampling_rate` - the q to give the accountant.
+
+    Args:
+      key: A jax.random key (typed or raw uint32 data).
+      num_nodes: n.
+      sampling_rate: q in (0, 1].
+
+    Returns:
+      (n,) bool, the sampled nodes.
+
+    Raises:
+      ValueError: If ``sampling_rate`` is outside (0, 1].
     """
     q = effective_sampling_rate(sampling_rate)
     if q == 1.0:
@@ -156,6 +210,13 @@ def round_participants(state: DPState, num_nodes: int) -> jax.Array:
 
     ``update`` draws the same sample from the same key and drops everyone else, so the
     rate the accountant sees (:func:`privacy_event`) is the rate actually used.
+
+    Args:
+      state: The DP aggregator's state.
+      num_nodes: n.
+
+    Returns:
+      (n,) bool, the nodes sampled for the coming round.
     """
     return sample_participants(
         jax.random.fold_in(_as_key(state.key), _SAMPLE_STREAM), num_nodes, state.config.sampling_rate
@@ -163,7 +224,14 @@ def round_participants(state: DPState, num_nodes: int) -> jax.Array:
 
 
 def privacy_event(state: DPState) -> PrivacyEvent:
-    """The :class:`PrivacyEvent` of the coming round (q, z, C), for a ledger's ``spend``."""
+    """Return the :class:`PrivacyEvent` of the coming round (q, z, C), for a ledger's ``spend``.
+
+    Args:
+      state: The DP aggregator's state.
+
+    Returns:
+      The event with the configured z and q and the state's current C.
+    """
     cfg = state.config
     return PrivacyEvent(
         noise_multiplier=cfg.noise_multiplier,
@@ -182,4 +250,12 @@ def _is_typed(key: Any) -> bool:
 
 
 def raw_key(key: jax.Array) -> jax.Array:
+    """Return raw uint32 key data for a typed key or raw data alike.
+
+    Args:
+      key: A typed jax.random key or raw uint32 key data.
+
+    Returns:
+      The raw uint32 key data.
+    """
     return jax.random.key_data(key) if _is_typed(key) else jnp.asarray(key, jnp.uint32)
