@@ -18,7 +18,18 @@ ACCOUNTANTS = ("rdp", "pld")
 
 
 def epsilon_fn(accountant: str, discretization: float = DEFAULT_DISCRETISATION) -> Callable[..., float]:
-    """``f(noise_multiplier, sampling_rate, rounds, delta) -> epsilon`` for an accountant name."""
+    """Return ``f(noise_multiplier, sampling_rate, rounds, delta) -> epsilon`` for an accountant name.
+
+    Args:
+      accountant: ``"rdp"`` or ``"pld"``.
+      discretization: The PLD grid step (PLD only).
+
+    Returns:
+      The epsilon function.
+
+    Raises:
+      ValueError: If the accountant is unknown.
+    """
     if accountant == "rdp":
         return rdp_epsilon
     if accountant == "pld":
@@ -53,6 +64,11 @@ def calibrate_noise(
       z such that ``epsilon(z) <= target_epsilon`` and ``epsilon(z / (1 + rtol)) > target_epsilon``
       (epsilon is decreasing in z). When even z ~ 1e-6 meets the target (a huge budget), that
       tiny z is returned without refining further.
+
+    Raises:
+      ValueError: If an argument is out of range (``rounds`` < 1, ``rtol`` outside (0, 1), an
+        infinite target, an unknown accountant), or even ``max_noise_multiplier`` misses the
+        target.
 
     Example:
       >>> z = calibrate_noise(3.0, 1e-5, 0.01, 1000)

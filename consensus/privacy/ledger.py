@@ -66,10 +66,22 @@ class PrivacyEvent:
             object.__setattr__(self, "clip_norm", c)
 
     def to_dict(self) -> dict[str, Any]:
+        """Return the event as a plain dict of its fields (JSON-compatible)."""
         return dataclasses.asdict(self)
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> PrivacyEvent:
+        """Rebuild an event from :meth:`to_dict` (keys that are not fields are ignored).
+
+        Args:
+          d: A dict holding the event's fields (a ledger entry also holds ``epsilon``).
+
+        Returns:
+          The :class:`PrivacyEvent`.
+
+        Raises:
+          ValueError: If a field is out of range.
+        """
         return PrivacyEvent(**{f.name: d[f.name] for f in dataclasses.fields(PrivacyEvent) if f.name in d})
 
 
@@ -112,6 +124,7 @@ class PrivacyLedger:
 
     @property
     def events(self) -> list[PrivacyEvent]:
+        """The recorded events, in order."""
         return [PrivacyEvent.from_dict(e) for e in self.entries]
 
     @property
@@ -126,7 +139,17 @@ class PrivacyLedger:
         return self._acc.epsilon(self.delta)
 
     def epsilon_after(self, event: PrivacyEvent) -> float:
-        """Epsilon that would be spent if ``event`` were recorded now (the ledger is unchanged)."""
+        """Return the epsilon that would be spent if ``event`` were recorded now (the ledger is unchanged).
+
+        Args:
+          event: The coming round's event.
+
+        Returns:
+          Epsilon at ``self.delta`` after the event (inf once a noiseless round is composed).
+
+        Raises:
+          TypeError: If ``event`` is not a :class:`PrivacyEvent`.
+        """
         return self._compose(event)[1]
 
     def _compose(self, event: PrivacyEvent) -> tuple[RdpAccountant | PldAccountant, float]:
@@ -141,13 +164,27 @@ class PrivacyLedger:
         return acc, acc.epsilon(self.delta)
 
     def can_spend(self, event: PrivacyEvent) -> bool:
-        """Whether recording ``event`` keeps epsilon within the budget."""
+        """Tell whether recording ``event`` keeps epsilon within the budget.
+
+        Args:
+          event: The coming round's event.
+
+        Returns:
+          True when there is no budget or epsilon after the event is at most the budget.
+        """
         return self.budget is None or self.epsilon_after(event) <= self.budget
 
     def spend(self, event: PrivacyEvent) -> float:
         """Record ``event`` and return the epsilon spent so far, or refuse it.
 
+        Args:
+          event: The coming round's event.
+
+        Returns:
+          Epsilon spent so far at ``self.delta``, this event included.
+
         Raises:
+          TypeError: If ``event`` is not a :class:`PrivacyEvent`.
           PrivacyBudgetExceeded: if the event would take epsilon above the budget. Nothing is
             recorded, so the round must not run.
         """
@@ -168,7 +205,7 @@ class PrivacyLedger:
 
     # -- checkpointing: plain data only ---------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """Plain-data state (JSON-compatible; infinite epsilons are floats ``inf``)."""
+        """Return the ledger's plain-data state (JSON-compatible; infinite epsilons are floats ``inf``)."""
         return {
             "format": _FORMAT,
             "delta": self.delta,
@@ -180,7 +217,18 @@ class PrivacyLedger:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> PrivacyLedger:
-        """Rebuild a ledger (and its accountant, by replaying the events) from :meth:`to_dict`."""
+        """Rebuild a ledger (and its accountant, by replaying the events) from :meth:`to_dict`.
+
+        Args:
+          d: The dict :meth:`to_dict` wrote.
+
+        Returns:
+          The :class:`PrivacyLedger`.
+
+        Raises:
+          ValueError: If ``d`` is not a privacy ledger state (wrong ``format``) or holds
+            invalid settings or events.
+        """
         if d.get("format") != _FORMAT:
             raise ValueError(f"not a privacy ledger state: format {d.get('format')!r}, expected {_FORMAT!r}")
         ledger = PrivacyLedger(
@@ -208,8 +256,21 @@ class PrivacyLedger:
         return ledger
 
     def to_json(self) -> str:
+        """Return :meth:`to_dict` as a JSON string."""
         return json.dumps(self.to_dict())
 
     @staticmethod
     def from_json(text: str) -> PrivacyLedger:
+        """Rebuild a ledger from :meth:`to_json`'s text.
+
+        Args:
+          text: The JSON text.
+
+        Returns:
+          The :class:`PrivacyLedger`.
+
+        Raises:
+          ValueError: If the text is not JSON (``json.JSONDecodeError`` is a ValueError) or not
+            a ledger state.
+        """
         return PrivacyLedger.from_dict(json.loads(text))

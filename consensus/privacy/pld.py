@@ -133,13 +133,32 @@ class DiscretePld:
 
     @staticmethod
     def identity(discretization: float) -> DiscretePld:
-        """The loss distribution of a mechanism that reveals nothing (all mass at 0)."""
+        """Return the loss distribution of a mechanism that reveals nothing (all mass at 0).
+
+        Args:
+          discretization: The grid step h.
+
+        Returns:
+          The identity :class:`DiscretePld`.
+        """
         return DiscretePld(0, np.ones(1), 0.0, discretization)
 
     def compose(
         self, other: DiscretePld, tail_mass: float = DEFAULT_TAIL_MASS, max_points: int = DEFAULT_MAX_POINTS
     ) -> DiscretePld:
-        """The distribution of the sum of independent losses (FFT convolution), truncated."""
+        """Return the distribution of the sum of independent losses (FFT convolution), truncated.
+
+        Args:
+          other: The other distribution, on the same grid.
+          tail_mass: Probability moved to +inf (or up) at the truncation.
+          max_points: Refuse grids longer than this.
+
+        Returns:
+          The composed :class:`DiscretePld`.
+
+        Raises:
+          ValueError: If the grids differ or the result needs more than ``max_points`` points.
+        """
         if other.discretization != self.discretization:
             raise ValueError(
                 f"cannot compose PLDs on different grids: h={self.discretization} vs {other.discretization}"
@@ -162,7 +181,21 @@ class DiscretePld:
     def self_compose(
         self, count: int, tail_mass: float = DEFAULT_TAIL_MASS, max_points: int = DEFAULT_MAX_POINTS
     ) -> DiscretePld:
-        """``count``-fold composition with itself by binary powers (2 log2(count) convolutions)."""
+        """Compose the distribution ``count`` times with itself by binary powers.
+
+        2 log2(count) convolutions.
+
+        Args:
+          count: How many copies (>= 0; 0 gives the identity).
+          tail_mass: Probability moved to +inf at each truncation.
+          max_points: Refuse grids longer than this.
+
+        Returns:
+          The composed :class:`DiscretePld`.
+
+        Raises:
+          ValueError: If ``count`` is negative or a grid needs more than ``max_points`` points.
+        """
         count = check_rounds(count)
         result = DiscretePld.identity(self.discretization)
         base = self
@@ -175,16 +208,33 @@ class DiscretePld:
         return result
 
     def losses(self) -> np.ndarray:
+        """Return the privacy loss of every ``pmf`` entry, ``(offset + k) h``."""
         return (self.offset + np.arange(self.pmf.size)) * self.discretization
 
     def delta(self, epsilon: float) -> float:
-        """``delta(eps) = sum_{l > eps} p(l) (1 - e^(eps - l)) + infinity_mass``."""
+        """Return the hockey-stick divergence at eps.
+
+        ``delta(eps) = sum_{l > eps} p(l) (1 - e^(eps - l)) + infinity_mass``.
+
+        Args:
+          epsilon: eps.
+
+        Returns:
+          delta(eps).
+        """
         l = self.losses()
         keep = l > epsilon
         return float(np.sum(self.pmf[keep] * -np.expm1(epsilon - l[keep])) + self.infinity_mass)
 
     def epsilon(self, delta: float) -> float:
-        """Smallest eps >= 0 with ``delta(eps) <= delta`` (exact for this discrete distribution)."""
+        """Return the smallest eps >= 0 with ``delta(eps) <= delta`` (exact for this discrete distribution).
+
+        Args:
+          delta: Target delta.
+
+        Returns:
+          eps, or inf when the mass at +inf alone exceeds delta.
+        """
         if self.infinity_mass > delta:
             return math.inf
         h = self.discretization
@@ -258,9 +308,22 @@ def sampled_gaussian_pld(
     tail_mass: float = DEFAULT_TAIL_MASS,
     max_points: int = DEFAULT_MAX_POINTS,
 ) -> tuple[DiscretePld, DiscretePld | None]:
-    """Pessimistic discrete PLDs (remove, add) of one Poisson-subsampled Gaussian round.
+    """Return the pessimistic discrete PLDs (remove, add) of one Poisson-subsampled Gaussian round.
 
     With q = 1 the two directions coincide and ``add`` is None.
+
+    Args:
+      noise_multiplier: z > 0.
+      sampling_rate: q in (0, 1].
+      discretization: The loss grid step h, in (0, 1].
+      tail_mass: Probability moved to +inf at the truncation.
+      max_points: Refuse grids longer than this.
+
+    Returns:
+      ``(remove, add)``; ``add`` is None when q = 1.
+
+    Raises:
+      ValueError: If an argument is out of range or the grid would exceed ``max_points``.
     """
     z = check_noise_multiplier(noise_multiplier)
     q = check_sampling_rate(sampling_rate)
@@ -349,7 +412,16 @@ class PldAccountant:
         return self._cache[key]
 
     def compose(self, noise_multiplier: float, sampling_rate: float, rounds: int = 1) -> None:
-        """Add ``rounds`` rounds with noise multiplier z and sampling rate q."""
+        """Add ``rounds`` rounds with noise multiplier z and sampling rate q.
+
+        Args:
+          noise_multiplier: z > 0.
+          sampling_rate: q in (0, 1].
+          rounds: The number of rounds (>= 0).
+
+        Raises:
+          ValueError: If an argument is out of range or a grid would exceed ``max_points``.
+        """
         z = check_noise_multiplier(noise_multiplier)
         q = check_sampling_rate(sampling_rate)
         rounds = check_rounds(rounds)
@@ -362,15 +434,33 @@ class PldAccountant:
         self.add = self.add.compose((rem if add is None else add).self_compose(rounds, tm, mp), tm, mp)
 
     def delta(self, epsilon: float) -> float:
-        """delta(eps) of everything composed so far (the larger of the two directions)."""
+        """Return the delta at eps of everything composed so far (the larger of the two directions).
+
+        Args:
+          epsilon: eps.
+
+        Returns:
+          delta(eps).
+        """
         return max(self.remove.delta(epsilon), self.add.delta(epsilon))
 
     def epsilon(self, delta: float) -> float:
-        """Epsilon spent so far at the given delta (0 before any round)."""
+        """Return the epsilon spent so far at the given delta (0 before any round).
+
+        Args:
+          delta: Target delta in (0, 1).
+
+        Returns:
+          Epsilon (float, >= 0; inf when the truncated mass alone exceeds delta).
+
+        Raises:
+          ValueError: If delta is outside (0, 1).
+        """
         delta = check_delta(delta)
         return max(self.remove.epsilon(delta), self.add.epsilon(delta))
 
     def copy(self) -> PldAccountant:
+        """Return an independent accountant with the same history."""
         out = PldAccountant(self.discretization, tail_mass=self.tail_mass, max_points=self.max_points)
         out.remove, out.add, out._cache = self.remove, self.add, self._cache
         return out
@@ -402,6 +492,9 @@ def pld_epsilon(
 
     Returns:
       epsilon (float, >= 0; inf when the truncated mass alone exceeds delta).
+
+    Raises:
+      ValueError: If an argument is out of range or a grid would exceed ``max_points``.
 
     Example:
       >>> round(pld_epsilon(1.0, 0.01, 1000, 1e-5), 2)  # tighter than RDP's 2.10

@@ -76,7 +76,7 @@ def _check_orders(orders: Sequence[float] | np.ndarray | None) -> np.ndarray:
 
 
 def _log_a_int(q: float, z: float, alpha: int) -> float:
-    """log A_alpha for integer alpha >= 2 by the binomial expansion (all terms positive)."""
+    """Compute log A_alpha for integer alpha >= 2 by the binomial expansion (all terms positive)."""
     i = np.arange(alpha + 1, dtype=np.float64)
     log_binom = special.gammaln(alpha + 1.0) - special.gammaln(i + 1.0) - special.gammaln(alpha - i + 1.0)
     log_terms = log_binom + i * np.log(q) + (alpha - i) * np.log1p(-q) + (i * i - i) / (2.0 * z * z)
@@ -84,7 +84,7 @@ def _log_a_int(q: float, z: float, alpha: int) -> float:
 
 
 def _log_a_frac(q: float, z: float, alpha: float) -> float:
-    """log A_alpha for fractional alpha > 1 by the two alternating series of Mironov et al."""
+    """Compute log A_alpha for fractional alpha > 1 by the two alternating series of Mironov et al."""
     x0 = z * z * np.log(1.0 / q - 1.0) + 0.5
     n_head = int(np.ceil(alpha)) + _HEAD
     i = np.arange(n_head + _TAIL, dtype=np.float64)
@@ -132,6 +132,9 @@ def compute_rdp(
     Returns:
       float64 array of RDP values, one per order.
 
+    Raises:
+      ValueError: If z, q or rounds is out of range, or an order is not finite and > 1.
+
     Example:
       >>> compute_rdp(2.0, 1.0, 1, orders=[2.0, 3.0])   # alpha / (2 z^2)
       array([0.25 , 0.375])
@@ -166,6 +169,13 @@ def rdp_to_epsilon(
 
     Returns:
       ``(epsilon, best_order)``.
+
+    Raises:
+      ValueError: If delta is outside (0, 1) or ``rdp`` and ``orders`` differ in length.
+
+    References:
+      Balle, Barthe, Gaboardi, Hsu and Sato 2020, AISTATS, "Hypothesis Testing
+      Interpretations and Renyi Differential Privacy", Theorem 21.
     """
     delta = check_delta(delta)
     alphas = _check_orders(orders)
@@ -197,6 +207,9 @@ def rdp_epsilon(
 
     Returns:
       epsilon (float, >= 0).
+
+    Raises:
+      ValueError: If an argument is out of range.
 
     Example:
       >>> round(rdp_epsilon(1.0, 0.01, 1000, 1e-5), 2)
@@ -232,7 +245,16 @@ class RdpAccountant:
         self._cache: dict[tuple[float, float], np.ndarray] = {}
 
     def compose(self, noise_multiplier: float, sampling_rate: float, rounds: int = 1) -> None:
-        """Add ``rounds`` rounds with noise multiplier z and sampling rate q."""
+        """Add ``rounds`` rounds with noise multiplier z and sampling rate q.
+
+        Args:
+          noise_multiplier: z > 0.
+          sampling_rate: q in (0, 1].
+          rounds: The number of rounds (>= 0).
+
+        Raises:
+          ValueError: If an argument is out of range.
+        """
         z, q = check_noise_multiplier(noise_multiplier), check_sampling_rate(sampling_rate)
         rounds = check_rounds(rounds)
         if (z, q) not in self._cache:
@@ -240,13 +262,24 @@ class RdpAccountant:
         self.rdp = self.rdp + rounds * self._cache[(z, q)]
 
     def epsilon(self, delta: float) -> float:
-        """Epsilon spent so far at the given delta (0 before any round)."""
+        """Return the epsilon spent so far at the given delta (0 before any round).
+
+        Args:
+          delta: Target delta in (0, 1).
+
+        Returns:
+          Epsilon (float, >= 0).
+
+        Raises:
+          ValueError: If delta is outside (0, 1).
+        """
         delta = check_delta(delta)
         if not np.any(self.rdp > 0):
             return 0.0
         return rdp_to_epsilon(self.rdp, delta, self.orders)[0]
 
     def copy(self) -> RdpAccountant:
+        """Return an independent accountant with the same history."""
         out = RdpAccountant(self.orders)
         out.rdp, out._cache = self.rdp.copy(), self._cache
         return out
