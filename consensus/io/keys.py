@@ -40,7 +40,19 @@ def _key_part(entry: Any) -> str:
 
 
 def flatten(tree: PyTree) -> dict[str, Any]:
-    """``{"a.b.c": leaf}`` in the tree's flattening order (dict keys, sequence indices, attributes)."""
+    """Flatten a tree into ``{"a.b.c": leaf}``, in the tree's flattening order.
+
+    Keys join the path's dict keys, sequence indices and attribute names with dots.
+
+    Args:
+      tree: A nested dict (or any pytree) of leaves.
+
+    Returns:
+      The flat dict, dotted key -> leaf.
+
+    Raises:
+      CheckpointKeyError: If the tree is a bare leaf, or a path part is empty or holds a dot.
+    """
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     out: dict[str, Any] = {}
     for path, leaf in flat:
@@ -52,10 +64,20 @@ def flatten(tree: PyTree) -> dict[str, Any]:
 
 
 def unflatten(flat: Mapping[str, Any], like: PyTree | None = None) -> PyTree:
-    """The tree of ``flat``: the structure of ``like`` when given, else nested dicts from the dots.
+    """Rebuild the tree of ``flat``: the structure of ``like`` when given, else nested dicts from the dots.
 
     With ``like`` the keys must be exactly ``flatten(like)``'s (callers check
     first, see :func:`check_against`).
+
+    Args:
+      flat: Dotted key -> leaf.
+      like: A template tree, or None.
+
+    Returns:
+      The tree.
+
+    Raises:
+      CheckpointKeyError: Without ``like``, when a key is both a tensor and a prefix of others.
     """
     if like is not None:
         names = list(flatten(like))
@@ -79,8 +101,10 @@ def unflatten(flat: Mapping[str, Any], like: PyTree | None = None) -> PyTree:
 
 
 def _dtype_of(leaf: Any) -> np.dtype:
-    """A template leaf's dtype: an array's or ``ShapeDtypeStruct``'s, or numpy's for a Python scalar
-    (a step counter ``0`` in a template is saved and read back as a 0-d int64 array)."""
+    """Return a template leaf's dtype: an array's or ``ShapeDtypeStruct``'s, or numpy's for a Python scalar.
+
+    A step counter ``0`` in a template is saved and read back as a 0-d int64 array.
+    """
     dtype = getattr(leaf, "dtype", None)
     return np.dtype(dtype) if dtype is not None else np.asarray(leaf).dtype
 
@@ -94,6 +118,10 @@ def check_against(
       flat_specs: key -> (shape, dtype) of what the checkpoint holds.
       like: the template tree (arrays or ``jax.ShapeDtypeStruct``).
       origin: what to call the checkpoint in messages (its path).
+
+    Raises:
+      CheckpointKeyError: If keys are missing or unexpected (all listed), or a shape or dtype
+        differs (the first named).
     """
     expected = {k: (tuple(np.shape(v)), _dtype_of(v)) for k, v in flatten(like).items()}
     missing = [k for k in expected if k not in flat_specs]
@@ -120,7 +148,7 @@ Rename = tuple[str, str | Callable[[re.Match[str]], str]]
 
 @dataclasses.dataclass(frozen=True)
 class KeyMapping:
-    """Rename rules (regex -> replacement, applied in order) and per-key transposes.
+    r"""Rename rules (regex -> replacement, applied in order) and per-key transposes.
 
     ``rename`` is a sequence of ``(pattern, replacement)`` pairs given to
     :func:`re.sub` one after the other (a replacement may be a function of the
@@ -131,8 +159,8 @@ class KeyMapping:
     Example (a PyTorch MLP ``fc1``, ``fc2`` read as this package's ``dense_0``, ``dense_1``)::
 
         KeyMapping(
-            rename=[(r"^fc(\\d+)\\.", lambda m: f"dense_{int(m[1]) - 1}."), (r"\\.weight$", ".kernel")],
-            transpose=[r"\\.kernel$"],
+            rename=[(r"^fc(\d+)\.", lambda m: f"dense_{int(m[1]) - 1}."), (r"\.weight$", ".kernel")],
+            transpose=[r"\.kernel$"],
         )
     """
 
@@ -150,26 +178,77 @@ class KeyMapping:
 
     @classmethod
     def torch_linear(cls, extra_rename: Iterable[Rename] = ()) -> KeyMapping:
-        """PyTorch ``nn.Linear`` names to Flax's: ``*.weight`` -> ``*.kernel`` transposed, ``*.bias`` kept."""
+        """Map PyTorch ``nn.Linear`` names to Flax's: ``*.weight`` -> ``*.kernel`` (transposed), ``*.bias``.
+
+        Args:
+          extra_rename: Rename rules applied before the built-in one.
+
+        Returns:
+          The :class:`KeyMapping`.
+        """
         return cls(rename=(*extra_rename, (r"\.weight$", ".kernel")), transpose=(r"\.kernel$",))
 
     def new_key(self, key: str) -> str:
+        """Return ``key`` after every rename rule, in order.
+
+        Args:
+          key: A checkpoint key.
+
+        Returns:
+          The renamed key.
+        """
         for pattern, replacement in self.rename:
             key = re.sub(pattern, replacement, key)
         return key
 
     def transposes(self, new_key: str) -> bool:
+        """Tell whether the tensor of a renamed key has its axes reversed.
+
+        Args:
+          new_key: A key after renaming.
+
+        Returns:
+          True when a ``transpose`` pattern matches it.
+        """
         return any(re.search(p, new_key) for p in self.transpose)
 
     def apply_shape(self, new_key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Return the shape a stored tensor has after the mapping.
+
+        Args:
+          new_key: The key after renaming.
+          shape: The stored shape.
+
+        Returns:
+          ``shape``, reversed when the key transposes.
+        """
         return tuple(reversed(shape)) if self.transposes(new_key) else tuple(shape)
 
     def apply_array(self, new_key: str, array: np.ndarray) -> np.ndarray:
+        """Return a stored tensor as the mapping lays it out.
+
+        Args:
+          new_key: The key after renaming.
+          array: The stored array.
+
+        Returns:
+          ``array``, or a C-contiguous transposed copy when the key transposes.
+        """
         # A contiguous copy: a transposed view would be written back in the wrong order by byte-level writers.
         return np.ascontiguousarray(array.T) if self.transposes(new_key) else array
 
     def rename_all(self, keys: Iterable[str]) -> dict[str, str]:
-        """new key -> old key; two old keys renamed to one new key is an error naming both."""
+        """Rename every key.
+
+        Args:
+          keys: The checkpoint's keys.
+
+        Returns:
+          New key -> old key.
+
+        Raises:
+          CheckpointKeyError: If two old keys are renamed to one new key (naming both).
+        """
         out: dict[str, str] = {}
         for old in keys:
             new = self.new_key(old)

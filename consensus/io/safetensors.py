@@ -85,6 +85,17 @@ class CheckpointError(ValueError):
 
 
 def dtype_code(dtype: Any) -> str:
+    """Return the safetensors code of a numpy dtype (``"F32"``, ``"BF16"``, ...).
+
+    Args:
+      dtype: A numpy dtype (or anything ``np.dtype`` accepts).
+
+    Returns:
+      The code.
+
+    Raises:
+      CheckpointError: If safetensors cannot store the dtype.
+    """
     dtype = np.dtype(dtype)
     if dtype not in CODE_OF:
         raise CheckpointError(f"dtype {dtype} cannot be stored in safetensors; supported: {sorted(CODE_OF)}")
@@ -92,7 +103,17 @@ def dtype_code(dtype: Any) -> str:
 
 
 def parse_size(size: int | str | None) -> int | None:
-    """Bytes from an int or a string such as ``"500MB"``, ``"2GB"``, ``"1.5GiB"`` (None stays None)."""
+    """Read a size in bytes from an int or a string such as ``"500MB"``, ``"2GB"``, ``"1.5GiB"``.
+
+    Args:
+      size: Bytes, a string with a unit (K, M, G, T; ``i`` for powers of 1024), or None.
+
+    Returns:
+      The number of bytes, or None for None.
+
+    Raises:
+      ValueError: If the size is not positive or cannot be read.
+    """
     if size is None or isinstance(size, int):
         if isinstance(size, int) and size < 1:
             raise ValueError(f"shard size must be positive, got {size}")
@@ -134,7 +155,18 @@ def _replace(tmp: Path, path: Path, overwrite: bool) -> None:
 
 @contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
-    """A temporary folder next to ``path`` that becomes ``path`` when the block ends without error."""
+    """Yield a temporary folder next to ``path`` that becomes ``path`` when the block ends without error.
+
+    Args:
+      path: The folder to create.
+      overwrite: Replace an existing ``path``.
+
+    Yields:
+      The temporary folder (removed if the block raises).
+
+    Raises:
+      CheckpointError: If ``path`` exists and ``overwrite`` is False.
+    """
     path = Path(path)
     _refuse_existing(path, overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -152,7 +184,15 @@ def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False) -> Ite
 
 
 def plan_shards(sizes: Mapping[str, int], shard_size: int | None) -> list[list[str]]:
-    """Keys grouped into shards in order, each at most ``shard_size`` bytes (a larger tensor gets its own)."""
+    """Group keys into shards in order, each at most ``shard_size`` bytes (a larger tensor gets its own).
+
+    Args:
+      sizes: Key -> bytes, in write order.
+      shard_size: Bytes per shard, or None for one shard.
+
+    Returns:
+      The keys of every shard.
+    """
     shards: list[list[str]] = [[]]
     used = 0
     for key, nbytes in sizes.items():
@@ -165,6 +205,14 @@ def plan_shards(sizes: Mapping[str, int], shard_size: int | None) -> list[list[s
 
 
 def shard_names(count: int) -> list[str]:
+    """Return the file names of ``count`` shards (``model.safetensors`` for one).
+
+    Args:
+      count: The number of shards.
+
+    Returns:
+      ``["model.safetensors"]`` or ``["model-00001-of-0000N.safetensors", ...]``.
+    """
     if count == 1:
         return [SINGLE_NAME]
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
@@ -202,6 +250,7 @@ class DirectFile:
             self.fd = os.open(self.path, flags, 0o644)
 
     def write(self, data: Any) -> None:
+        """Append the bytes of ``data`` (any buffer), flushing whole staged blocks."""
         view = np.frombuffer(data, np.uint8)
         done = 0
         while done < view.size:
@@ -237,6 +286,7 @@ class DirectFile:
         self.direct = False
 
     def close(self) -> None:
+        """Write what is staged (padded to a block while direct), truncate to the true length, close."""
         if self.fd < 0:
             return
         try:
@@ -318,7 +368,15 @@ class ShardedWriter:
         self._open_index = index
 
     def write(self, key: str, array: Any) -> None:
-        """Append ``array`` as ``key`` (the next key of ``specs``; shape and dtype checked)."""
+        """Append ``array`` as ``key`` (the next key of ``specs``; shape and dtype checked).
+
+        Args:
+          key: The next key of ``specs``.
+          array: Its tensor.
+
+        Raises:
+          CheckpointError: If ``key`` is not the next one or the array's shape or dtype differs.
+        """
         self._check_next(key)
         array = np.asarray(array)
         shape, dtype = self.specs[key]
@@ -333,6 +391,13 @@ class ShardedWriter:
 
         For a caller that produces a tensor in pieces (``meta-consensus merge``'s column
         chunks): the pieces go to the file as they are, never assembled in memory.
+
+        Args:
+          key: The next key of ``specs``.
+          parts: 1-D arrays of the key's dtype whose sizes add up to the tensor's.
+
+        Raises:
+          CheckpointError: If ``key`` is not the next one or the pieces do not make up the tensor.
         """
         self._check_next(key)
         shape, dtype = self.specs[key]
@@ -364,6 +429,11 @@ class ShardedWriter:
         self._next += 1
 
     def close(self) -> None:
+        """Close the last shard and write the index of a sharded folder.
+
+        Raises:
+          CheckpointError: If some tensor of ``specs`` was never written.
+        """
         self.abort()  # closes the open shard
         if self._next != len(self._order):
             raise CheckpointError(
@@ -387,7 +457,14 @@ class ShardedWriter:
 
 
 def metadata_of(metadata: Mapping[str, Any] | None) -> dict[str, str]:
-    """The ``__metadata__`` written: :data:`FORMAT_METADATA` and the caller's keys, as strings, sorted."""
+    """Return the ``__metadata__`` written: :data:`FORMAT_METADATA` and the caller's keys, as strings, sorted.
+
+    Args:
+      metadata: The caller's metadata, or None.
+
+    Returns:
+      The merged str -> str dict (a caller's ``format`` wins).
+    """
     merged = {**FORMAT_METADATA, **{str(k): str(v) for k, v in (metadata or {}).items()}}
     return dict(sorted(merged.items()))
 
@@ -409,8 +486,14 @@ def save_safetensors(
       shard_size: bytes (or ``"2GB"``) per shard of a folder; None writes one shard.
       metadata: str -> str stored in the header, beside ``{"format": "pt"}`` (keys sorted).
       overwrite: replace an existing path (by default an existing path is an error).
+
     Returns:
       the path written.
+
+    Raises:
+      CheckpointError: If ``path`` exists without ``overwrite`` or a dtype cannot be stored.
+      CheckpointKeyError: If the tree's keys cannot be written as dotted keys.
+      ValueError: If ``shard_size`` cannot be read.
     """
     path = Path(path)
     flat = {k: np.asarray(v) for k, v in flatten(tree).items()}
@@ -463,6 +546,16 @@ def checkpoint_files(path: str | os.PathLike) -> tuple[list[Path], dict[str, Pat
     ``path`` may be a ``.safetensors`` file, an ``*.index.json`` file, or a folder
     holding ``model.safetensors.index.json``, ``model.safetensors`` or a single
     ``*.safetensors`` file.
+
+    Args:
+      path: The checkpoint's file, index or folder.
+
+    Returns:
+      ``(files, weight_map)``; ``weight_map`` is None for a single file.
+
+    Raises:
+      CheckpointError: If the path is missing, the folder ambiguous, the index unreadable or
+        a shard it names missing.
     """
     path = Path(path)
     if not path.exists():
@@ -586,6 +679,7 @@ class CheckpointReader:
         self.close()
 
     def close(self) -> None:
+        """Release the memory maps and file descriptors."""
         for handle in self._handles.values():
             with contextlib.suppress(Exception):
                 handle.__exit__(None, None, None)
@@ -596,14 +690,27 @@ class CheckpointReader:
         self._fds = {}
 
     def keys(self) -> list[str]:
+        """Return the (mapped) keys, in storage order."""
         return list(self.specs)
 
     def nbytes(self, key: str) -> int:
+        """Return the size in bytes of the tensor ``key``."""
         shape, dtype = self.specs[key]
         return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
     def get(self, key: str) -> np.ndarray:
-        """The tensor ``key`` (a mapped name) as a numpy array, transposed when the mapping says so."""
+        """Read the tensor ``key`` (a mapped name) as a numpy array, transposed when the mapping says so.
+
+        Args:
+          key: A mapped key.
+
+        Returns:
+          The array.
+
+        Raises:
+          CheckpointKeyError: If the checkpoint has no such key.
+          CheckpointError: If the stored bytes do not match the tensor's shape and dtype.
+        """
         if key not in self._source:
             raise CheckpointKeyError(f"{self.path} has no key {key!r}")
         old = self._source[key]
@@ -613,7 +720,16 @@ class CheckpointReader:
         return self.mapping.apply_array(key, array)
 
     def read_into(self, key: str, out: np.ndarray) -> None:
-        """Read the tensor ``key`` into ``out`` (C-contiguous, its shape and dtype) without a copy."""
+        """Read the tensor ``key`` into ``out`` (C-contiguous, its shape and dtype) without a copy.
+
+        Args:
+          key: A mapped key.
+          out: The destination array.
+
+        Raises:
+          CheckpointKeyError: If the checkpoint has no such key.
+          ValueError: If ``out`` is not C-contiguous of the tensor's shape and dtype.
+        """
         if key not in self._source:
             raise CheckpointKeyError(f"{self.path} has no key {key!r}")
         shape, dtype = self.specs[key]
@@ -634,6 +750,16 @@ class CheckpointReader:
         (row-major) order, so a key the mapping transposes cannot be read this way. Lets a
         caller stream a large tensor in column chunks that stay in cache (``meta-consensus
         merge``'s element-wise rules).
+
+        Args:
+          key: A mapped key.
+          start: The first element, in stored order.
+          out: The destination array.
+
+        Raises:
+          CheckpointKeyError: If the checkpoint has no such key.
+          ValueError: If ``out`` is not C-contiguous of the tensor's dtype, the range falls
+            outside the tensor, or the mapping transposes the key.
         """
         if key not in self._source:
             raise CheckpointKeyError(f"{self.path} has no key {key!r}")
@@ -667,7 +793,14 @@ class CheckpointReader:
             done += got
 
     def check_against(self, like: PyTree) -> None:
-        """Every key, shape and dtype of the template ``like``; the error names the first mismatch."""
+        """Check every key, shape and dtype against the template ``like``.
+
+        Args:
+          like: The template tree.
+
+        Raises:
+          CheckpointKeyError: On a mismatch (see :func:`~consensus.io.keys.check_against`).
+        """
         check_against(self.specs, like, str(self.path))
 
 
@@ -683,6 +816,13 @@ def load_safetensors(
         listing them; the first shape or dtype mismatch is named) and the result
         has its structure. Without it, nested dicts are built from the dotted keys.
       mapping: rename / transpose rules for checkpoints from other frameworks.
+
+    Returns:
+      The tree of numpy arrays.
+
+    Raises:
+      CheckpointError: If the checkpoint cannot be found or read.
+      CheckpointKeyError: If it does not match ``like``, or the mapping renames two keys to one.
     """
     with CheckpointReader(path, mapping=mapping) as reader:
         if like is not None:
