@@ -16,6 +16,7 @@ Robust rules apply on the products (exact; Gram from the factors, :func:`product
 the factors (cheap): :func:`merge_adapters` with ``rule=`` and ``space=``.
 """
 
+from consensus.lora import peft_methods  # noqa: F401  (importing it declares PEFT's combinations)
 from consensus.lora._core import (
     Adapter,
     AdapterError,
@@ -26,6 +27,7 @@ from consensus.lora._core import (
     stack_adapters,
 )
 from consensus.lora._merge import SPACES, merge_adapters
+from consensus.lora.gram import product_gram
 from consensus.lora.methods import AdapterMethod
 from consensus.specs import ADAPTER_METHODS
 
@@ -40,5 +42,6 @@ __all__ = [
     "dense_delta",
     "fresh_adapter",
     "merge_adapters",
+    "product_gram",
     "stack_adapters",
 ]

@@ -63,6 +63,33 @@ def product(a: jax.Array, b: jax.Array, scale: float | jax.Array = 1.0) -> jax.A
     return jnp.asarray(scale) * jnp.matmul(a, b, precision=HIGHEST)
 
 
+def host(x: Any) -> np.ndarray:
+    """A factor as a float64 numpy array: the methods compute on the host in float64.
+
+    The factors are small (r columns) and a merge runs once per round between jitted phases, so
+    float64 numpy costs no compilation per shape and keeps the references' accuracy.
+    """
+    return np.asarray(x, np.float64)
+
+
+def finish(
+    adapter: Mapping[str, Mapping[str, np.ndarray]],
+    like: Mapping[str, Mapping[str, Any]],
+    base_delta: Mapping[str, np.ndarray] | None = None,
+) -> tuple[Adapter, dict[str, jax.Array] | None]:
+    """Float64 host results as jax arrays in the dtype of the input factors (``like``)."""
+    out = {
+        t: {k: jnp.asarray(np.asarray(v).astype(np.dtype(like[t][k].dtype))) for k, v in f.items()}
+        for t, f in adapter.items()
+    }
+    if base_delta is None:
+        return out, None
+    deltas = {
+        t: jnp.asarray(np.asarray(d).astype(np.dtype(like[t]["b"].dtype))) for t, d in base_delta.items()
+    }
+    return out, deltas
+
+
 def dense_delta(adapter: Mapping[str, Mapping[str, jax.Array]], scale: float) -> dict[str, jax.Array]:
     """The dense update ``scale * a @ b`` of every target of an (unstacked) adapter tree.
 
@@ -170,7 +197,8 @@ def check_stacked(stacked: Mapping[str, Mapping[str, Any]], *, finite: bool = Tr
         n, r = a[0], a[2]
         if finite:
             for name in ("a", "b"):
-                ok = np.asarray(jnp.all(jnp.isfinite(f[name]), axis=tuple(range(1, len(np.shape(f[name]))))))
+                x = np.asarray(f[name])
+                ok = np.isfinite(x).reshape(x.shape[0], -1).all(axis=1)
                 if not ok.all():
                     nodes = [int(i) for i in np.flatnonzero(~ok)]
                     raise AdapterError(

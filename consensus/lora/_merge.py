@@ -65,6 +65,9 @@ def merge_adapters(
         if "rank" not in spec.params:
             raise AdapterError(f"{method} takes no rank (its output rank is fixed by the method)")
         params["rank"] = rank
+    missing = [k for k in spec.required if k not in params]
+    if missing:
+        raise AdapterError(f"{method} needs {', '.join(missing)} (pass {missing[0]}=...)")
     try:
         built = spec.build(**params)
     except TypeError as e:

@@ -17,15 +17,18 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from consensus.lora._core import HIGHEST, Adapter, AdapterError, AdapterMerge
+from consensus.lora._core import Adapter, AdapterError, AdapterMerge, finish, host
 from consensus.specs import ADAPTER_METHODS
 
 Stacked = Mapping[str, Mapping[str, jax.Array]]
 Combine = Callable[[Stacked, np.ndarray, np.ndarray, Any], AdapterMerge]
-FromDense = Callable[[Mapping[str, jax.Array], Stacked, np.ndarray, np.ndarray], AdapterMerge]
+#: ``from_dense(m, rank, scale) -> (a, b, base_delta or None, info)`` for one target's dense update.
+FromDense = Callable[
+    [np.ndarray, int, float], tuple[np.ndarray, np.ndarray, np.ndarray | None, dict[str, Any]]
+]
+HostAdapter = dict[str, dict[str, np.ndarray]]
 
 
 class AdapterMethod(NamedTuple):
@@ -35,14 +38,17 @@ class AdapterMethod(NamedTuple):
       name: The declared name.
       combine: ``combine(stacked, s, w, key) -> AdapterMerge`` with per-node scales ``s`` and
         node weights ``w`` ((n,) float64, already normalised when the method normalises).
-      from_dense: For methods that can start from a dense merged update per target (the output of
-        a coordinate-wise robust rule on the products): ``from_dense(dense, stacked, s, w)``;
+      from_dense: For methods that can start from a dense merged update of one target (the output
+        of a coordinate-wise robust rule on the products): ``from_dense(m, rank, scale)`` returns
+        the target's factors (with ``scale``), its base delta (or None) and its diagnostics;
         None for the methods that need per-node weights.
+      rank: The output rank the method was built with (``svd``), None for the input rank.
     """
 
     name: str
     combine: Combine
     from_dense: FromDense | None = None
+    rank: int | None = None
 
 
 def out_scale(s: np.ndarray) -> float:
@@ -50,28 +56,31 @@ def out_scale(s: np.ndarray) -> float:
     return float(s[0])
 
 
-def factor_mean(stacked: Stacked, s: np.ndarray, w: np.ndarray) -> Adapter:
-    """``a = sum_i w_i a_i``, ``b = sum_i w_i (s_i / s_out) b_i``: FedIT's factor-wise weighted mean.
+def factor_mean(stacked: Stacked, s: np.ndarray, w: np.ndarray) -> HostAdapter:
+    """``a = sum_i w_i a_i``, ``b = sum_i w_i (s_i / s_out) b_i`` in float64: FedIT's factor-wise mean.
 
     Folding ``s_i / s_out`` into ``b_i`` keeps each node's own update when the scales differ.
     """
-    wa = jnp.asarray(w, jnp.float32)
-    wb = jnp.asarray(w * s / out_scale(s), jnp.float32)
+    wb = w * s / out_scale(s)
     return {
-        t: {
-            "a": jnp.tensordot(wa, f["a"], axes=1, precision=HIGHEST).astype(f["a"].dtype),
-            "b": jnp.tensordot(wb, f["b"], axes=1, precision=HIGHEST).astype(f["b"].dtype),
-        }
+        t: {"a": np.tensordot(w, host(f["a"]), axes=1), "b": np.tensordot(wb, host(f["b"]), axes=1)}
         for t, f in stacked.items()
     }
 
 
-def mean_product(f: Mapping[str, jax.Array], s: np.ndarray, w: np.ndarray) -> jax.Array:
-    """``sum_i w_i s_i a_i b_i`` of one target, as one (in, n r) @ (n r, out) product."""
-    n, fan_in, r = f["a"].shape
-    a_cat = jnp.moveaxis(f["a"], 0, 1).reshape(fan_in, n * r)
-    b_cat = (jnp.asarray(w * s, jnp.float32)[:, None, None] * f["b"]).reshape(n * r, -1)
-    return jnp.matmul(a_cat, b_cat, precision=HIGHEST)
+def concat_factors(f: Mapping[str, Any], coeffs: np.ndarray, on: str = "b") -> tuple[np.ndarray, np.ndarray]:
+    """``[a_1 ... a_n]`` (in, n r), ``[c_1 b_1; ...; c_n b_n]`` (n r, out) in float64 (``on="a"``: c on a)."""
+    a, b = host(f["a"]), host(f["b"])
+    n, fan_in, r = a.shape
+    c = coeffs.reshape(n, 1, 1)
+    a, b = (c * a, b) if on == "a" else (a, c * b)
+    return np.moveaxis(a, 0, 1).reshape(fan_in, n * r), b.reshape(n * r, -1)
+
+
+def mean_product(f: Mapping[str, Any], s: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``sum_i w_i s_i a_i b_i`` of one target in float64, as one (in, n r) @ (n r, out) product."""
+    a_cat, b_cat = concat_factors(f, w * s)
+    return a_cat @ b_cat
 
 
 def _info(name: str, exact: bool, w: np.ndarray, rank: int, **more: Any) -> dict[str, Any]:
@@ -84,7 +93,7 @@ def _info(name: str, exact: bool, w: np.ndarray, rank: int, **more: Any) -> dict
     }
 
 
-def _rank_of(adapter: Adapter) -> int:
+def _rank_of(adapter: Mapping[str, Mapping[str, Any]]) -> int:
     return int(next(iter(adapter.values()))["a"].shape[1])
 
 
@@ -109,7 +118,7 @@ def fedit() -> AdapterMethod:
     """
 
     def combine(stacked: Stacked, s: np.ndarray, w: np.ndarray, key: Any = None) -> AdapterMerge:
-        adapter = factor_mean(stacked, s, w)
+        adapter, _ = finish(factor_mean(stacked, s, w), stacked)
         return AdapterMerge(adapter, out_scale(s), None, _info("fedit", False, w, _rank_of(adapter)))
 
     return AdapterMethod("fedit", combine)
@@ -148,14 +157,11 @@ def ffa() -> AdapterMethod:
 
     def combine(stacked: Stacked, s: np.ndarray, w: np.ndarray, key: Any = None) -> AdapterMerge:
         shared_a(stacked)
-        wb = jnp.asarray(w * s / out_scale(s), jnp.float32)
-        adapter = {
-            t: {
-                "a": f["a"][0],
-                "b": jnp.tensordot(wb, f["b"], axes=1, precision=HIGHEST).astype(f["b"].dtype),
-            }
-            for t, f in stacked.items()
+        wb = w * s / out_scale(s)
+        mean = {
+            t: {"a": host(f["a"][0]), "b": np.tensordot(wb, host(f["b"]), axes=1)} for t, f in stacked.items()
         }
+        adapter, _ = finish(mean, stacked)
         return AdapterMerge(adapter, out_scale(s), None, _info("ffa", True, w, _rank_of(adapter)))
 
     return AdapterMethod("ffa", combine)
@@ -176,17 +182,13 @@ def stacked_factors(
     kept = [i for i in range(len(coeffs)) if keep_zero or coeffs[i] != 0]
     if not kept:
         raise AdapterError("every node has weight 0: nothing to stack")
-    c = jnp.asarray(coeffs[kept], jnp.float32)
-    out: Adapter = {}
+    out: HostAdapter = {}
     for t, f in stacked.items():
-        a, b = f["a"][jnp.asarray(kept)], f["b"][jnp.asarray(kept)]
-        if on == "a":
-            a = (c[:, None, None] * a).astype(a.dtype)
-        else:
-            b = (c[:, None, None] * b).astype(b.dtype)
-        m, fan_in, r = a.shape
-        out[t] = {"a": jnp.moveaxis(a, 0, 1).reshape(fan_in, m * r), "b": b.reshape(m * r, b.shape[-1])}
-    return out, kept
+        a, b = concat_factors(
+            {"a": np.asarray(f["a"])[kept], "b": np.asarray(f["b"])[kept]}, coeffs[kept], on
+        )
+        out[t] = {"a": a, "b": b}
+    return finish(out, stacked)[0], kept
 
 
 @ADAPTER_METHODS.declare(
@@ -218,3 +220,134 @@ def stack() -> AdapterMethod:
         )
 
     return AdapterMethod("stack", combine)
+
+
+# ----------------------------------------------------------------------------- truncated SVD
+
+
+def lowrank_svd(a_cat: np.ndarray, b_cat: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The thin SVD ``U diag(S) Vt`` of ``M = a_cat @ b_cat`` without forming M.
+
+    With ``a_cat = Qa Ra`` and ``b_cat^T = Qb Rb`` (thin QR), ``M = Qa (Ra Rb^T) Qb^T`` and only
+    the small core ``Ra Rb^T`` (at most k x k, k = a_cat's columns) is decomposed: O(k^2 (in + out))
+    instead of O(in out min(in, out)). The singular values are M's own.
+    """
+    qa, ra = np.linalg.qr(a_cat)
+    qb, rb = np.linalg.qr(b_cat.T)
+    u, sv, vt = np.linalg.svd(ra @ rb.T, full_matrices=False)
+    return qa @ u, sv, vt @ qb.T
+
+
+def truncate(
+    u: np.ndarray, sv: np.ndarray, vt: np.ndarray, rank: int, scale: float
+) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
+    """Keep the ``rank`` largest singular triplets: ``a = U_r`` (in, rank), ``b = S_r Vt_r / scale``.
+
+    The singular values go to ``b`` as PEFT's ``svd`` puts them in ``lora_B``. A target with fewer
+    than ``rank`` singular values is padded with zero columns / rows (its update is unchanged), so
+    every target of the merged adapter has the same rank. Returns the factors and, by
+    Eckart-Young, the squared Frobenius error ``sum of the discarded sigma^2`` with ``||M||_F^2``.
+    """
+    sv64 = host(sv)
+    kept = min(rank, sv.shape[0])
+    a = u[:, :kept]
+    b = (sv[:kept, None] * vt[:kept]) / scale
+    if kept < rank:
+        a = np.pad(a, ((0, 0), (0, rank - kept)))
+        b = np.pad(b, ((0, rank - kept), (0, 0)))
+    return a, b, {"error": float(np.sum(sv64[kept:] ** 2)), "norm": float(np.sum(sv64**2))}
+
+
+def _svd_summary(errors: Mapping[str, Mapping[str, float]]) -> dict[str, Any]:
+    err = sum(e["error"] for e in errors.values())
+    norm = sum(e["norm"] for e in errors.values())
+    return {
+        "truncation_error": {t: e["error"] for t, e in errors.items()},
+        "truncation_error_total": err,
+        "relative_truncation_error": err / norm if norm > 0 else 0.0,
+    }
+
+
+def _dense_svd(m: np.ndarray, rank: int, scale: float) -> tuple[np.ndarray, np.ndarray, None, dict[str, Any]]:
+    u, sv, vt = np.linalg.svd(host(m), full_matrices=False)
+    a, b, err = truncate(u, sv, vt, rank, scale)
+    return a, b, None, err
+
+
+@ADAPTER_METHODS.declare(
+    kind="adapter", traits={"exact": False, "normalize": False, "space": "products", "dense": True}
+)
+def svd(rank: int | None = None) -> AdapterMethod:
+    """The weighted sum of the products, re-factorised to rank ``rank`` by truncated SVD (PEFT's ``svd``).
+
+    ``M = sum_i w_i s_i a_i b_i`` per target, ``M = U S V^T``, then ``a = U_r`` and
+    ``b = S_r V_r^T / s_out``: the best rank-r approximation of M in Frobenius norm
+    (Eckart-Young), exact when ``rank >= rank(M)`` (at most n r). ``info["truncation_error"]``
+    gives per target the squared error ``||M - s a b||_F^2 = sum of the discarded sigma_k^2``
+    (``truncation_error_total`` and ``relative_truncation_error``, divided by ``||M||_F^2``,
+    summed over targets). M is never formed: the SVD works on the QR factors of the stacked
+    factors (:func:`lowrank_svd`). ``rank`` defaults to the input rank r (PEFT's ``svd_rank``
+    default, the largest input rank). Weights are used as given, as PEFT's
+    ``add_weighted_adapter(..., combination_type="svd")`` does (default 1/n each). Also runs on
+    the dense output of a coordinate-wise robust rule on the products.
+
+    References:
+      Eckart and Young, "The approximation of one matrix by another of lower rank",
+      Psychometrika 1936; PEFT's ``LoraModel.add_weighted_adapter`` (Hugging Face).
+    """
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 1):
+        raise AdapterError(f"svd: rank must be a positive int, got {rank!r}")
+
+    def combine(stacked: Stacked, s: np.ndarray, w: np.ndarray, key: Any = None) -> AdapterMerge:
+        r_out = rank or int(next(iter(stacked.values()))["a"].shape[-1])
+        scale = out_scale(s)
+        out: HostAdapter = {}
+        errors = {}
+        for t, f in stacked.items():
+            a, b, errors[t] = truncate(*lowrank_svd(*concat_factors(f, w * s)), r_out, scale)
+            out[t] = {"a": a, "b": b}
+        adapter, _ = finish(out, stacked)
+        return AdapterMerge(adapter, scale, None, _info("svd", False, w, r_out, **_svd_summary(errors)))
+
+    return AdapterMethod("svd", combine, _dense_svd, rank)
+
+
+# ----------------------------------------------------------------------------- FedEx-LoRA
+
+
+def _dense_residual(
+    m: np.ndarray, rank: int, scale: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+    a, b, _, err = _dense_svd(m, rank, scale)
+    return a, b, host(m) - scale * a @ b, err
+
+
+@ADAPTER_METHODS.declare(
+    kind="adapter", traits={"exact": True, "normalize": True, "space": "products", "dense": True}
+)
+def exact_residual() -> AdapterMethod:
+    """FedEx-LoRA: the factor means as the adapter, and the residual folded into the base; exact.
+
+    ``a = sum_i w_i a_i``, ``b = sum_i w_i b_i`` (FedIT's adapter, rank r), and
+    ``base_delta = sum_i w_i s_i a_i b_i - s a b``, the error FedIT makes, as a dense (in, out)
+    update added to the frozen base kernel. Then ``s a b + base_delta`` is the weighted mean of
+    the products exactly. Weights are normalised to sum 1. The residual is dense: it costs one
+    kernel-sized update per target on the wire. After a coordinate-wise robust rule on the
+    products (a dense merged update M per target) the adapter is M's best rank-r factorisation
+    and the residual ``M - s a b`` goes to the base, still exact.
+
+    References:
+      Singhal, Ponkshe, Vepakomma, "FedEx-LoRA: Exact Aggregation for Federated and Efficient
+      Fine-Tuning of Foundation Models", 2024 (arXiv:2410.09432).
+    """
+
+    def combine(stacked: Stacked, s: np.ndarray, w: np.ndarray, key: Any = None) -> AdapterMerge:
+        mean = factor_mean(stacked, s, w)
+        scale = out_scale(s)
+        residual = {
+            t: mean_product(f, s, w) - scale * mean[t]["a"] @ mean[t]["b"] for t, f in stacked.items()
+        }
+        adapter, base_delta = finish(mean, stacked, residual)
+        return AdapterMerge(adapter, scale, base_delta, _info("exact_residual", True, w, _rank_of(adapter)))
+
+    return AdapterMethod("exact_residual", combine, _dense_residual)
