@@ -55,11 +55,15 @@ def _checked(impl: str, source: str) -> str:
 
 
 def order_impl(impl: str | None = None, backend: str | None = None) -> str:
-    """The formulation of the order-statistic kernels: ``"network"`` or ``"sort"``.
+    """The formulation of the order-statistic kernels: ``"network"``, ``"sort"`` or ``"hybrid"``.
 
     Args:
       impl: an explicit choice (returned as is once checked); None: the overrides, then the default.
       backend: the backend whose default applies (default: ``jax.default_backend()``).
+
+    Returns:
+      The formulation's name, one of ``ORDER_IMPLS``.
+
     Raises:
       ValueError: for a name not in ``ORDER_IMPLS`` (argument, context or environment).
     """
@@ -76,7 +80,17 @@ def order_impl(impl: str | None = None, backend: str | None = None) -> str:
 
 @contextlib.contextmanager
 def forced_order_impl(impl: str | None) -> Iterator[None]:
-    """Within the block, the order-statistic kernels use ``impl`` (None: back to the default)."""
+    """Within the block, the order-statistic kernels use ``impl`` (None: back to the default).
+
+    Args:
+      impl: one of ``ORDER_IMPLS``, or None to clear an outer override.
+
+    Yields:
+      None; the choice holds until the block exits.
+
+    Raises:
+      ValueError: for a name not in ``ORDER_IMPLS``.
+    """
     token = _forced.set(None if impl is None else _checked(impl, "forced_order_impl"))
     try:
         yield

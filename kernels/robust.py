@@ -37,6 +37,14 @@ def gram_with_rows(x: jax.Array, ref: jax.Array | None, extra: jax.Array) -> jax
     ``extra`` (k, ...) holds rows that are already deltas (the server's update);
     they are not centred. Streamed in the same cache-sized chunks as
     :func:`kernels.gram.gram`, with Kahan-compensated accumulation.
+
+    Args:
+      x: (n, ...) stack.
+      ref: optional (...) centre of the rows of x.
+      extra: (k, ...) rows appended as they are.
+
+    Returns:
+      (n + k, n + k) float32 Gram matrix.
     """
     n, k = x.shape[0], extra.shape[0]
     x = x.reshape(n, -1)
@@ -67,7 +75,16 @@ def gram_with_rows(x: jax.Array, ref: jax.Array | None, extra: jax.Array) -> jax
 
 @kernel_jit
 def take_columns(x: jax.Array, ref: jax.Array | None, index: jax.Array) -> jax.Array:
-    """(n, b) float32: the flat coordinates ``index`` of every row of ``x - ref``."""
+    """The flat coordinates ``index`` of every row of ``x - ref``.
+
+    Args:
+      x: (n, ...) stack.
+      ref: optional (...) centre.
+      index: (b,) int flat coordinate indices.
+
+    Returns:
+      (n, b) float32.
+    """
     n = x.shape[0]
     cols = jnp.take(x.reshape(n, -1), index, axis=1).astype(jnp.float32)
     if ref is None:
@@ -108,6 +125,27 @@ def meamed(
     ``poison``: any NaN/Inf in a kept row makes the result NaN at that
     coordinate (as :func:`kernels.sorting.median`), for the one-pass optimistic path.
     ``impl``: the formulation (:func:`kernels.backend.order_impl`; default: the backend's).
+
+    Args:
+      x: (n, ...) stack.
+      f: the number of values dropped per coordinate (the window holds m - f).
+      keep: optional (n,) bool, the rows that take part (default: all).
+      m: optional static count of True entries of ``keep``.
+      mixing: optional (n, n) matrix A: the rows are the view ``c + A (x - c)``.
+      centre: the centre c of that view (None: c = 0).
+      diagonal: whether A is diagonal (static).
+      poison: make a coordinate NaN when a kept row is NaN or Inf there (see above).
+      impl: one of :data:`kernels.backend.ORDER_IMPLS` (default: the backend's).
+
+    Returns:
+      (...) float32, NaN where m <= f.
+
+    Raises:
+      ValueError: for ``poison`` with exact selection (above ``WINDOW_NETWORK_MAX`` rows with
+        ``"network"``), or an unknown ``impl``.
+
+    References:
+      Xie, Koyejo and Gupta, "Generalized Byzantine-tolerant SGD", 2018.
     """
     chosen = order_impl(impl)
     if chosen == "sort" or (chosen == "hybrid" and x.shape[0] > WINDOW_NETWORK_MAX):

@@ -57,6 +57,15 @@ def network_fits(n: int, m, mixing: jax.Array | None = None, diagonal: bool = Tr
     Up to ``UNROLL_MAX`` rows always. Up to ``NETWORK_MAX`` when the kept count m is static
     (every position read is a constant, so XLA prunes the network) and the rows are x itself or
     a diagonal view of it (a dense view unrolls n^2 terms per coordinate).
+
+    Args:
+      n: the number of rows.
+      m: the kept count, a Python int when static (anything else counts as traced).
+      mixing: the view's matrix, if any.
+      diagonal: whether that matrix is diagonal.
+
+    Returns:
+      True when the sorting network is used.
     """
     if n <= UNROLL_MAX:
         return True
@@ -69,6 +78,12 @@ def batcher_pairs(n: int) -> tuple[tuple[int, int], ...]:
 
     Built for the next power of two and pruned: inputs past n are taken as
     +inf, so every comparator touching them is a no-op and is dropped.
+
+    Args:
+      n: the number of inputs.
+
+    Returns:
+      The (i, j) pairs, i < j, in the order they are applied.
     """
     size = 1 << max(n - 1, 0).bit_length()
     pairs = []
@@ -87,7 +102,14 @@ def batcher_pairs(n: int) -> tuple[tuple[int, int], ...]:
 
 
 def sort_rows(r: list[jax.Array]) -> list[jax.Array]:
-    """Rows sorted coordinate-wise (ascending) by Batcher's network, as a new list."""
+    """Rows sorted coordinate-wise (ascending) by Batcher's network, as a new list.
+
+    Args:
+      r: the rows, arrays of one shape.
+
+    Returns:
+      The sorted rows: entry k holds the k-th smallest value of every coordinate.
+    """
     r = list(r)
     for a, b in batcher_pairs(len(r)):
         r[a], r[b] = jnp.minimum(r[a], r[b]), jnp.maximum(r[a], r[b])
@@ -99,7 +121,15 @@ def _is_static(v) -> bool:
 
 
 def pick(sorted_rows: list[jax.Array], index) -> jax.Array:
-    """``sorted_rows[index]`` for a Python int or a traced scalar index."""
+    """``sorted_rows[index]`` for a Python int or a traced scalar index.
+
+    Args:
+      sorted_rows: the rows.
+      index: a Python int, or a traced int scalar (a chain of selects).
+
+    Returns:
+      The row at ``index`` (zeros for a traced index past the end).
+    """
     if _is_static(index):
         return sorted_rows[int(index)]
     out = jnp.zeros_like(sorted_rows[0])
@@ -109,7 +139,16 @@ def pick(sorted_rows: list[jax.Array], index) -> jax.Array:
 
 
 def window_sum(sorted_rows: list[jax.Array], start, length) -> jax.Array:
-    """Sum of ``sorted_rows[start:start + length]`` (start/length static or traced)."""
+    """Sum of ``sorted_rows[start:start + length]`` (start/length static or traced).
+
+    Args:
+      sorted_rows: the rows.
+      start: the first position (int, traced scalar, or a per-coordinate array).
+      length: the number of positions.
+
+    Returns:
+      The sum, of one row's shape (zeros for an empty window).
+    """
     if _is_static(start) and _is_static(length):
         window = sorted_rows[int(start) : int(start) + int(length)]
         return tree_sum(window) if window else jnp.zeros_like(sorted_rows[0])
@@ -131,6 +170,17 @@ def exclude(
     mixing matrix is given (see :func:`kernels.rows.view_rows`). The
     replacement is a per-row scalar select: an (n, ...) ``where`` with a
     broadcast mask stops XLA from fusing the network and costs ~6x.
+
+    Args:
+      x: (n, ...) stack.
+      keep: optional (n,) bool (None: every row).
+      mixing: optional (n, n) matrix A of the view.
+      centre: optional centre c of the view.
+      diagonal: whether A is diagonal (static).
+      poison: turn +-Inf into NaN, so any non-finite kept value poisons its coordinate.
+
+    Returns:
+      The n rows, float32.
     """
     r = view_rows(x, mixing, centre, diagonal=diagonal)
     if poison:
@@ -148,6 +198,14 @@ def count(keep: jax.Array | None, n: int, m: int | None = None):
 
     Passing the count as a static ``m`` when the mask is concrete keeps every
     order position static, which is ~7x faster than the traced-position path.
+
+    Args:
+      keep: optional (n,) bool mask.
+      n: the number of rows.
+      m: the count when the caller knows it.
+
+    Returns:
+      ``m`` or n as a Python int, or the traced number of True entries of ``keep``.
     """
     if m is not None:
         return int(m)
@@ -194,6 +252,27 @@ def median(
     ``poison``, a NaN or Inf in any kept row makes the result NaN at that
     coordinate, so a finite result certifies that every kept row was finite.
     ``impl``: the formulation (:func:`kernels.backend.order_impl`; default: the backend's).
+
+    Args:
+      x: (n, ...) stack.
+      keep: optional (n,) bool, the rows that take part (default: all).
+      m: optional static count of True entries of ``keep`` (faster: every position is static).
+      mixing: optional (n, n) matrix A: the rows are the view ``c + A (x - c)``.
+      centre: the centre c of that view (None: c = 0).
+      diagonal: whether A is diagonal (static).
+      poison: make a coordinate NaN when a kept row is NaN or Inf there.
+      impl: one of :data:`kernels.backend.ORDER_IMPLS` (default: the backend's).
+
+    Returns:
+      (...) float32 medians.
+
+    Raises:
+      ValueError: for an unknown ``impl`` (argument, context or environment).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> median(jnp.array([[1.0, 5.0], [3.0, -1.0], [2.0, 0.0]]))
+      Array([2., 0.], dtype=float32)
     """
     chosen = order_impl(impl)
     if chosen == "sort":
@@ -226,6 +305,23 @@ def trimmed_mean(
 
     Needs m > 2f kept rows; with fewer the result is NaN (callers check first).
     ``poison`` and ``impl`` as in :func:`median`.
+
+    Args:
+      x: (n, ...) stack.
+      f: the number of values removed from each end.
+      keep: optional (n,) bool, the rows that take part (default: all).
+      m: optional static count of True entries of ``keep`` (faster: every position is static).
+      mixing: optional (n, n) matrix A: the rows are the view ``c + A (x - c)``.
+      centre: the centre c of that view (None: c = 0).
+      diagonal: whether A is diagonal (static).
+      poison: make a coordinate NaN when a kept row is NaN or Inf there.
+      impl: one of :data:`kernels.backend.ORDER_IMPLS` (default: the backend's).
+
+    Returns:
+      (...) float32 means, NaN where m <= 2f.
+
+    Raises:
+      ValueError: for an unknown ``impl``.
     """
     chosen = order_impl(impl)
     if chosen == "sort":
@@ -250,7 +346,20 @@ def _network_trimmed_mean(x, f, keep, m, mixing, centre, diagonal, poison) -> ja
 def order_statistic(
     x: jax.Array, k: int, keep: jax.Array | None = None, *, impl: str | None = None
 ) -> jax.Array:
-    """The k-th smallest value (0-based) over the kept rows, coordinate-wise (+inf if k >= m)."""
+    """The k-th smallest value (0-based) over the kept rows, coordinate-wise (+inf if k >= m).
+
+    Args:
+      x: (n, ...) stack.
+      k: the 0-based position (static).
+      keep: optional (n,) bool, the rows that take part (default: all).
+      impl: one of :data:`kernels.backend.ORDER_IMPLS` (default: the backend's).
+
+    Returns:
+      (...) float32.
+
+    Raises:
+      ValueError: for an unknown ``impl``.
+    """
     chosen = order_impl(impl)
     if chosen == "sort":
         return stack_sort.order_statistic(x, k, keep)
@@ -293,6 +402,26 @@ def closest_to_median_mean(
     Comparing the farther ends only would leave several windows tied when
     attackers send one vector f times, and keeping the first of them could keep
     the attackers' copies. ``impl`` as in :func:`median`.
+
+    Args:
+      x: (n, ...) stack.
+      f: the number of Byzantine nodes tolerated (2f values dropped per coordinate).
+      keep: optional (n,) bool, the rows that take part (default: all).
+      m: optional static count of True entries of ``keep`` (faster: every position is static).
+      mixing: optional (n, n) matrix A: the rows are the view ``c + A (x - c)``.
+      centre: the centre c of that view (None: c = 0).
+      diagonal: whether A is diagonal (static).
+      impl: one of :data:`kernels.backend.ORDER_IMPLS` (default: the backend's).
+
+    Returns:
+      (...) float32, NaN where m <= 2f.
+
+    Raises:
+      ValueError: for an unknown ``impl``.
+
+    References:
+      El Mhamdi, Guerraoui and Rouault, "The Hidden Vulnerability of Distributed Learning in
+      Byzantium", ICML 2018.
     """
     chosen = order_impl(impl)
     if chosen == "sort" or (chosen == "hybrid" and x.shape[0] > WINDOW_NETWORK_MAX):
