@@ -49,34 +49,72 @@ class RegistryError(ValueError):
 
 
 def need(ok: bool, text: str) -> str | None:
-    """A precondition's answer: None when it holds, else what is needed (``"n > 2f = 4"``)."""
+    """Return a precondition's answer: None when it holds, else what is needed (``"n > 2f = 4"``).
+
+    Args:
+      ok: Whether the precondition holds.
+      text: The requirement in words.
+
+    Returns:
+      None when ``ok``, else ``text``.
+    """
     return None if ok else text
 
 
 @functools.cache
 def at_least(k: int) -> Precondition:
-    """The precondition "at least k valid nodes" (f plays no part)."""
+    """Return the precondition "at least k valid nodes" (f plays no part).
+
+    Args:
+      k: The fewest valid nodes.
+
+    Returns:
+      A precondition ``(n, f) -> str | None`` (cached: one function per k).
+    """
     plural = "s" if k > 1 else ""
     return lambda n, f: need(n >= k, f"at least {k} valid node{plural}")
 
 
 @functools.cache
 def exactly(k: int) -> Precondition:
-    """The precondition "exactly k valid nodes" (f plays no part)."""
+    """Return the precondition "exactly k valid nodes" (f plays no part).
+
+    Args:
+      k: The number of valid nodes.
+
+    Returns:
+      A precondition ``(n, f) -> str | None`` (cached: one function per k).
+    """
     return lambda n, f: need(n == k, f"exactly {k} valid nodes")
 
 
 def honest_majority(n: int, f: int) -> str | None:
-    """n > 2f: more honest than Byzantine nodes."""
+    """Check the honest-majority precondition n > 2f: more honest than Byzantine nodes.
+
+    Args:
+      n: The number of valid nodes.
+      f: The number of Byzantine nodes.
+
+    Returns:
+      None when it holds, else the requirement in words.
+    """
     return need(n > 2 * f, f"n > 2f = {2 * f}")
 
 
 def least_count(precondition: Precondition, f: int, upto: int) -> int:
-    """The fewest valid nodes, at most ``upto``, for which ``precondition`` holds (``upto + 1`` if none).
+    """Return the fewest valid nodes, at most ``upto``, for which ``precondition`` holds.
 
     Preconditions are monotone in the count (more valid nodes never hurt up to the stack's n), so
     under an outer jit a rule compares its traced valid count with this bound, found on the host
     from the same declared precondition.
+
+    Args:
+      precondition: A precondition ``(n, f) -> str | None``.
+      f: The number of Byzantine nodes.
+      upto: The largest count tried (the stack's n).
+
+    Returns:
+      The fewest count, or ``upto + 1`` when none up to ``upto`` suffices.
     """
     return next((m for m in range(upto + 1) if precondition(m, f) is None), upto + 1)
 
@@ -179,18 +217,42 @@ class Spec:
         )
 
     def requirement(self, n: int, f: int) -> str | None:
-        """None when the entry runs on n valid nodes with f Byzantine ones, else what it needs."""
+        """Return None when the entry runs on n valid nodes with f Byzantine ones, else what it needs.
+
+        Args:
+          n: The number of valid nodes.
+          f: The number of Byzantine nodes.
+
+        Returns:
+          None, or the requirement in words.
+        """
         return self.precondition(n, f)
 
     def check(self, n: int, f: int) -> None:
-        """Raise ByzantineToleranceError naming the entry, n, f and what it needs (base.require's text)."""
+        """Raise ByzantineToleranceError naming the entry, n, f and what it needs (base.require's text).
+
+        Args:
+          n: The number of valid nodes.
+          f: The number of Byzantine nodes.
+
+        Raises:
+          ByzantineToleranceError: If the precondition does not hold.
+        """
         from consensus.base import require
 
         needed = self.precondition(n, f)
         require(self.name, n, f, needed is None, needed or "")
 
     def check_params(self, params: Mapping[str, Any]) -> None:
-        """Unknown parameter names raise a RegistryError that lists the valid ones."""
+        """Check parameter names against the factory's; unknown ones are an error listing the valid ones.
+
+        Args:
+          params: Parameter name -> value.
+
+        Raises:
+          RegistryError: If a name is not a parameter of the factory (unless it takes
+            ``**options``).
+        """
         if self.takes_any_option:
             return
         valid = list(self.params)
@@ -199,7 +261,20 @@ class Spec:
             raise RegistryError(f"{self.name} takes no parameter(s) {unknown}; valid parameters: {valid}")
 
     def build(self, f: int | None = None, **params: Any) -> Any:
-        """The entry with f (when it takes one) and the given parameters over ``defaults``, checked first."""
+        """Build the entry with f (when it takes one) and the given parameters over ``defaults``.
+
+        The parameter names are checked first (:meth:`check_params`).
+
+        Args:
+          f: The number of Byzantine nodes, for entries that take one.
+          **params: The factory's other parameters.
+
+        Returns:
+          What the factory returns (for rules, an Aggregator or PreAggregator).
+
+        Raises:
+          RegistryError: If a parameter is unknown, or f is missing for an entry that takes one.
+        """
         self.check_params(params)
         params = {**self.defaults, **params}
         if self.takes_f:
@@ -222,21 +297,54 @@ class Registry(Generic[T]):
         self._specs: dict[str, T] = {}
 
     def register(self, name: str, spec: T, *, replace: bool = False) -> T:
-        """Add ``spec`` under ``name``; a second entry of one name is an error unless ``replace``."""
+        """Add ``spec`` under ``name``; a second entry of one name is an error unless ``replace``.
+
+        Args:
+          name: The entry's name.
+          spec: Its spec.
+          replace: Replace an existing entry of that name.
+
+        Returns:
+          ``spec``.
+
+        Raises:
+          RegistryError: If the name is taken and ``replace`` is False.
+        """
         if name in self._specs and not replace:
             raise RegistryError(f"{self.family} {name!r} is already registered")
         self._specs[name] = spec
         return spec
 
     def unregister(self, name: str) -> T:
-        """Remove and return an entry (for tests and for plug-ins that replace a built-in)."""
+        """Remove and return an entry (for tests and for plug-ins that replace a built-in).
+
+        Args:
+          name: The entry's name.
+
+        Returns:
+          Its spec.
+
+        Raises:
+          KeyError: If there is no such entry.
+        """
         return self._specs.pop(name)
 
     def declare(self, name: str | None = None, *, replace: bool = False, **fields: Any) -> Callable[[F], F]:
-        """Decorator: declare ``factory`` under ``name`` (its own name by default) with the spec's fields.
+        """Declare the decorated factory under ``name`` (its own name by default) with the spec's fields.
 
-        Returns the factory (wrapped to stamp its results when this registry stamps). The
-        summary defaults to the first line of the factory's docstring.
+        The summary defaults to the first line of the factory's docstring.
+
+        Args:
+          name: The entry's name, or None for the factory's ``__name__``.
+          replace: Replace an existing entry of that name.
+          **fields: The :class:`Spec` fields (``kind``, ``takes_f``, ``precondition``, ...).
+
+        Returns:
+          A decorator that registers the factory and returns it (wrapped to stamp its results
+          when this registry stamps).
+
+        Raises:
+          RegistryError: When decorating, if the name is taken and ``replace`` is False.
         """
 
         def decorate(factory: F) -> F:
@@ -267,6 +375,7 @@ class Registry(Generic[T]):
             raise RegistryError(f"unknown {self.family} {name!r}; valid choices: {valid}") from None
 
     def get(self, name: str, default: T | None = None) -> T | None:
+        """Return the spec of ``name``, or ``default`` when there is none."""
         return self._specs.get(name, default)
 
     def __contains__(self, name: object) -> bool:
@@ -279,10 +388,18 @@ class Registry(Generic[T]):
         return len(self._specs)
 
     def names(self, predicate: Callable[[T], bool] | None = None) -> list[str]:
-        """The registered names (those whose spec satisfies ``predicate``), in declaration order."""
+        """Return the registered names (those whose spec satisfies ``predicate``), in declaration order.
+
+        Args:
+          predicate: A test on specs, or None for every entry.
+
+        Returns:
+          The names.
+        """
         return [k for k, s in self._specs.items() if predicate is None or predicate(s)]
 
     def items(self) -> ItemsView[str, T]:
+        """Return (name, spec) pairs, in declaration order."""
         return self._specs.items()
 
 
