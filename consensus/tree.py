@@ -33,7 +33,14 @@ class NonFiniteError(ValueError):
 
 
 def leaf_paths(tree: PyTree) -> list[str]:
-    """Readable paths of the leaves of ``tree``, in flattening order."""
+    """Return readable paths of the leaves of ``tree``, in flattening order.
+
+    Args:
+      tree: Any pytree.
+
+    Returns:
+      One ``jax.tree_util.keystr`` path per leaf (``"<root>"`` for a bare leaf).
+    """
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     return [jax.tree_util.keystr(path) or "<root>" for path, _ in flat]
 
@@ -54,6 +61,14 @@ def check_same_structure(trees: Sequence[PyTree], reference: PyTree | None = Non
 
     Every tree must have the structure, leaf shapes and leaf dtypes of
     ``reference`` (default: the first tree).
+
+    Args:
+      trees: The trees to check.
+      reference: The tree they must match, or None for the first one.
+
+    Raises:
+      ValueError: If ``trees`` is empty.
+      TreeMismatchError: At the first node whose structure, shape or dtype differs.
     """
     if len(trees) == 0:
         raise ValueError("need at least one tree")
@@ -80,10 +95,25 @@ def check_same_structure(trees: Sequence[PyTree], reference: PyTree | None = Non
 def stack(trees: Sequence[PyTree], *, reference: PyTree | None = None) -> PyTree:
     """Stack n trees into one tree whose leaves have a leading node axis of size n.
 
-    Raises TreeMismatchError (naming the node and leaf) when the trees differ in
-    structure, shape or dtype. Non-finite values are allowed here: the
-    aggregators exclude such nodes and report them; use :func:`check_finite` to
-    refuse them outright.
+    Non-finite values are allowed here: the aggregators exclude such nodes and report them;
+    use :func:`check_finite` to refuse them outright.
+
+    Args:
+      trees: The n node trees, all of one structure, shape and dtype.
+      reference: The tree they must match, or None for the first one.
+
+    Returns:
+      The stacked tree.
+
+    Raises:
+      ValueError: If ``trees`` is empty.
+      TreeMismatchError: Naming the node and leaf, when the trees differ in structure, shape
+        or dtype.
+
+    Example:
+      >>> stacked = stack([{"w": jnp.zeros(3)}, {"w": jnp.ones(3)}])
+      >>> stacked["w"].shape
+      (2, 3)
     """
     trees = list(trees)
     check_same_structure(trees, reference)
@@ -102,6 +132,12 @@ def refuse_unstacked(stacked: PyTree) -> None:
     sequence of like parts, so the refusal keeps to what node trees look like: a list of like
     trees, or a tuple of like containers (dicts, States, ...). A tuple of like arrays stays a
     stacked tree, as ``(w, b)`` of one shape is; wrap a stacked list of like layers in a dict.
+
+    Args:
+      stacked: What a caller passed as a stacked tree.
+
+    Raises:
+      TreeMismatchError: If it looks like n unstacked node trees.
     """
     if type(stacked) not in (list, tuple) or len(stacked) < 2:
         return
@@ -116,11 +152,22 @@ def refuse_unstacked(stacked: PyTree) -> None:
 
 
 def num_nodes(stacked: PyTree) -> int:
-    """The size n of the leading node axis (checked to agree across leaves).
+    """Return the size n of the leading node axis (checked to agree across leaves).
 
     A plain list or tuple of trees of one structure, shape and dtype is refused: it is n
     unstacked node trees (stack them with :func:`stack`), whose leaves' first dimension
     would otherwise be read as the node axis.
+
+    Args:
+      stacked: A stacked tree.
+
+    Returns:
+      n.
+
+    Raises:
+      ValueError: If the tree has no leaves.
+      TreeMismatchError: If it is a sequence of unstacked trees, or its leaves disagree on n
+        (or one is a scalar).
     """
     refuse_unstacked(stacked)
     leaves = jax.tree_util.tree_leaves(stacked)
@@ -140,13 +187,29 @@ def num_nodes(stacked: PyTree) -> int:
 
 
 def unstack(stacked: PyTree) -> list[PyTree]:
-    """Inverse of :func:`stack`: a list of n trees."""
+    """Split a stacked tree into its n node trees (the inverse of :func:`stack`).
+
+    Args:
+      stacked: A stacked tree.
+
+    Returns:
+      A list of n trees.
+    """
     n = num_nodes(stacked)
     return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n)]
 
 
 def check_stacked_against(stacked: PyTree, params: PyTree) -> None:
-    """Raise TreeMismatchError unless ``stacked`` is ``params`` with a node axis added."""
+    """Raise TreeMismatchError unless ``stacked`` is ``params`` with a node axis added.
+
+    Args:
+      stacked: A stacked tree.
+      params: The global tree (no node axis).
+
+    Raises:
+      TreeMismatchError: If the structures differ or a leaf's shape or dtype is not the
+        param's with a leading axis.
+    """
     p_leaves, p_def = jax.tree_util.tree_flatten(params)
     s_leaves, s_def = jax.tree_util.tree_flatten(stacked)
     if p_def != s_def:  # type: ignore[operator]  # as in check_trees
@@ -167,7 +230,14 @@ def check_stacked_against(stacked: PyTree, params: PyTree) -> None:
 
 @jax.jit
 def finite_mask(stacked: PyTree) -> jax.Array:
-    """(n,) bool: True for nodes whose every leaf is finite (one compiled call for the whole tree)."""
+    """Tell which nodes hold only finite values (one compiled call for the whole tree).
+
+    Args:
+      stacked: A stacked tree.
+
+    Returns:
+      (n,) bool, True for nodes whose every leaf is finite.
+    """
     masks = [row_kernels.finite_rows(x) for x in jax.tree_util.tree_leaves(stacked)]
     out = masks[0]
     for m in masks[1:]:
@@ -177,17 +247,30 @@ def finite_mask(stacked: PyTree) -> jax.Array:
 
 @jax.jit
 def is_finite(tree_: PyTree) -> jax.Array:
-    """Scalar bool: every entry of every leaf of a tree is finite; one compiled call.
+    """Tell whether every entry of every leaf of a tree is finite; one compiled call.
 
     As ``isfinite(sum(x * 0))``: x * 0 is NaN exactly where x is NaN or +-Inf, and a float
     sum vectorizes on XLA:CPU where a boolean ``all`` does not.
+
+    Args:
+      tree_: Any tree of arrays.
+
+    Returns:
+      A scalar bool array.
     """
     sums = [jnp.sum(x.astype(jnp.float32) * 0.0) for x in jax.tree_util.tree_leaves(tree_)]
     return jnp.isfinite(sum(sums[1:], sums[0]))
 
 
 def nonfinite_report(stacked: PyTree) -> list[tuple[int, str]]:
-    """(node, leaf path) pairs holding NaN or Inf. Eager (not for use under jit)."""
+    """List the (node, leaf path) pairs holding NaN or Inf. Eager (not for use under jit).
+
+    Args:
+      stacked: A stacked tree.
+
+    Returns:
+      ``[(node index, leaf path), ...]``, empty when everything is finite.
+    """
     out: list[tuple[int, str]] = []
     for path, x in zip(leaf_paths(stacked), jax.tree_util.tree_leaves(stacked), strict=True):
         bad = np.flatnonzero(~np.asarray(row_kernels.finite_rows(x)))
@@ -196,7 +279,14 @@ def nonfinite_report(stacked: PyTree) -> list[tuple[int, str]]:
 
 
 def check_finite(stacked: PyTree) -> None:
-    """Raise NonFiniteError naming every node and leaf that holds NaN or Inf."""
+    """Raise NonFiniteError naming every node and leaf that holds NaN or Inf.
+
+    Args:
+      stacked: A stacked tree.
+
+    Raises:
+      NonFiniteError: If some node leaf holds NaN or Inf.
+    """
     bad = nonfinite_report(stacked)
     if bad:
         listing = ", ".join(f"node {i} leaf {p}" for i, p in bad[:10])
@@ -204,12 +294,19 @@ def check_finite(stacked: PyTree) -> None:
 
 
 def gram(stacked: PyTree, ref: PyTree | None = None) -> jax.Array:
-    """Gram matrix of the node deltas over the whole tree, (n, n) float32.
+    """Compute the Gram matrix of the node deltas over the whole tree, (n, n) float32.
 
     ``G[i, j] = sum over leaves of <x_i - ref, x_j - ref>``. Each leaf is
     streamed once by :func:`kernels.gram.gram`; the stack is never flattened or
     concatenated. Pass the current global params as ``ref``: distances computed
     from G on raw parameters cancel catastrophically when nodes are close.
+
+    Args:
+      stacked: A stacked tree.
+      ref: The centre (a tree like one node), or None for 0.
+
+    Returns:
+      (n, n) float32 Gram matrix.
     """
     leaves = jax.tree_util.tree_leaves(stacked)
     refs = [None] * len(leaves) if ref is None else jax.tree_util.tree_leaves(ref)
@@ -222,7 +319,15 @@ def gram(stacked: PyTree, ref: PyTree | None = None) -> jax.Array:
 
 
 def gram_f64(stacked: PyTree, ref: PyTree | None = None) -> np.ndarray:
-    """Like :func:`gram` but summed over leaves in float64 on the host (eager only)."""
+    """Compute :func:`gram`, summed over leaves in float64 on the host (eager only).
+
+    Args:
+      stacked: A stacked tree.
+      ref: The centre (a tree like one node), or None for 0.
+
+    Returns:
+      (n, n) float64 numpy Gram matrix.
+    """
     leaves = jax.tree_util.tree_leaves(stacked)
     refs = [None] * len(leaves) if ref is None else jax.tree_util.tree_leaves(ref)
     total: np.ndarray | float = 0.0
@@ -232,7 +337,15 @@ def gram_f64(stacked: PyTree, ref: PyTree | None = None) -> np.ndarray:
 
 
 def sq_norms(stacked: PyTree, ref: PyTree | None = None) -> jax.Array:
-    """(n,) squared L2 norms of the node deltas ``x_i - ref`` over the whole tree."""
+    """Compute the squared L2 norms of the node deltas ``x_i - ref`` over the whole tree.
+
+    Args:
+      stacked: A stacked tree.
+      ref: The centre (a tree like one node), or None for 0.
+
+    Returns:
+      (n,) float32 squared norms.
+    """
     leaves = jax.tree_util.tree_leaves(stacked)
     refs = [None] * len(leaves) if ref is None else jax.tree_util.tree_leaves(ref)
     total = None
@@ -244,9 +357,16 @@ def sq_norms(stacked: PyTree, ref: PyTree | None = None) -> jax.Array:
 
 
 def weighted_sum(stacked: PyTree, weights: jax.Array) -> PyTree:
-    """``sum_i weights[i] * x_i`` leaf by leaf, one streaming pass, in the leaves' dtype.
+    """Compute ``sum_i weights[i] * x_i`` leaf by leaf, one streaming pass, in the leaves' dtype.
 
     Nodes with weight exactly 0 contribute nothing, even if they hold NaN/Inf.
+
+    Args:
+      stacked: A stacked tree.
+      weights: (n,) weights.
+
+    Returns:
+      One tree (no node axis).
     """
     return jax.tree.map(lambda x: row_kernels.weighted_sum(x, weights).astype(x.dtype), stacked)
 
@@ -254,11 +374,20 @@ def weighted_sum(stacked: PyTree, weights: jax.Array) -> PyTree:
 def combine(
     stacked: PyTree, weights: jax.Array, ref: PyTree | None = None, total: float | jax.Array = 1.0
 ) -> PyTree:
-    """``total * ref + sum_i w_i (x_i - ref)``, one pass over the stack.
+    """Compute ``total * ref + sum_i w_i (x_i - ref)``, one pass over the stack.
 
     With the default ``total = 1`` this is ``ref + sum_i w_i (x_i - ref)``, which
     equals :func:`weighted_sum` when the weights sum to 1; with ``ref=None`` it
     is the plain weighted sum.
+
+    Args:
+      stacked: A stacked tree.
+      weights: (n,) coefficients w.
+      ref: The reference tree, or None.
+      total: The factor on ``ref``.
+
+    Returns:
+      One tree (no node axis).
     """
     if ref is None:
         return weighted_sum(stacked, weights)
@@ -272,5 +401,13 @@ def combine(
 
 
 def broadcast(params: PyTree, n: int) -> PyTree:
-    """A stacked tree with n copies of ``params``."""
+    """Return a stacked tree with n copies of ``params``.
+
+    Args:
+      params: A tree (no node axis).
+      n: The number of copies.
+
+    Returns:
+      The stacked tree.
+    """
     return jax.tree.map(lambda p: jnp.broadcast_to(p, (n, *jnp.shape(p))), params)
