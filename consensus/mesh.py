@@ -85,10 +85,12 @@ class MeshConfig:
 
     @property
     def size(self) -> int:
+        """The number of devices the mesh needs: node * data * model."""
         return self.node * self.data * self.model
 
     @property
     def resolved_rules(self) -> tuple[tuple[str, str | None], ...]:
+        """The logical axis rules in force: ``rules``, else FSDP's or the default ones."""
         if self.rules is not None:
             # TOML gives lists; __post_init__ checks that each is a (name, axis) pair.
             return tuple(tuple(r) for r in self.rules)  # type: ignore[misc]
@@ -96,11 +98,21 @@ class MeshConfig:
 
 
 def make_mesh(config: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh:
-    """A Mesh with axes ("node", "data", "model") over ``devices`` (default ``jax.devices()``).
+    """Build a Mesh with axes ("node", "data", "model") over ``devices`` (default ``jax.devices()``).
 
     With more devices than ``config.size`` in one process, the first
     ``config.size`` are used; across processes the mesh must cover every
     device (each process contributes its own block of nodes).
+
+    Args:
+      config: The mesh's shape.
+      devices: The devices, or None for ``jax.devices()``.
+
+    Returns:
+      The ``jax.sharding.Mesh``.
+
+    Raises:
+      ValueError: If there are too few devices, or a multi-process mesh leaves some out.
     """
     devices = list(jax.devices() if devices is None else devices)
     if config.size > len(devices):
@@ -122,11 +134,23 @@ def logical_to_spec(
     mesh: Mesh,
     rules: Any = DEFAULT_RULES,
 ) -> tuple[str | None, ...]:
-    """Mesh-axis entries for one (unstacked) leaf, following the logical rules.
+    """Return the mesh-axis entries for one (unstacked) leaf, following the logical rules.
 
     A dimension gets its mesh axis only when that axis has > 1 device, divides
     the dimension, and is not taken by an earlier dimension of the leaf; names
     without a rule are replicated. The "node" axis is never used here.
+
+    Args:
+      shape: The leaf's shape.
+      logical: One logical name (or None) per dimension, or None to replicate.
+      mesh: The mesh.
+      rules: Logical axis rules (pairs, a dict or a MeshConfig).
+
+    Returns:
+      One mesh axis or None per dimension (a PartitionSpec's entries).
+
+    Raises:
+      ValueError: If ``logical`` has more entries than the shape, or a name maps to "node".
     """
     rules = rules_dict(rules)
     logical = tuple(logical) if logical is not None else ()
@@ -148,7 +172,14 @@ def logical_to_spec(
 
 
 def rules_dict(rules: Any) -> dict[str, str | None]:
-    """Logical axis rules (pairs, a dict or a MeshConfig) as a dict; the first rule for a name wins."""
+    """Return logical axis rules (pairs, a dict or a MeshConfig) as a dict; the first rule for a name wins.
+
+    Args:
+      rules: Pairs ``(name, axis)``, a dict or a :class:`MeshConfig`.
+
+    Returns:
+      Logical name -> mesh axis (or None).
+    """
     if isinstance(rules, MeshConfig):
         rules = rules.resolved_rules
     if isinstance(rules, Mapping):
@@ -162,7 +193,21 @@ def rules_dict(rules: Any) -> dict[str, str | None]:
 def param_sharding(
     params: PyTree, logical_axes: PyTree | None, mesh: Mesh, rules: Any = DEFAULT_RULES
 ) -> PyTree:
-    """NamedSharding per leaf of a single (unstacked) tree, replicated over "node"."""
+    """Return the NamedSharding of every leaf of a single (unstacked) tree, replicated over "node".
+
+    Args:
+      params: The tree (arrays or ``jax.ShapeDtypeStruct``).
+      logical_axes: A tree of its structure with a tuple of logical names per leaf, or None.
+      mesh: The mesh.
+      rules: Logical axis rules (pairs, a dict or a MeshConfig).
+
+    Returns:
+      A tree of NamedSharding with the structure of ``params``.
+
+    Raises:
+      ValueError: If ``logical_axes`` does not have the params' structure or a leaf's names
+        do not fit it.
+    """
     rules = rules_dict(rules)
     axes = _axes_like(params, logical_axes)
     return jax.tree.map(
@@ -185,8 +230,13 @@ def stacked_sharding(
       mesh: a ("node", "data", "model") mesh; n must be a multiple of its
         "node" size.
       rules: logical axis rules, a MeshConfig, or a dict.
+
     Returns:
       A tree of NamedSharding with the structure of ``stacked``.
+
+    Raises:
+      ValueError: If a leaf has no node axis, n does not split over the "node" axis, or
+        ``logical_axes`` does not fit the params.
     """
     rules = rules_dict(rules)
     axes = _axes_like(stacked, logical_axes)
@@ -204,12 +254,26 @@ def stacked_sharding(
 
 
 def node_sharding(mesh: Mesh) -> NamedSharding:
-    """``P("node")`` on dim 0 (per-node data, keys, hyperparameters); the rest replicated."""
+    """Return ``P("node")`` on dim 0 (per-node data, keys, hyperparameters); the rest replicated.
+
+    Args:
+      mesh: The mesh.
+
+    Returns:
+      The NamedSharding.
+    """
     return NamedSharding(mesh, PartitionSpec("node"))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
-    """Fully replicated over the mesh (shared data, anchors)."""
+    """Return the sharding replicated over the whole mesh (shared data, anchors).
+
+    Args:
+      mesh: The mesh.
+
+    Returns:
+      The NamedSharding.
+    """
     return NamedSharding(mesh, PartitionSpec())
 
 
@@ -230,12 +294,21 @@ def _axes_like(tree: PyTree, logical_axes: PyTree | None) -> PyTree:
 def opt_state_sharding(
     opt_state: PyTree, stacked_params: PyTree, param_shardings: PyTree, mesh: Mesh
 ) -> PyTree:
-    """Shardings for a stacked optimizer state: leaves that mirror a param take its sharding.
+    """Return the shardings of a stacked optimizer state: leaves that mirror a param take its sharding.
 
     An optimizer-state leaf whose path ends with a param's path and whose shape
     equals that param's (Adam's mu and nu, momentum traces, MultiSteps'
     accumulators) is placed like the param; everything else (step counts,
     injected hyperparameters) is ``P("node")``.
+
+    Args:
+      opt_state: The stacked optimizer state.
+      stacked_params: The stacked params it optimizes.
+      param_shardings: Their shardings (as :func:`stacked_sharding` gives).
+      mesh: The mesh.
+
+    Returns:
+      A tree of NamedSharding with the structure of ``opt_state``.
     """
     p_flat, _ = jax.tree_util.tree_flatten_with_path(stacked_params)
     s_flat = jax.tree_util.tree_leaves(param_shardings)
@@ -260,11 +333,19 @@ def opt_state_sharding(
 def global_from_local(
     local: Any, sharding: NamedSharding, global_shape: Sequence[int] | None = None
 ) -> jax.Array:
-    """A global array from this process's block (multi-host), or a plain ``device_put``.
+    """Build a global array from this process's block (multi-host), or a plain ``device_put``.
 
     Per-node arrays: ``local`` holds this process's nodes (rows of dim 0) and
     ``global_shape`` the shape over all nodes. Replicated arrays: every process
     passes the same full value.
+
+    Args:
+      local: This process's block (or the full value).
+      sharding: The target sharding.
+      global_shape: The shape over all processes, or None when ``local`` is the whole array.
+
+    Returns:
+      The (global) jax array.
     """
     if jax.process_count() == 1:
         return jax.device_put(local, sharding)
@@ -274,7 +355,14 @@ def global_from_local(
 
 
 def to_host(tree: PyTree) -> PyTree:
-    """Numpy copies of (possibly sharded, multi-process) arrays, gathered in full on every process."""
+    """Return numpy copies of (possibly sharded, multi-process) arrays, gathered in full on every process.
+
+    Args:
+      tree: A tree of arrays.
+
+    Returns:
+      The same tree of numpy arrays.
+    """
     if jax.process_count() == 1:
         return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
     from jax.experimental import multihost_utils
@@ -293,10 +381,25 @@ def to_host(tree: PyTree) -> PyTree:
 
 
 def shard_stacked(stacked: PyTree, shardings: PyTree) -> PyTree:
-    """Place a stacked tree (all nodes present on this host) with the given shardings."""
+    """Place a stacked tree (all nodes present on this host) with the given shardings.
+
+    Args:
+      stacked: The stacked tree.
+      shardings: A tree of shardings like it.
+
+    Returns:
+      The placed tree.
+    """
     return jax.tree.map(lambda x, s: jax.device_put(x, s), stacked, shardings)
 
 
 def unshard(tree: PyTree) -> PyTree:
-    """Inverse of :func:`shard_stacked`: host numpy arrays, gathered from every device."""
+    """Gather a placed tree back into host numpy arrays (the inverse of :func:`shard_stacked`).
+
+    Args:
+      tree: A tree of (sharded) arrays.
+
+    Returns:
+      The same tree of numpy arrays.
+    """
     return to_host(tree)
