@@ -2,12 +2,13 @@
 #   make run   - the main job on its embedded default (meta-consensus run: digits, 8 nodes, ~1 min)
 #   make test  - ruff (check, format), the import contract, mypy and the whole pytest suite on 2 xdist workers (about 11 min of pytest, 13 min with the venv and CI's extras, fresh clone on a 2-core machine)
 #   make test-fast - the same without the slow, multiprocess and notebook tests (under 3 min of pytest on 2 cores)
+#   make docs  - the documentation site in docs/_build/html: warnings are errors, internal links checked
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test test-fast lint bench bench-quick clean data
+.PHONY: run test test-fast lint bench bench-quick clean data docs docs-screenshots
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "meta-consensus needs Python 3.11 or newer")'
@@ -62,5 +63,25 @@ data:
 	  else sudo apt-get update && sudo apt-get install -y dataset-fashion-mnist; fi; \
 	else echo "no apt-get here: put the four Fashion-MNIST IDX files (train-images-idx3-ubyte.gz, ...) in a folder and set META_CONSENSUS_FASHION_MNIST=<folder> (or the task option data_dir)"; exit 1; fi
 
+DOCS_STAMP := $(VENV)/.docs-stamp
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[dev,docs]"
+	@touch $(DOCS_STAMP)
+
+# The site: results pages equal to their data (python -m benchmarks publish --check), Sphinx with
+# warnings as errors (the notebooks rendered, not executed: with the outputs the notebook tests
+# stored in build/notebooks when there are any, else as their source), then every internal link
+# checked offline. MathJax is served with the site (docs/fetch_mathjax.sh).
+docs: $(DOCS_STAMP)
+	docs/fetch_mathjax.sh
+	$(BIN)/python -m benchmarks publish --check
+	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+	$(BIN)/python docs/check_links.py docs/_build/html
+
+# The built site in headless Chromium (Debian's chromium): screenshots in docs/_build/screenshots.
+docs-screenshots: docs
+	$(BIN)/python docs/screenshots.py docs/_build/html docs/_build/screenshots
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache docs/_build build/notebooks build/mathjax

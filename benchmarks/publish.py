@@ -63,8 +63,20 @@ class Page:
 # ----------------------------------------------------------------------------- reading
 
 
+def _floats(x: Any) -> Any:
+    """The inverse of the harness's strict JSON: "inf", "-inf" and "nan" strings are floats again."""
+    if isinstance(x, dict):
+        return {k: _floats(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_floats(v) for v in x]
+    if x in ("inf", "-inf", "nan"):
+        return float(x)
+    return x
+
+
 def load(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text(encoding="utf-8"))
+    """A result file as the benchmark held it (non-finite floats restored)."""
+    return _floats(json.loads(path.read_text(encoding="utf-8")))
 
 
 def result_files(results: Path = RESULTS) -> list[Path]:
@@ -344,7 +356,7 @@ def record_run(run_dir: Path, results: Path = RESULTS) -> Path:
     metrics = [line for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if line]
     payload = {
         "command": "make run",
-        "run_dir": str(run_dir),
+        "run_dir": f"runs/{run_dir.name}",
         "machine": harness.machine(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
         "settings": {"config": "the embedded default (meta_consensus/default.toml)"},

@@ -32,6 +32,7 @@ from nbclient import NotebookClient
 pytestmark = pytest.mark.notebooks
 
 NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
+STORED_DIR = NOTEBOOK_DIR.parent / "build" / "notebooks"  # executed copies for the docs site
 NOTEBOOKS = sorted(p.stem for p in NOTEBOOK_DIR.glob("[0-9]*.py"))
 CELL_TIMEOUT_S = 600  # per cell; a healthy small run of a whole notebook takes 10-20 s on 2 cores
 SMALL_SWITCH = 'SMALL = os.environ.get("META_CONSENSUS_SMALL") == "1"'
@@ -115,6 +116,19 @@ def test_notebook_executes(stem, executions):
     assert code and all(c.execution_count is not None for c in code), "some cells did not run"
     # Every notebook ends by asserting its results; reaching the print means they held.
     assert "all checks passed" in _stream_text(code[-1])
+    _store(stem, nb)
+
+
+def _store(stem: str, nb: nbformat.NotebookNode) -> None:
+    """Keep the executed notebook for the documentation site (``make docs`` renders its outputs).
+
+    Written atomically to ``build/notebooks/<stem>.ipynb``; the site uses it only while its cells
+    are the script's cells (docs/_notebooks.py).
+    """
+    STORED_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = STORED_DIR / f".{stem}.ipynb.tmp"
+    nbformat.write(nb, tmp)
+    tmp.replace(STORED_DIR / f"{stem}.ipynb")
 
 
 def test_kernel_is_this_venvs_python(kernel_env):
