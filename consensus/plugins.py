@@ -49,7 +49,19 @@ def _where(error: BaseException) -> str:
 
 
 def import_module(name: str, what: str = "plug-in") -> ModuleType:
-    """Import ``name`` (the current directory importable) or raise a one-line PluginError."""
+    """Import ``name`` (the current directory importable) or raise a one-line PluginError.
+
+    Args:
+      name: A module name such as ``"my_rules"``.
+      what: What to call it in messages.
+
+    Returns:
+      The module.
+
+    Raises:
+      PluginError: If the name is empty, the module is not found, or importing it raises
+        (the message names the file and line).
+    """
     if not isinstance(name, str) or not name.strip():
         raise PluginError(f"{what} must be a module name such as 'my_rules', got {name!r}")
     make_cwd_importable()
@@ -67,7 +79,17 @@ def import_module(name: str, what: str = "plug-in") -> ModuleType:
 
 
 def load_plugins(modules: Iterable[str]) -> list[ModuleType]:
-    """Import each named module (its declarations register its entries); a second import is a no-op."""
+    """Import each named module (its declarations register its entries); a second import is a no-op.
+
+    Args:
+      modules: Module names.
+
+    Returns:
+      The modules.
+
+    Raises:
+      PluginError: If one cannot be imported.
+    """
     return [import_module(name) for name in modules]
 
 
@@ -76,6 +98,15 @@ def load_entry_points(group: str = ENTRY_POINT_GROUP) -> list[str]:
 
     An entry point may name a module (importing it declares its entries) or a callable,
     which is called with no arguments.
+
+    Args:
+      group: The entry-point group (default ``meta_consensus.plugins``).
+
+    Returns:
+      The names of the entry points loaded by this call.
+
+    Raises:
+      PluginError: If one fails to load (naming it, its file:line and the error).
     """
     loaded = []
     for ep in importlib.metadata.entry_points(group=group):

@@ -92,6 +92,26 @@ def register(
 
     The factory's results are not stamped with the spec, so a pipeline treats them as
     hand-built (no capabilities): declare the factory to give it any.
+
+    Args:
+      name: The rule's name.
+      factory: Returns an Aggregator or PreAggregator.
+      kind: ``"coordinatewise"``, ``"vector"``, ``"pre"`` or ``"merge"``.
+      takes_f: The factory's first argument is ``num_byzantine``.
+      precondition: ``(n, f) -> str | None``; default at least 1 valid node.
+      sensitivity: The DP sensitivity in words (default: not worked out).
+      needs: What ``update`` needs besides the stack (``"params"``, ``"key"``, ...).
+      summary: One line for docs; default the factory docstring's first line.
+      defaults: Values for required parameters that configs may leave unset.
+      order_matters: The output depends on the nodes' order.
+      elementwise: Output coordinate k depends only on coordinate k of the inputs.
+      replace: Replace an existing rule of that name.
+
+    Returns:
+      The registered :class:`~consensus.specs.Spec`.
+
+    Raises:
+      RegistryError: If the name is taken and ``replace`` is False.
     """
     spec = Spec(
         name=name,
@@ -116,31 +136,58 @@ def _kind_rank(spec: Spec) -> int:
 
 
 def by_kind() -> list[tuple[str, Spec]]:
-    """The declared rules grouped by kind (KIND_ORDER), in declaration order within a kind.
+    """Return the declared rules grouped by kind (KIND_ORDER), in declaration order within a kind.
 
     Configs' "choose one of" lists and the docs table read this order, so it does not
     depend on which rule module happens to be imported first within the package.
+
+    Returns:
+      ``(name, spec)`` pairs.
     """
     return sorted(RULES.items(), key=lambda item: _kind_rank(item[1]))
 
 
 def vote_rules() -> list[str]:
-    """Names of the registered n -> 1 rules (everything but pre-aggregators), grouped by kind."""
+    """Return the names of the registered n -> 1 rules (everything but pre-aggregators), grouped by kind."""
     return [name for name, spec in by_kind() if spec.kind != "pre"]
 
 
 def pre_aggregators() -> list[str]:
-    """Names of the registered pre-aggregators (n -> n)."""
+    """Return the names of the registered pre-aggregators (n -> n)."""
     return [name for name, spec in by_kind() if spec.kind == "pre"]
 
 
 def make(name: str, f: int | None = None, **params: Any) -> Aggregator | PreAggregator:
-    """Build a registered rule by name (``f`` for the rules that take one); errors list valid choices."""
+    """Build a registered rule by name; errors list the valid choices.
+
+    Args:
+      name: A registered rule's name.
+      f: The number of Byzantine nodes, for the rules that take one.
+      **params: The factory's other parameters.
+
+    Returns:
+      The Aggregator or PreAggregator.
+
+    Raises:
+      RegistryError: If the name or a parameter is unknown, or f is missing for a rule that
+        takes one.
+
+    Example:
+      >>> make("krum", 1).name
+      'krum'
+    """
     return RULES[name].build(f, **params)
 
 
 def precondition_text(spec: Spec) -> str:
-    """The precondition as the docs show it: the declared formula, else the requirement at n = 1, f = 1."""
+    """Return the precondition as the docs show it: the declared formula, else the requirement at n = f = 1.
+
+    Args:
+      spec: A rule's spec.
+
+    Returns:
+      The precondition in words, without its value at n = 1 (``"n > 2f + 2"``).
+    """
     if spec.formula:
         return spec.formula
     # At f = 1 even for a rule not told f: configs check its precondition against their f.
@@ -153,7 +200,11 @@ def _cell(text: str) -> str:
 
 
 def markdown_table() -> str:
-    """The registry as the markdown table of ``docs/rules.md``, by kind, in declaration order within one."""
+    """Render the registry as the markdown table of ``docs/rules.md``, by kind, in declaration order.
+
+    Returns:
+      The table, one row per rule, ending in a newline.
+    """
     header = ["name", "kind", "takes f", "precondition (n valid nodes)", "DP sensitivity", "needs"]
     header += ["parameters", "module"]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -177,7 +228,17 @@ def markdown_table() -> str:
 
 
 def render_page(page: str) -> str:
-    """``page`` with the text between the table markers replaced by :func:`markdown_table`."""
+    """Return ``page`` with the text between the table markers replaced by :func:`markdown_table`.
+
+    Args:
+      page: The page's text.
+
+    Returns:
+      The new text.
+
+    Raises:
+      ValueError: If the page lacks the table markers.
+    """
     if TABLE_BEGIN not in page or TABLE_END not in page:
         raise ValueError(f"the page has no rules-table markers ({TABLE_BEGIN!r} ... {TABLE_END!r})")
     head, rest = page.split(TABLE_BEGIN, 1)
@@ -186,7 +247,17 @@ def render_page(page: str) -> str:
 
 
 def write_docs(path: Path = DOCS_PAGE) -> bool:
-    """Rewrite the rules table of ``path`` from the declarations; True when the file changed."""
+    """Rewrite the rules table of ``path`` from the declarations.
+
+    Args:
+      path: The page (default ``docs/rules.md``).
+
+    Returns:
+      True when the file changed.
+
+    Raises:
+      ValueError: If the page lacks the table markers.
+    """
     page = path.read_text()
     new = render_page(page)
     if new != page:
@@ -195,6 +266,14 @@ def write_docs(path: Path = DOCS_PAGE) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Print the rules table, or with ``--write-docs`` rewrite it in ``docs/rules.md``.
+
+    Args:
+      argv: The command-line arguments, or None for ``sys.argv[1:]``.
+
+    Returns:
+      The exit status (0).
+    """
     parser = argparse.ArgumentParser(
         prog="python -m consensus.registry", description="The rule registry as a markdown table."
     )
