@@ -56,13 +56,30 @@ RoundFailure = SolverFailure  # the round cannot produce a consensus; the previo
 
 
 def vote_f(cfg: Config, answered: int) -> int:
-    """f of the vote (per group when grouped) in a round in which ``answered`` nodes answered."""
+    """The vote's f (per group when grouped) in a round in which ``answered`` nodes answered.
+
+    Args:
+      cfg: the run config.
+      answered: the number of nodes that gave a valid candidate.
+
+    Returns:
+      The number of Byzantine nodes the vote tolerates.
+    """
     v = cfg.vote
     return v.group_f(cfg.nodes.count // v.groups) if v.groups > 1 else v.f(answered)
 
 
 def build_vote(cfg: Config, answered: int | None = None) -> Aggregator:
-    """The vote of a config for a round in which ``answered`` nodes answered (default: all)."""
+    """The vote of a config for a round in which ``answered`` nodes answered (default: all).
+
+    Args:
+      cfg: the run config (``[vote]``).
+      answered: the number of nodes that gave a valid candidate (default: every node).
+
+    Returns:
+      The vote aggregator: the rule after its pre-aggregators, grouped under the top rule when
+      ``vote.groups > 1``.
+    """
     v = cfg.vote
     f = vote_f(cfg, cfg.nodes.count if answered is None else answered)
     # The config's validation checked the kinds: vote.pre names pre-aggregators, vote.rule and
@@ -78,7 +95,17 @@ def build_vote(cfg: Config, answered: int | None = None) -> Aggregator:
 
 @dataclasses.dataclass
 class MergeReport:
-    """What the merge did in one round, read from its state (host values)."""
+    """What the merge did in one round, read from its state (host values).
+
+    Attributes:
+      accepted: (n,) bool, the nodes the vote accepted (and valid).
+      weights: (n,) float64 merge weights.
+      seconds: the merge's timings by phase.
+      solve_ms: the weight solver's time (0 without a solver).
+      weight_cap: the weight cap in effect, ``max(max_weight, 1 / accepted)`` (NaN without one).
+      clip_norm: the DP clipping norm (NaN without DP).
+      noise_std: the DP noise standard deviation (NaN without DP).
+    """
 
     accepted: np.ndarray
     weights: np.ndarray
@@ -90,7 +117,17 @@ class MergeReport:
 
 
 class MergePipeline:
-    """Builds the vote -> weights -> DP aggregator of a config (see the module docstring)."""
+    """Builds the vote -> weights -> DP aggregator of a config (see the module docstring).
+
+    Args:
+      cfg: the run config.
+      task: the task (the weight objective's model and loss).
+      heldout: the coordinator's held-out split (the first ``weights.max_examples`` rows are used).
+      noise_multiplier: the DP noise multiplier the coordinator calibrated (None without DP).
+
+    Raises:
+      ConfigError: when the weight objective needs a classification task and the task is not one.
+    """
 
     def __init__(
         self, cfg: Config, task: Task, heldout: Mapping[str, np.ndarray], noise_multiplier: float | None
@@ -118,6 +155,12 @@ class MergePipeline:
 
         Every f shares one state layout (the rules' states do not depend on f), so a
         state carries over from a round with one f to a round with another.
+
+        Args:
+          answered: the number of nodes that gave a valid candidate.
+
+        Returns:
+          The aggregator (built once per f).
         """
         f = vote_f(self.cfg, answered)
         if f not in self._by_f:
@@ -159,10 +202,26 @@ class MergePipeline:
     # ---------------------------------------------------------------- the round
 
     def init(self, params: PyTree) -> Any:
+        """The merge aggregator's initial state.
+
+        Args:
+          params: the initial consensus.
+
+        Returns:
+          The state.
+        """
         return self.aggregator.init(params)
 
     def with_key(self, state: Any, key: jax.Array) -> Any:
-        """The state with the round's DP noise key (a retry never reuses noise); as is without DP."""
+        """The state with the round's DP noise key (a retry never reuses noise); as is without DP.
+
+        Args:
+          state: the merge state.
+          key: the round's noise key.
+
+        Returns:
+          The state.
+        """
         return state._replace(key=jax.random.key_data(key)) if self.cfg.dp.enabled else state
 
     def privacy_event(self, state: Any) -> PrivacyEvent | None:
@@ -171,6 +230,12 @@ class MergePipeline:
         Under Poisson client sampling the event is the Poisson-subsampled Gaussian with the
         sampling rate q (amplified); a uniform sample of m is charged at rate 1 (the accountants
         have no fixed-size sampling event; see :mod:`meta_consensus.sampling`).
+
+        Args:
+          state: the merge state before the update.
+
+        Returns:
+          The event, or None without DP.
         """
         if not self.cfg.dp.enabled:
             return None
@@ -181,17 +246,36 @@ class MergePipeline:
     def update(
         self, stacked: PyTree, state: Any, params: PyTree, valid: np.ndarray, **extra: Any
     ) -> tuple[PyTree, Any]:
-        """Merge the valid candidates. Raises RoundFailure (solver, empty vote) or ByzantineToleranceError.
+        """Merge the valid candidates.
 
-        ``extra``: what the vote's rules need from the round (``key``, ``server_update``; see
-        :func:`meta_consensus.server.round_extra`), passed through to them.
+        Args:
+          stacked: the nodes' stacked candidates.
+          state: the merge state.
+          params: the round's starting consensus.
+          valid: (n,) bool, the nodes with a valid candidate.
+          **extra: what the vote's rules need from the round (``key``, ``server_update``; see
+            :func:`meta_consensus.server.round_extra`), passed through to them.
+
+        Returns:
+          ``(merged, state)``, the merged params ready on device.
+
+        Raises:
+          RoundFailure: when the solver fails or the vote is empty.
+          consensus.base.ByzantineToleranceError: when the rule's precondition fails for this round.
         """
         agg = self.for_answered(int(np.sum(valid)))
         merged, state = agg.update(stacked, state, params, mask=jnp.asarray(valid), **extra)
         return jax.block_until_ready(merged), state
 
     def report(self, state: Any) -> MergeReport:
-        """The round's accepted nodes, weights, timings and DP numbers, read from the state."""
+        """The round's accepted nodes, weights, timings and DP numbers, read from the state.
+
+        Args:
+          state: the merge state after the update.
+
+        Returns:
+          The report, host values.
+        """
         info = get_info(state)
         dp = self.cfg.dp.enabled
         merge_state = state.inner if dp and not self.plain_fedavg else state

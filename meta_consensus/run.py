@@ -67,6 +67,17 @@ def load_initial_params(path: str | Path, like: PyTree) -> PyTree:
     ``like`` is the task's freshly initialized parameters: every key, shape and dtype must
     match (``consensus.io.CheckpointError`` / ``CheckpointKeyError``, both ValueErrors, name
     the first mismatch); the arrays go to the devices (and mesh sharding) of ``like``'s leaves.
+
+    Args:
+      path: a safetensors file.
+      like: the task's freshly initialized parameters.
+
+    Returns:
+      The loaded tree, placed as ``like``.
+
+    Raises:
+      consensus.io.CheckpointError: for a file that is not a readable safetensors checkpoint.
+      consensus.io.CheckpointKeyError: for a key, shape or dtype that does not match ``like``.
     """
     from consensus.io import load_safetensors
 
@@ -86,7 +97,16 @@ def _host_value(a: Any) -> np.ndarray:
 
 
 def save_consensus(run_dir: str | Path, consensus: PyTree, metadata: dict[str, str] | None = None) -> Path:
-    """Write ``run_dir/consensus.safetensors`` atomically (temporary name, then rename), bit for bit."""
+    """Write ``run_dir/consensus.safetensors`` atomically (temporary name, then rename), bit for bit.
+
+    Args:
+      run_dir: the run folder.
+      consensus: the consensus tree (leaves spanning processes are gathered first).
+      metadata: string metadata stored in the file's header.
+
+    Returns:
+      The path written.
+    """
     from consensus.io import save_safetensors
 
     host = jax.tree.map(_host_value, consensus)
@@ -103,12 +123,26 @@ PYTHON_TASK_MARK = "<python object: {}>"
 
 
 def is_python_task_mark(name: str) -> bool:
-    """Whether a config's ``task.name`` is the record of a task object given from Python."""
+    """Whether a config's ``task.name`` is the record of a task object given from Python.
+
+    Args:
+      name: a ``task.name``.
+
+    Returns:
+      True for a :data:`PYTHON_TASK_MARK` record.
+    """
     return name.startswith(PYTHON_TASK_MARK.split("{")[0])
 
 
 def check_task_recorded(cfg: Config) -> None:
-    """A ConfigError when ``cfg`` names a task object given from Python that no module holds."""
+    """Refuse a config that names a task object given from Python that no module holds.
+
+    Args:
+      cfg: the run config.
+
+    Raises:
+      ConfigError: for such a ``task.name``.
+    """
     if is_python_task_mark(cfg.task.name):
         raise ConfigError(
             f"task.name = {cfg.task.name!r}: this config was written by a run whose task was given from "
@@ -118,7 +152,14 @@ def check_task_recorded(cfg: Config) -> None:
 
 
 def task_import_path(task: Any) -> str | None:
-    """``"module:attribute"`` of an importable module (not ``__main__``) holding ``task`` itself."""
+    """``"module:attribute"`` of an importable module (not ``__main__``) holding ``task`` itself.
+
+    Args:
+      task: a task object.
+
+    Returns:
+      The import path, or None when no loaded module holds it under a public name.
+    """
     for name, module in list(sys.modules.items()):
         if module is None or name == "__main__" or name.startswith("_"):
             continue
@@ -133,8 +174,18 @@ def task_import_path(task: Any) -> str | None:
 
 
 def recorded_config(cfg: Config, task: Any | None) -> str:
-    """The TOML text of ``config.toml``: ``cfg``, with a task given from Python recorded by import
-    path when it has one and marked otherwise, so the file never names another task."""
+    """The TOML text of ``config.toml``.
+
+    ``cfg``, with a task given from Python recorded by import path when it has one and marked
+    otherwise, so the file never names another task.
+
+    Args:
+      cfg: the run config.
+      task: the task given from Python, or None (the config names it).
+
+    Returns:
+      The TOML text.
+    """
     if task is None:
         return dumps(cfg)
     import tomli_w
@@ -150,12 +201,26 @@ def recorded_config(cfg: Config, task: Any | None) -> str:
 
 
 def existing_run_files(run_dir: Path) -> list[str]:
-    """Which of a run's files ``run_dir`` already holds."""
+    """Which of a run's files ``run_dir`` already holds.
+
+    Args:
+      run_dir: the run folder.
+
+    Returns:
+      The names among ``RUN_FILES`` that exist there.
+    """
     return [f for f in RUN_FILES if (Path(run_dir) / f).exists()]
 
 
 def move_aside(run_dir: Path) -> Path:
-    """Rename ``run_dir`` to the first free sibling ``<name>.old-<k>`` and return the new path."""
+    """Rename ``run_dir`` to the first free sibling ``<name>.old-<k>`` and return the new path.
+
+    Args:
+      run_dir: the run folder.
+
+    Returns:
+      The new path.
+    """
     run_dir = Path(run_dir)
     k = 1
     while (dest := run_dir.with_name(f"{run_dir.name}.old-{k}")).exists():
@@ -195,6 +260,14 @@ class RunResult:
         return sum(h.ok for h in self.history)
 
     def table(self, cfg: Config) -> str:
+        """The end-of-run table (:func:`meta_consensus.report.table`).
+
+        Args:
+          cfg: the run config.
+
+        Returns:
+          The table as text.
+        """
         return report.table(cfg, self.history, self.seconds)
 
 
@@ -246,6 +319,16 @@ class MetaConsensus:
             aside to ``runs/<name>.old-<k>`` (without it: :class:`RunDirectoryError`).
           max_rounds: stop after this many rounds of this call (for tests and notebooks).
           initial_params: the first consensus (default: the task's init from the seed).
+
+        Returns:
+          The :class:`RunResult`.
+
+        Raises:
+          RunDirectoryError: when the run directory cannot be used as asked.
+          meta_consensus.checkpoint.CheckpointError: when resuming finds no intact checkpoint
+            or checkpoints of another config.
+          consensus.io.CheckpointError: when ``init_from`` does not fit the task (also
+            ``CheckpointKeyError``).
         """
         cfg = self.cfg
         co = self.coordinator
@@ -449,16 +532,22 @@ def _has_checkpoint(run_dir: Path) -> bool:
 
 
 def _has_output(run_dir: Path) -> bool:
-    """A checkpoint, or a logged round: a run without checkpoints (``checkpoint_every = 0``) that
-    fails after some rounds keeps what it logged, and only a start that produced nothing is undone."""
+    """Whether the run directory holds a checkpoint or a logged round.
+
+    A run without checkpoints (``checkpoint_every = 0``) that fails after some rounds keeps what
+    it logged, and only a start that produced nothing is undone.
+    """
     metrics = Path(run_dir) / "metrics.jsonl"
     return _has_checkpoint(run_dir) or (metrics.is_file() and metrics.stat().st_size > 0)
 
 
 @dataclasses.dataclass
 class _Created:
-    """What a start is about to create: the highest missing directory on the way to the run
-    directory, or the entries a run directory that already existed did not hold."""
+    """What a start is about to create.
+
+    The highest missing directory on the way to the run directory, or the entries a run
+    directory that already existed did not hold.
+    """
 
     root: Path | None
     run_dir: Path
