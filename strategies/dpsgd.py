@@ -109,7 +109,18 @@ class DenseTaps(NamedTuple):
 
 
 def sampling_rates(counts: Any, expected_batch: int) -> np.ndarray:
-    """Per-node Poisson rates ``q_i = min(1, B / N_i)`` as float32 (the values the device uses)."""
+    """Per-node Poisson rates ``q_i = min(1, B / N_i)`` as float32 (the values the device uses).
+
+    Args:
+      counts: (n,) rows N_i of each node's shard.
+      expected_batch: B, the expected batch size.
+
+    Returns:
+      (n,) float32 rates.
+
+    Raises:
+      ValueError: for a node without rows or ``expected_batch < 1``.
+    """
     c = np.asarray(counts, np.float64)
     if np.any(c < 1):
         raise ValueError(f"every node needs at least one row to sample, got counts {c.tolist()}")
@@ -119,19 +130,50 @@ def sampling_rates(counts: Any, expected_batch: int) -> np.ndarray:
 
 
 def effective_rate(q32: Any) -> np.ndarray:
-    """The exact inclusion probability of ``uniform_float32 < q32``: ``ceil(q 2^23) / 2^23``, float64."""
+    """The exact inclusion probability of ``uniform_float32 < q32``: ``ceil(q 2^23) / 2^23``, float64.
+
+    Args:
+      q32: float32 rates.
+
+    Returns:
+      float64 probabilities, at most 1.
+    """
     q = np.asarray(q32, np.float32).astype(np.float64)
     return np.minimum(1.0, np.ceil(q * _UNIFORM_GRID) / _UNIFORM_GRID)
 
 
 def overflow_probability(count: int, rate: float, pad: int) -> float:
-    """P[Binomial(count + 1, rate) > pad]: one step's overflow probability on the larger neighbour."""
+    """P[Binomial(count + 1, rate) > pad]: one step's overflow probability on the larger neighbour.
+
+    Args:
+      count: the node's rows.
+      rate: the sampling rate.
+      pad: the padded batch size.
+
+    Returns:
+      The probability.
+    """
     return float(stats.binom.sf(pad, int(count) + 1, float(rate)))
 
 
 def padded_size(counts: Any, rates: Any, max_probability: float, multiple: int = 1) -> int:
-    """The smallest pad (a multiple of ``multiple``) whose per-step overflow probability is at most
-    ``max_probability`` for every node (``counts[i]`` rows at rate ``rates[i]``)."""
+    """The smallest pad (a multiple of ``multiple``) with every node's overflow probability bounded.
+
+    The per-step overflow probability must be at most ``max_probability`` for every node
+    (``counts[i]`` rows at rate ``rates[i]``).
+
+    Args:
+      counts: (n,) rows of each node.
+      rates: (n,) sampling rates.
+      max_probability: the bound, in (0, 1).
+      multiple: the pad is rounded up to a multiple of this (the microbatch).
+
+    Returns:
+      The pad.
+
+    Raises:
+      ValueError: for ``max_probability`` outside (0, 1).
+    """
     if not (0.0 < max_probability < 1.0):
         raise ValueError(f"max_probability must lie in (0, 1), got {max_probability}")
     counts = np.asarray(counts, np.int64).reshape(-1)
@@ -158,6 +200,7 @@ def poisson_rows(
       rate: inclusion probability (float32 scalar).
       pad: slots of the padded batch (static).
       rows: number of candidates k (static).
+
     Returns:
       ``(pool_rows, mask, selected)``: (pad,) int32 rows, (pad,) bool mask of the filled slots,
       and the number of candidates selected (more than ``pad`` on an overflow; then the first
@@ -177,7 +220,16 @@ def _tree_norm(tree: PyTree) -> jax.Array:
 
 
 def gaussian_noise(key: jax.Array, like: PyTree, std: jax.Array) -> PyTree:
-    """``std * normal`` shaped like ``like``; leaf j uses ``split(key, num_leaves)[j]``."""
+    """``std * normal`` shaped like ``like``; leaf j uses ``split(key, num_leaves)[j]``.
+
+    Args:
+      key: the noise key.
+      like: a tree whose leaves give the shapes.
+      std: the standard deviation.
+
+    Returns:
+      float32 noise shaped like ``like``.
+    """
     leaves, treedef = jax.tree.flatten(like)
     keys = jax.random.split(key, len(leaves))
     noise = [std * jax.random.normal(k, x.shape, jnp.float32) for k, x in zip(keys, leaves, strict=True)]
@@ -196,7 +248,22 @@ def clipped_sum(
     """Sum over the masked rows of per-example gradients clipped to L2 norm ``clip_norm``.
 
     ``loss_fn(params, one_row_batch, key)`` is the task's loss on a batch of one row (row j's
-    key is ``fold_in(key, j)``, for tasks with dropout). Returns ``(sum, mean masked loss)``.
+    key is ``fold_in(key, j)``, for tasks with dropout).
+
+    Args:
+      loss_fn: ``loss_fn(params, one_row_batch, key) -> scalar``.
+      params: the node's parameters.
+      batch: the padded batch, ``pad`` rows per leaf.
+      mask: (pad,) bool, the filled slots.
+      key: the step's key.
+      clip_norm: C.
+      microbatch: rows per chunk of per-example gradients (0: all at once); must divide ``pad``.
+
+    Returns:
+      ``(sum, mean masked loss)``: the float32 clipped sum shaped like ``params``.
+
+    Raises:
+      ValueError: when ``microbatch`` does not divide the padded batch.
     """
     pad = mask.shape[0]
     m = pad if microbatch <= 0 or microbatch >= pad else microbatch
@@ -241,8 +308,20 @@ def ghost_clipped_sum(
     Example i's gradient norm is ``sqrt(sum_l (||a_il||^2 + 1) ||g_il||^2)`` from the layers'
     inputs ``a`` and output cotangents ``g`` (one forward and one backward pass), then the
     clipped sum is the gradient of ``sum_i w_i L_i`` with ``w_i = mask_i min(1, C / norm_i)``
-    (a second backward pass of the same forward). Returns ``(sum, mean masked loss)`` as
-    :func:`clipped_sum` does.
+    (a second backward pass of the same forward).
+
+    Args:
+      taps: the model seen as dense layers.
+      params: the node's parameters.
+      batch: the padded batch.
+      mask: (pad,) bool, the filled slots.
+      clip_norm: C.
+
+    Returns:
+      ``(sum, mean masked loss)`` as :func:`clipped_sum` does.
+
+    Raises:
+      ValueError: when the taps' layers do not match the widths or do not hold every parameter.
     """
     pad = mask.shape[0]
     offsets = tuple(jnp.zeros((pad, int(w)), jnp.float32) for w in taps.widths)
@@ -292,8 +371,27 @@ def private_gradient(
 
     With ``taps`` the clipped sum takes the fast path (:func:`ghost_clipped_sum`; ``loss_fn``,
     ``key`` and ``microbatch`` are then unused), otherwise the generic per-example path
-    (:func:`clipped_sum`). Returns ``(mean masked loss, gradient)``; the loss is for logs on
-    the node only (it is computed from private rows without noise and must not leave the node).
+    (:func:`clipped_sum`).
+
+    Args:
+      loss_fn: ``loss_fn(params, one_row_batch, key) -> scalar`` (generic path).
+      params: the node's parameters.
+      batch: the padded batch.
+      mask: (pad,) bool, the filled slots.
+      key: the step's key (generic path: per-row keys for dropout).
+      noise_key: the key of the Gaussian noise.
+      clip_norm: C.
+      noise_multiplier: z.
+      expected_batch: the expected Poisson batch size (the divisor).
+      microbatch: rows per chunk of per-example gradients (generic path).
+      taps: the model as dense layers, for the fast path.
+
+    Returns:
+      ``(mean masked loss, gradient)``; the loss is for logs on the node only (it is computed
+      from private rows without noise and must not leave the node).
+
+    Raises:
+      ValueError: as :func:`clipped_sum` or :func:`ghost_clipped_sum`.
     """
     if taps is not None:
         total, loss = ghost_clipped_sum(taps, params, batch, mask, clip_norm)

@@ -50,6 +50,10 @@ class Level:
         (0: the node skips the level).
       learning_rate: a float or (n,) floats.
       name: label (defaults to the data selector's name).
+
+    Raises:
+      ValueError: for an unknown selector name, negative or non-integer steps, or a negative
+        learning rate.
     """
 
     data: Selector
@@ -67,11 +71,19 @@ class Level:
             raise ValueError(f"Level learning_rate must be >= 0, got {self.learning_rate!r}")
 
     def select(self, data: TaskData) -> NodeData:
-        """The NodeData this level draws from."""
+        """The NodeData this level draws from.
+
+        Args:
+          data: the task data.
+
+        Returns:
+          The selected NodeData.
+        """
         return SELECTORS[self.data](data) if isinstance(self.data, str) else self.data(data)
 
     @property
     def label(self) -> str:
+        """The level's name: ``name``, else the selector's name."""
         return self.name or (
             self.data if isinstance(self.data, str) else getattr(self.data, "__name__", "level")
         )
@@ -81,7 +93,15 @@ def default_levels(
     steps: tuple[int, int, int] = (200, 100, 100),
     learning_rates: tuple[float, float, float] = (3e-3, 1e-3, 5e-4),
 ) -> tuple[Level, ...]:
-    """General -> the node's groups -> its own shard, with decreasing learning rates."""
+    """General -> the node's groups -> its own shard, with decreasing learning rates.
+
+    Args:
+      steps: the steps of the three levels.
+      learning_rates: their learning rates.
+
+    Returns:
+      The three levels.
+    """
     return tuple(
         Level(d, s, lr) for d, s, lr in zip(("general", "groups", "own"), steps, learning_rates, strict=True)
     )
@@ -130,8 +150,13 @@ def plan(
       node_orders: optional per-node schedules: for node i, an ordered list of
         ``(level index, steps)`` pairs, overriding the levels' own ``steps``
         (a level may appear in any order, more than once, or not at all).
+
     Returns:
       A :class:`Plan`; node i's schedule is its levels in order, then idle.
+
+    Raises:
+      ValueError: for no level, per-node values or orders of the wrong length, a bad
+        ``(level, steps)`` pair, or a schedule without steps.
     """
     if not levels:
         raise ValueError("plan needs at least one level")
@@ -191,9 +216,13 @@ def fit_hierarchical(
       node_orders: optional per-node schedules (see :func:`plan`).
       **fit_kwargs: passed to :meth:`NodeTrainer.fit` (``flip_labels``,
         ``proximal``, ``record``, extra ``hyperparams``).
+
     Returns:
       ``(state, log, plan)``; ``log.level`` (T, n) says which level each node
       used at each step.
+
+    Raises:
+      ValueError: as :func:`plan`.
 
     Example (with a trainer, state and data as in :class:`~strategies.trainer.NodeTrainer`'s)::
 
