@@ -145,6 +145,10 @@ def empirical_fisher(
       >>> model.curvature["b"]  # every example's bias gradient is +-1/2
       Array([0.25, 0.25], dtype=float32)
 
+    Raises:
+      ValueError: If ``chunk_size`` < 1 or the batch is empty or its arrays disagree on the
+        number of examples.
+
     References:
       Kunstner, Balles & Hennig, "Limitations of the empirical Fisher approximation", NeurIPS 2019
       (why :func:`softmax_gauss_newton` is preferred where it applies).
@@ -220,6 +224,11 @@ def softmax_gauss_newton(
       >>> model = softmax_gauss_newton(logits_fn, ref, x_val, y_val)
       >>> model.curvature["b"]  # p_c - p_c^2 at p = (1/2, 1/2)
       Array([0.25, 0.25], dtype=float32)
+
+    Raises:
+      ValueError: If ``chunk_size`` < 1, the inputs are empty or disagree with the labels on
+        the number of examples, or ``logits_fn`` does not return a (num_classes,) vector.
+      TypeError: If ``labels`` is not a 1-D integer array.
 
     References:
       Martens, "New insights and perspectives on the natural gradient method", JMLR 2020;

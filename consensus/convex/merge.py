@@ -359,6 +359,10 @@ def anchor_weigher(anchor: Aggregator | None = None, **options: Any) -> Weigher:
     Returns:
       a :class:`Weigher`.
 
+    Raises:
+      TypeError: If ``anchor`` is given and is not an Aggregator.
+      ValueError: When the weigher runs without an anchor and without a vote's output.
+
     Example::
 
         agg = convex_merge(anchor_weigher(trimmed_mean(num_byzantine=2), max_weight=1 / (n - 2)))

@@ -128,7 +128,15 @@ class ProblemCache:
     _items: OrderedDict[ProblemKey, CompiledProblem] = field(default_factory=OrderedDict)
 
     def get(self, key: ProblemKey, build: Callable[[], CompiledProblem]) -> tuple[CompiledProblem, bool]:
-        """Return (compiled problem, whether it was built now)."""
+        """Return the cached problem of ``key``, building (and caching) it on a miss.
+
+        Args:
+          key: The problem's key.
+          build: Builds the problem on a miss.
+
+        Returns:
+          ``(compiled problem, whether it was built now)``.
+        """
         if key in self._items:
             self._items.move_to_end(key)
             return self._items[key], False
@@ -168,7 +176,18 @@ def _installed_solvers() -> tuple[str, ...]:
 
 
 def check_solver(solver: str) -> str:
-    """Return the solver name upper-cased, or raise ValueError if not installed."""
+    """Return the solver name upper-cased, or raise ValueError if not installed.
+
+    Args:
+      solver: A cvxpy solver's name (any case).
+
+    Returns:
+      The upper-cased name.
+
+    Raises:
+      TypeError: If ``solver`` is not a string.
+      ValueError: If the solver is not installed (the message lists the installed ones).
+    """
     if not isinstance(solver, str):
         raise TypeError(f"solver must be a string naming a cvxpy solver, got {type(solver).__name__}")
     name = solver.upper()
@@ -192,7 +211,14 @@ def _bounds(n: int, w: cp.Variable, floored: bool) -> tuple[list[cp.Constraint],
 
 
 def build_qp(key: ProblemKey) -> CompiledProblem:
-    """``min 1/2 ||Lt w||^2 + q^T w + c (+ ||r w||^2)`` over the capped simplex."""
+    """Build the DPP problem ``min 1/2 ||Lt w||^2 + q^T w + c (+ ||r w||^2)`` over the capped simplex.
+
+    Args:
+      key: The problem's key (n, ridge, floored).
+
+    Returns:
+      The :class:`CompiledProblem` (Parameters Lt, q, c, ub, and r, lb when asked).
+    """
     n = key.n
     w = cp.Variable(n, name="w")
     lt = cp.Parameter((n, n), name="Lt")
@@ -209,7 +235,16 @@ def build_qp(key: ProblemKey) -> CompiledProblem:
 
 
 def build_mixture_nll(key: ProblemKey) -> CompiledProblem:
-    """``min -(1/m) sum_j log((P w)_j) (+ ||r w||^2 + s^T w + c)`` over the capped simplex."""
+    """Build the DPP problem ``min -(1/m) sum_j log((P w)_j) (+ ||r w||^2 + s^T w + c)`` over the simplex.
+
+    The simplex is the capped one (``ub``, and ``lb`` when floored).
+
+    Args:
+      key: The problem's key (n, m, ridge, floored).
+
+    Returns:
+      The :class:`CompiledProblem` (Parameters P, ub, and r, s, c, lb when asked).
+    """
     n, m = key.n, key.m
     w = cp.Variable(n, name="w")
     p = cp.Parameter((m, n), nonneg=True, name="P")
@@ -254,6 +289,9 @@ def get_problem(
 
     Returns:
       (compiled problem, True if it was built by this call).
+
+    Raises:
+      ValueError: If the objective is unknown or the solver not installed.
     """
     if objective not in BUILDERS:
         raise ValueError(f"unknown problem form {objective!r}; known: {sorted(BUILDERS)}")
@@ -273,6 +311,17 @@ def solve(
     Exceptions from the solver, statuses other than optimal/optimal_inaccurate
     and non-finite points come back as an outcome with ``w=None`` and the reason
     in ``error``; the caller decides the fallback.
+
+    Args:
+      compiled: The compiled problem.
+      values: Parameter name -> value, one for every Parameter of the problem.
+      solver_options: Keyword arguments for ``problem.solve``.
+
+    Returns:
+      The :class:`SolveOutcome`.
+
+    Raises:
+      ValueError: If a Parameter's value is missing (a caller's error, not the solver's).
     """
     missing = set(compiled.params) - set(values)
     if missing:
@@ -314,7 +363,19 @@ FEAS_TOL = 1e-9
 
 
 def accepted_mask(mask: Any, n: int) -> np.ndarray:
-    """Check a (n,) boolean mask (None: all True) and return it as numpy."""
+    """Check a (n,) boolean mask (None: all True) and return it as numpy.
+
+    Args:
+      mask: A (n,) boolean array, or None.
+      n: The number of nodes.
+
+    Returns:
+      A (n,) numpy bool copy.
+
+    Raises:
+      TypeError: If the mask is not boolean.
+      ValueError: If its shape is not (n,).
+    """
     if mask is None:
         return np.ones(n, bool)
     arr = np.asarray(mask)
@@ -326,7 +387,16 @@ def accepted_mask(mask: Any, n: int) -> np.ndarray:
 
 
 def check_options(lambda_reg: float, max_weight: float | None, min_weight: float) -> None:
-    """Raise ValueError unless lambda_reg >= 0, max_weight in (0, 1] or None, min_weight in [0, 1]."""
+    """Raise ValueError unless lambda_reg >= 0, max_weight in (0, 1] or None, min_weight in [0, 1].
+
+    Args:
+      lambda_reg: The ridge weight.
+      max_weight: The cap, or None.
+      min_weight: The floor.
+
+    Raises:
+      ValueError: If one of them is out of range.
+    """
     if not (isinstance(lambda_reg, int | float) and math.isfinite(lambda_reg) and lambda_reg >= 0):
         raise ValueError(f"lambda_reg must be a finite number >= 0, got {lambda_reg!r}")
     if max_weight is not None and not (0 < max_weight <= 1):
@@ -338,12 +408,22 @@ def check_options(lambda_reg: float, max_weight: float | None, min_weight: float
 def weight_bounds(
     accepted: np.ndarray, max_weight: float | None = None, min_weight: float = 0.0
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Bounds (lb, ub) of the capped simplex, checked for feasibility.
+    """Return the bounds (lb, ub) of the capped simplex, checked for feasibility.
 
-    Raises ValueError, before any solve, when no node is accepted, when the cap
-    is below 1/n_accepted (``sum(ub) < 1``) or the minimum weight above it
-    (``sum(lb) > 1``). A cap or floor equal to 1/n_accepted up to rounding is
-    snapped to it: the only feasible point is then the uniform weights.
+    A cap or floor equal to 1/n_accepted up to rounding is snapped to it: the only feasible
+    point is then the uniform weights.
+
+    Args:
+      accepted: (n,) bool, the nodes allowed a positive weight.
+      max_weight: The cap, or None for 1.
+      min_weight: The floor on accepted nodes.
+
+    Returns:
+      ``(lb, ub)``, (n,) float64 each; both 0 for rejected nodes.
+
+    Raises:
+      ValueError: Before any solve, when no node is accepted, when the cap is below
+        1/n_accepted (``sum(ub) < 1``) or the minimum weight above it (``sum(lb) > 1``).
     """
     check_options(0.0, max_weight, min_weight)
     acc = np.asarray(accepted, bool)
@@ -376,6 +456,14 @@ def project_capped_simplex(v: np.ndarray, lb: np.ndarray, ub: np.ndarray) -> np.
     ``v - ub`` and ``v - lb``: evaluate it at all 2n breakpoints, find the
     segment where it crosses 1 and interpolate linearly (O(n^2) flops, which
     at n <= a few hundred is faster than bisection in Python).
+
+    Args:
+      v: (n,) the point to project.
+      lb: (n,) lower bounds.
+      ub: (n,) upper bounds (``sum(lb) <= 1 <= sum(ub)``).
+
+    Returns:
+      (n,) float64, the projection.
     """
     v = np.asarray(v, np.float64)
     taus = np.unique(np.concatenate([v - ub, v - lb]))
@@ -398,7 +486,14 @@ def project_capped_simplex(v: np.ndarray, lb: np.ndarray, ub: np.ndarray) -> np.
 
 
 def uniform_weights(accepted: np.ndarray) -> np.ndarray:
-    """Uniform weights over the accepted nodes (feasible for any feasible bounds)."""
+    """Return the uniform weights over the accepted nodes (feasible for any feasible bounds).
+
+    Args:
+      accepted: (n,) bool, the accepted nodes.
+
+    Returns:
+      (n,) float64 weights, 1 / n_accepted on accepted nodes, 0 elsewhere.
+    """
     acc = np.asarray(accepted, bool)
     return acc.astype(np.float64) / acc.sum()
 
@@ -409,10 +504,18 @@ PSD_TOL = 1e-5
 
 
 def factor_psd(q: np.ndarray, *, check: bool = False) -> np.ndarray:
-    """Lt with ``Lt.T @ Lt = Q`` for a symmetric PSD Q (rounding-sized negative eigenvalues clipped).
+    """Return Lt with ``Lt.T @ Lt = Q`` for a symmetric PSD Q (rounding-sized negative eigenvalues clipped).
 
-    With ``check``, raise ValueError when Q has an eigenvalue below
-    ``-PSD_TOL * max|eig|``: the problem would not be convex.
+    Args:
+      q: (n, n) matrix Q (symmetrized first).
+      check: Refuse a Q that is not PSD beyond rounding.
+
+    Returns:
+      (n, n) float64 Lt.
+
+    Raises:
+      ValueError: With ``check``, when Q has an eigenvalue below ``-PSD_TOL * max|eig|``:
+        the problem would not be convex.
     """
     q = 0.5 * (q + q.T)
     vals, vecs = np.linalg.eigh(q)
@@ -437,6 +540,17 @@ def polish_qp(
     system of the equality-constrained QP on the free coordinates, and return
     the result only if it is feasible, its multipliers have the right signs
     and its objective is no worse; otherwise None.
+
+    Args:
+      qmat: (n, n) Q.
+      q: (n,) linear term.
+      w: (n,) the solver's point.
+      lb: (n,) lower bounds.
+      ub: (n,) upper bounds.
+      tol: Distance to a bound that counts as active.
+
+    Returns:
+      The polished (n,) weights, or None when the polish does not apply.
     """
     fixed = ub - lb <= 0.0
     at_lb = (w - lb <= tol) & ~fixed

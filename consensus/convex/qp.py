@@ -43,6 +43,12 @@ def single_threaded_blas(fn):
     OpenBLAS's default pool, an eigh of a 64 x 64 matrix right after a solver
     call can be an order of magnitude slower on a busy machine (threads spinning
     against each other); one thread is the fastest at these sizes.
+
+    Args:
+      fn: The function to wrap.
+
+    Returns:
+      The wrapped function.
     """
 
     @functools.wraps(fn)
