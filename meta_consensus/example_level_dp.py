@@ -18,11 +18,18 @@ meta-consensus nodes plus the plain-FedAvg baseline's nodes, which train on the 
 and are charged too). A failed or retried round re-runs the nodes from the same state with the
 same keys: it recomputes the release already made, which costs nothing more.
 
-What is refused (:func:`check_no_leaks`): hierarchical levels that train on the task's general
-pool (for the built-in tasks it is the union of every node's training rows, and the "groups"
-level picks rows by the node's private class histogram) unless the task declares the pool public
-(``task.public_general = True``). What is withheld: the nodes' training losses (computed on
-private rows without noise) are not reported to the coordinator (NaN in metrics.jsonl).
+Public data: the task's public pool (``task.general_pool = "public"``, the default: rows apart
+from every node's shard) is assumed public, like the coordinator's held-out and test splits, so
+the "general" level of hierarchical nodes may train on it. Its steps are DP-SGD steps like the
+others and are charged as if they touched the node's own rows (an upper bound: the accountant
+covers the private shards and counts every step).
+
+What is refused (:func:`check_no_leaks`): a general pool that holds node data
+(``task.general_pool = "union"``); the "groups" level, which picks public rows by the node's
+dominant classes, a function of its private class histogram; soups that score snapshots on a
+held-out split of the node's own shard (``heldout = "own"``: that choice reads private rows
+without noise). What is withheld: the nodes' training losses (computed on private rows without
+noise) are not reported to the coordinator (NaN in metrics.jsonl).
 """
 
 from __future__ import annotations
@@ -52,21 +59,43 @@ def is_example_level(cfg: Config) -> bool:
 def check_no_leaks(cfg: Config, task: Any, settings: list[NodeSettings]) -> None:
     """Refuse a config whose nodes' private data would reach the consensus other than by DP-SGD.
 
+    Args:
+      cfg: the run config.
+      task: the run's task; its general pool is public when ``task.general_pool == "public"``
+        (or, for a task of its own, ``task.public_general = True``).
+      settings: every node's settings.
+
     Raises:
-      ConfigError naming the part that leaks.
+      ConfigError: naming the part that leaks and the setting that stops it.
     """
     if not is_example_level(cfg):
         return
-    public = bool(getattr(task, "public_general", False))
-    shared = [i for i, st in enumerate(settings) if st.level_steps[0] > 0 or st.level_steps[1] > 0]
-    if shared and not public:
-        names = sorted({cfg.nodes.strategy_of()[i] for i in shared})
+    strategy = cfg.nodes.strategy_of()
+    public = getattr(task, "general_pool", None) == "public" or bool(getattr(task, "public_general", False))
+    general = [i for i, st in enumerate(settings) if st.level_steps[0] > 0 or st.level_steps[1] > 0]
+    if general and not public:
+        names = sorted({strategy[i] for i in general})
         raise ConfigError(
-            f"dp.level = 'example' leaks through nodes.strategies {names} (nodes {shared}): they train on "
-            f"task {getattr(task, 'name', '?')!r}'s general pool without DP accounting, and that pool is the "
-            "union of every node's training rows (the 'groups' level also picks rows by the node's private "
-            "class histogram). Train those nodes with another strategy (e.g. 'local'), or use a task whose "
-            "general pool is public data (task.public_general = True)"
+            f"dp.level = 'example' leaks through nodes.strategies {names} (nodes {general}): they train on "
+            f"task {getattr(task, 'name', '?')!r}'s general pool without DP accounting, and that pool holds "
+            "node data (task.general_pool = 'union' is every node's shard). Use the public pool "
+            "(task.general_pool = 'public', the default), or train those nodes with another strategy"
+        )
+    groups = [i for i, st in enumerate(settings) if st.level_steps[1] > 0]
+    if groups:
+        names = sorted({strategy[i] for i in groups})
+        raise ConfigError(
+            f"dp.level = 'example' leaks through nodes.strategies {names} (nodes {groups}): their 'groups' "
+            "level picks public rows by the node's dominant classes, read from its private shard without "
+            "noise. Give that level no steps, e.g. nodes.options.hierarchical.fractions = [0.75, 0.0, 0.25]"
+        )
+    own = [i for i, st in enumerate(settings) if st.own_heldout > 0]
+    if own:
+        names = sorted({strategy[i] for i in own})
+        raise ConfigError(
+            f"dp.level = 'example' leaks through nodes.strategies {names} (nodes {own}): they score "
+            "their snapshots on a held-out split of their own shard, private rows read without noise. "
+            "Score on the coordinator's held-out split: nodes.options.soup.heldout = 'shared'"
         )
 
 

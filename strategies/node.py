@@ -10,8 +10,10 @@ A strategy says, for one node:
   plain training);
 * :meth:`NodeStrategy.submit` - a **submit hook**: what the node sends to the coordinator,
   from its final parameters and the snapshots taken along the round (e.g. a soup);
-  ``evaluate(params) -> float`` scores a tree on the node's held-out data and ``scores``
-  are the snapshots' scores when the caller computed them in one batched call.
+  ``evaluate(params) -> {"accuracy": ..., "loss": ...}`` gives a tree's metrics on the
+  node's held-out data (its own held-out split when the settings keep one,
+  ``own_heldout > 0``, else the coordinator's held-out split) and ``scores`` are the
+  snapshots' metrics when the caller computed them in one batched call.
 
 The trainer never branches on strategy names: every node runs the same jitted, vmapped
 step with its own settings (a table of per-node numbers), so mixed strategies still train
@@ -47,6 +49,9 @@ class NodeSettings:
       proximal_radius: radius of the L2 ball around the last consensus (inf: no projection).
       snapshots: how many snapshots of its parameters the node takes along the round
         (0: none; the submit hook receives them).
+      own_heldout: share of the node's own shard kept out of its training, on which its
+        submit hook scores trees (0: none; the hook then scores on the coordinator's
+        held-out split).
     """
 
     level_steps: tuple[int, int, int]
@@ -54,6 +59,7 @@ class NodeSettings:
     proximal_mu: float = 0.0
     proximal_radius: float = math.inf
     snapshots: int = 0
+    own_heldout: float = 0.0
 
 
 class NodeStrategy(Protocol):
@@ -67,8 +73,8 @@ class NodeStrategy(Protocol):
         self,
         final: PyTree,
         snapshots: Sequence[PyTree],
-        evaluate: Callable[[PyTree], float],
-        scores: Sequence[float] | None = None,
+        evaluate: Callable[[PyTree], Mapping[str, float]],
+        scores: Sequence[Mapping[str, float]] | None = None,
     ) -> PyTree: ...
 
 
@@ -94,6 +100,9 @@ class Local(_SubmitFinal):
 @dataclasses.dataclass(frozen=True)
 class Hierarchical(_SubmitFinal):
     """A curriculum: the general pool, then the node's own groups of it, then its own shard.
+
+    The general pool is the task's public pool, apart from every node's shard (unless the
+    task's ``general_pool`` is ``"union"``, centralised data).
 
     Args:
       fractions: shares of the round's steps on the three levels (sum 1); the remainder
@@ -146,32 +155,76 @@ class Convexity(_SubmitFinal):
 @STRATEGIES.declare("soup")
 @dataclasses.dataclass(frozen=True)
 class Soup:
-    """Incremental soup: snapshots along the round, submits their greedy soup (Wortsman et al. 2022).
+    """Incremental soup: snapshots along the round, submits their soup (Wortsman et al. 2022).
+
+    ``greedy`` (the default) starts from the latest snapshot (the round's final parameters)
+    and adds each other snapshot, best first, only if the soup with it is not worse on the
+    held-out split (accuracy, ties broken by the loss), so the soup is never worse there than
+    the latest snapshot. ``uniform`` averages every snapshot; ``weighted`` weighs them by a
+    softmax of their held-out accuracy.
 
     Args:
       snapshots: checkpoints taken at evenly spaced steps of the round (the last at its end).
+      mode: ``"greedy"``, ``"uniform"`` or ``"weighted"``.
+      heldout: ``"own"``: a held-out split of the node's own shard (``heldout_fraction`` of
+        it, kept out of its training); ``"shared"``: the coordinator's held-out split (public
+        data; the choice under example-level DP, where the node's own rows may only reach the
+        consensus through DP-SGD).
+      heldout_fraction: the share of the node's shard held out with ``heldout = "own"``.
+      temperature: softmax temperature of ``weighted`` (on accuracy, in [0, 1]).
+
+    References:
+      Wortsman et al. 2022, "Model soups: averaging weights of multiple fine-tuned models
+      improves accuracy without increasing inference time", ICML (greedy soup: Recipe 1).
     """
 
     snapshots: int = 4
+    mode: str = "greedy"
+    heldout: str = "own"
+    heldout_fraction: float = 0.1
+    temperature: float = 0.05
     name: str = "soup"
 
     def __post_init__(self):
         if not (isinstance(self.snapshots, int) and self.snapshots >= 1):
             raise ValueError(f"soup: snapshots must be a positive int, got {self.snapshots!r}")
+        if self.mode not in ("greedy", "uniform", "weighted"):
+            raise ValueError(f"soup: mode must be 'greedy', 'uniform' or 'weighted', got {self.mode!r}")
+        if self.heldout not in ("own", "shared"):
+            raise ValueError(f"soup: heldout must be 'own' or 'shared', got {self.heldout!r}")
+        if not 0.0 < self.heldout_fraction < 1.0:
+            raise ValueError(f"soup: heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+        if not self.temperature > 0:
+            raise ValueError(f"soup: temperature must be > 0, got {self.temperature}")
 
     def settings(self, local_steps: int, learning_rate: float) -> NodeSettings:
         if self.snapshots > local_steps:
             raise ValueError(
                 f"soup: {self.snapshots} snapshots need at least as many local steps ({local_steps})"
             )
-        return NodeSettings((0, 0, local_steps), (learning_rate,) * 3, snapshots=self.snapshots)
+        own = self.heldout_fraction if self.heldout == "own" else 0.0
+        return NodeSettings(
+            (0, 0, local_steps), (learning_rate,) * 3, snapshots=self.snapshots, own_heldout=own
+        )
 
     def submit(self, final, snapshots, evaluate, scores=None):
-        """The greedy soup of the snapshots on held-out accuracy (``scores``: theirs, if known)."""
-        from strategies.soup import greedy_soup
+        """The soup of the snapshots on the held-out metrics of ``evaluate`` (``scores``: theirs if known)."""
+        from strategies.soup import greedy_soup, score_weights, uniform_soup, weighted_soup
 
         del final  # the last snapshot is the final parameters
-        return greedy_soup(list(snapshots), evaluate, metric="accuracy", scores=scores).params
+        snaps = list(snapshots)
+        if self.mode == "uniform":
+            return uniform_soup(snaps)
+        scores = [evaluate(p) for p in snaps] if scores is None else list(scores)
+        # A caller that scores by accuracy alone (a number per tree) gets the accuracy rule.
+        full = all(isinstance(s, Mapping) for s in scores)
+        if self.mode == "weighted":
+            acc = [float(s["accuracy"]) if full else float(s) for s in scores]
+            return weighted_soup(
+                snaps, score_weights(acc, higher_is_better=True, temperature=self.temperature)
+            )
+        metric = ("accuracy", "loss") if full else "accuracy"
+        return greedy_soup(snaps, evaluate, metric=metric, scores=scores, first=len(snaps) - 1).params
 
 
 # ----------------------------------------------------------------------------- building

@@ -19,7 +19,10 @@ in memory or as orbax checkpoints on disk, and the soup keeps one merged tree:
 The metric is a parameter: an ``evaluate(params)`` callable returning a number
 or a dict of metrics (a task's ``metrics`` on held-out data), a metric name
 (``accuracy``: higher is better; ``loss``, ``perplexity``, ``error``: lower is
-better) and/or an explicit ``higher_is_better`` flag. Evaluation runs on the
+better) and/or an explicit ``higher_is_better`` flag. A greedy soup also takes
+a tuple of names, compared in order (``("accuracy", "loss")``: accuracy, and
+the loss breaks its ties, which on a small held-out split are the rule, not
+the exception). Evaluation runs on the
 host between jitted calls; the merging itself is jitted leaf by leaf.
 
 State is immutable (:class:`SoupState`); ``soup.add(state, ingredient)`` returns a
@@ -49,6 +52,9 @@ from consensus import tree as ctree
 PyTree = Any
 Ingredient = PyTree | str | os.PathLike
 Evaluate = Callable[[PyTree], Any]
+# A metric name, or names compared in order (greedy soups); a score is one float or one per name.
+Metric = str | tuple[str, ...] | None
+Score = float | tuple[float, ...]
 
 # Metric name -> higher is better. Anything else needs an explicit flag.
 METRIC_DIRECTIONS: dict[str, bool] = {
@@ -145,8 +151,17 @@ def _resolve(ingredient: Ingredient, template: PyTree | None, fn: str) -> PyTree
 # ----------------------------------------------------------------------------- metric
 
 
-def metric_direction(metric: str | None, higher_is_better: bool | None) -> bool:
-    """Resolve whether a larger metric value is better, from a flag or a known metric name."""
+def metric_direction(metric: Metric, higher_is_better: Any) -> Any:
+    """Resolve whether a larger metric value is better, from a flag or a known metric name.
+
+    For a tuple of names, a tuple of directions (``higher_is_better`` then a tuple of flags
+    or None).
+    """
+    if isinstance(metric, tuple):
+        flags = (None,) * len(metric) if higher_is_better is None else tuple(higher_is_better)
+        if not metric or len(flags) != len(metric):
+            raise ValueError(f"metric {metric!r}: need names and as many higher_is_better flags")
+        return tuple(metric_direction(m, h) for m, h in zip(metric, flags, strict=True))
     if higher_is_better is not None:
         return bool(higher_is_better)
     if metric is None:
@@ -162,8 +177,19 @@ def metric_direction(metric: str | None, higher_is_better: bool | None) -> bool:
     return METRIC_DIRECTIONS[key]
 
 
-def _score(evaluate: Evaluate, params: PyTree, metric: str | None) -> float:
-    out = evaluate(params)
+def _score(evaluate: Evaluate, params: PyTree, metric: Metric) -> Any:
+    return _read_score(evaluate(params), metric)
+
+
+def _read_score(out: Any, metric: Metric) -> Any:
+    """A score from what ``evaluate`` returns (or a given score): a float, or a tuple per name."""
+    if isinstance(metric, tuple):
+        if isinstance(out, tuple) and len(out) == len(metric):
+            return tuple(float(v) for v in out)
+        if not isinstance(out, Mapping) or any(m not in out for m in metric):
+            got = sorted(out) if isinstance(out, Mapping) else type(out).__name__
+            raise ValueError(f"metric {metric!r} needs evaluate to return a dict of them, got {got}")
+        return tuple(float(np.asarray(out[m])) for m in metric)
     if isinstance(out, Mapping):
         if metric is None or metric not in out:
             raise ValueError(f"evaluate returned metrics {sorted(out)}; pass metric=<one of them>")
@@ -176,8 +202,10 @@ def _score(evaluate: Evaluate, params: PyTree, metric: str | None) -> float:
         ) from e
 
 
-def _goodness(score: float, higher: bool) -> float:
+def _goodness(score: Any, higher: Any) -> Any:
     # NaN scores rank below everything, so a diverged candidate is never kept.
+    if isinstance(score, tuple):
+        return tuple(_goodness(s, h) for s, h in zip(score, higher, strict=True))
     if math.isnan(score):
         return -math.inf
     return score if higher else -score
@@ -281,9 +309,9 @@ class SoupEvent(NamedTuple):
     accepted: bool
     reason: str
     log_weight: float
-    ingredient_score: float | None
-    candidate_score: float | None
-    soup_score: float | None
+    ingredient_score: Score | None
+    candidate_score: Score | None
+    soup_score: Score | None
 
     @property
     def weight(self) -> float:
@@ -308,7 +336,7 @@ class SoupState(NamedTuple):
     params: PyTree | None
     count: int  # type: ignore[assignment]  # a NamedTuple field named like tuple.count
     log_total_weight: float
-    score: float | None
+    score: Score | None
     events: tuple[SoupEvent, ...]
 
     @property
@@ -328,7 +356,7 @@ class SoupState(NamedTuple):
         return tuple(e.index for e in self.events if not e.accepted)
 
     @property
-    def trajectory(self) -> tuple[float | None, ...]:
+    def trajectory(self) -> tuple[Score | None, ...]:
         """The soup's score after each event (monotone for a greedy soup)."""
         return tuple(e.soup_score for e in self.events)
 
@@ -380,8 +408,8 @@ class IncrementalSoup:
 
     mode: Literal["uniform", "weighted", "greedy"] = "uniform"
     evaluate: Evaluate | None = None
-    metric: str | None = None
-    higher_is_better: bool | None = None
+    metric: Metric = None
+    higher_is_better: Any = None
     weight_by: Literal["given", "score"] = "given"
     temperature: float = 1.0
     restart: bool = True
@@ -397,13 +425,15 @@ class IncrementalSoup:
         # Greedy must score every candidate soup; score weights may instead come as add(..., score=...).
         if self.mode == "greedy" and self.evaluate is None:
             raise ValueError("IncrementalSoup: greedy mode needs evaluate=... (the held-out metric)")
+        if isinstance(self.metric, tuple) and self.mode != "greedy":
+            raise ValueError("IncrementalSoup: a tuple of metrics (compared in order) is for greedy soups")
         if self.evaluate is not None or self.mode == "greedy" or self.weight_by == "score":
             metric_direction(self.metric, self.higher_is_better)  # fail now, not at the first add
         if not self.temperature > 0:
             raise ValueError(f"IncrementalSoup: temperature must be > 0, got {self.temperature}")
 
     @property
-    def _higher(self) -> bool:
+    def _higher(self) -> Any:
         return metric_direction(self.metric, self.higher_is_better)
 
     def init(self) -> SoupState:
@@ -420,7 +450,7 @@ class IncrementalSoup:
         ingredient: Ingredient,
         *,
         weight: float | None = None,
-        score: float | None = None,
+        score: Any = None,
         name: str | None = None,
     ) -> SoupState:
         """Offer one ingredient to the soup; returns the new state.
@@ -458,9 +488,9 @@ class IncrementalSoup:
             accepted: bool,
             reason: str,
             log_w: float,
-            ing: float | None,
-            cand: float | None,
-            soup: float | None,
+            ing: Score | None,
+            cand: Score | None,
+            soup: Score | None,
         ):
             return SoupEvent(index, label, accepted, reason, log_w, ing, cand, soup)
 
@@ -506,10 +536,11 @@ class IncrementalSoup:
             events=(*state.events, event(True, reason, log_w, score, None, soup_score)),
         )
 
-    def _add_greedy(self, state: SoupState, x: PyTree, score: float | None, event) -> SoupState:
+    def _add_greedy(self, state: SoupState, x: PyTree, score: Any, event) -> SoupState:
         higher = self._higher
+        score = None if score is None else _read_score(score, self.metric)
         if state.params is None:
-            s = self._eval(x) if score is None else float(score)
+            s = self._eval(x) if score is None else score
             return SoupState(x, 1, 0.0, s, (*state.events, event(True, "first", 0.0, s, None, s)))
         assert state.score is not None
         cand = _mix(state.params, x, jnp.asarray(1.0 / (state.count + 1), jnp.float32))
@@ -539,11 +570,12 @@ def greedy_soup(
     ingredients: Sequence[Ingredient],
     evaluate: Evaluate,
     *,
-    metric: str | None = None,
-    higher_is_better: bool | None = None,
-    scores: Sequence[float] | None = None,
+    metric: Metric = None,
+    higher_is_better: Any = None,
+    scores: Sequence[Any] | None = None,
     template: PyTree | None = None,
     names: Sequence[str] | None = None,
+    first: int | None = None,
 ) -> SoupState:
     """Greedy soup with all ingredients known (Wortsman et al. 2022, Recipe 1).
 
@@ -552,18 +584,23 @@ def greedy_soup(
       ties keep input order), start the soup with the best one, then add each
       next ingredient iff the uniform soup with it scores not worse than
       without it. The soup's score is therefore >= the best single ingredient's
-      and never decreases.
+      and never decreases. With ``first`` the soup starts from that ingredient
+      instead (e.g. a run's latest checkpoint) and tries the others best first:
+      its score is then >= that ingredient's.
 
     Args:
       ingredients: params trees or orbax checkpoint paths (paths are loaded
         once to score and once to try, so at most two trees live at a time).
       evaluate: ``evaluate(params) -> scalar | dict`` on the held-out set.
-      metric: metric name (dict key and/or direction), see :func:`metric_direction`.
+      metric: metric name (dict key and/or direction), see :func:`metric_direction`,
+        or a tuple of names compared in order (later ones break ties).
       higher_is_better: the metric's direction, overriding the name.
-      scores: the ingredients' own scores if already known (skips k evaluations).
+      scores: the ingredients' own scores if already known (skips k evaluations):
+        numbers, or what ``evaluate`` returns.
       template: tree to restore path ingredients against (default: the first
         in-memory ingredient, or required when all are paths).
       names: labels for the report.
+      first: index of the ingredient the soup starts from (default: the best scored).
     Returns:
       A :class:`SoupState`: ``params`` is the soup, ``events`` are in the order
       the ingredients were tried, with ``index`` the position in ``ingredients``.
@@ -583,8 +620,13 @@ def greedy_soup(
         template = next((x for x in ingredients if not _is_path(x)), None)
     if scores is None:
         scores = [_score(evaluate, _resolve(x, template, "greedy_soup"), metric) for x in ingredients]
-    scores = [float(s) for s in scores]
-    order = sorted(range(k), key=lambda i: -_goodness(scores[i], higher))
+    scores = [_read_score(s, metric) for s in scores]
+    order = sorted(range(k), key=lambda i: _goodness(scores[i], higher), reverse=True)
+    if first is not None:
+        if not -k <= first < k:
+            raise ValueError(f"greedy_soup: first={first} is not an ingredient index (k = {k})")
+        first %= k
+        order = [first, *(i for i in order if i != first)]
     soup = IncrementalSoup(
         "greedy", evaluate=evaluate, metric=metric, higher_is_better=higher, restart=False, template=template
     )

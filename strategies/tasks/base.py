@@ -13,7 +13,13 @@ shape and one jitted step serves all nodes:
 * ``train``: each hosted node's own shard, ``(n_local, m, ...)``, valid rows
   first and zero padding after ``train_count[i]`` rows;
 * ``general``: a pool shared by every node (no node axis) used by the
-  "general" level of hierarchical training;
+  "general" and "groups" levels of hierarchical training. For the built-in
+  tasks it is **public data** apart from the nodes' shards (a stratified
+  ``public_fraction`` of the training rows, disjoint from every shard); the
+  union of the shards is only an explicit choice (``general_pool = "union"``,
+  centralised data, see :data:`GENERAL_POOLS`);
+* ``own_heldout``: optionally, rows of each node's own shard kept out of its
+  training for its submit hook (a soup's selection, :meth:`TaskData.hold_out_own`);
 * ``heldout`` / ``test``: shared evaluation sets;
 * ``groups``: every example belongs to one group (a class for digits, a module
   family for text) and every node specializes in a few groups
@@ -27,6 +33,11 @@ with its own key, so the gather happens on device.
 Multi-host: ``splits(..., process_index=p, process_count=P)`` returns the
 shards of the nodes process p hosts only (a contiguous block, see
 :func:`hosted_nodes`), never the other nodes' examples.
+
+Row provenance: ``meta["example_ids"]`` (each own row's global id) and
+``meta["general_ids"]`` (each general row's) let :meth:`TaskData.drawn_ids`
+say which rows of the data set a fit phase can draw for every node, so a test
+can check by row index that no node trains on another node's rows.
 """
 
 from __future__ import annotations
@@ -95,6 +106,13 @@ class Task(Protocol):
         process_count: int = 1,
     ) -> TaskData: ...
 
+
+#: What a task's general pool is: ``"public"``, public rows apart from every node's shard (the
+#: default), or ``"union"``, the public rows and every node's shard (centralised data: an upper
+#: bound for comparisons, refused with example-level DP).
+GENERAL_POOLS = ("public", "union")
+#: The share of the training rows the built-in classification tasks reserve as the public pool.
+DEFAULT_PUBLIC_FRACTION = 0.1
 
 #: Tasks a config names by ``task.name``: each factory is declared beside its task with
 #: ``@TASKS.declare("name")`` and called with ``task.options`` (its parameters).
@@ -206,7 +224,12 @@ class TaskData:
       process_index, process_count: which share of the nodes this is.
       meta: anything else. By convention ``meta["example_ids"]`` is an
         (n_local, m) int64 array of global example ids of each own row (-1 on
-        padding), so callers can check that processes hold disjoint shards.
+        padding), so callers can check that processes hold disjoint shards;
+        ``meta["general_ids"]`` the (N_g,) ids of the general rows and
+        ``meta["general_pool"]`` one of :data:`GENERAL_POOLS`.
+      own_heldout: None, or dict of (n_local, h, ...) arrays: rows of each node's
+        own shard kept out of its training (:meth:`hold_out_own`), valid rows first.
+      own_heldout_count: (n_local,) int32 valid rows of ``own_heldout`` (None with it).
     """
 
     num_nodes: int
@@ -223,6 +246,8 @@ class TaskData:
     process_index: int = 0
     process_count: int = 1
     meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    own_heldout: Mapping[str, np.ndarray] | None = None
+    own_heldout_count: np.ndarray | None = None
 
     def __post_init__(self):
         n = len(self.node_ids)
@@ -237,6 +262,93 @@ class TaskData:
     @property
     def num_local(self) -> int:
         return len(self.node_ids)
+
+    @property
+    def general_pool(self) -> str | None:
+        """What the general pool is (one of :data:`GENERAL_POOLS`), None when the task does not say."""
+        return self.meta.get("general_pool")
+
+    def hold_out_own(self, fractions: Any, seed: int) -> TaskData:
+        """Keep a share of each node's own shard out of its training: the node's own held-out split.
+
+        Node i (global id g) holds out ``max(1, round(fractions[i] * count_i))`` of its rows, at
+        most ``count_i - 1`` (none when the fraction is 0 or the shard has one row), drawn with
+        ``np.random.default_rng([seed, g])``, so the draw does not depend on how many processes
+        there are. The held-out rows leave ``train`` (no level of any strategy draws them) and
+        go to ``own_heldout``.
+
+        Args:
+          fractions: one share in [0, 1) for every node, or (n_local,) shares.
+          seed: the seed of the draw (the run's data seed).
+
+        Returns:
+          A new TaskData; ``meta["example_ids"]`` follows the train rows and
+          ``meta["own_heldout_ids"]`` holds the held-out rows' ids (-1 on padding).
+
+        Raises:
+          ValueError: a share outside [0, 1).
+        """
+        n = self.num_local
+        fr = np.broadcast_to(np.asarray(fractions, np.float64), (n,))
+        if np.any(~np.isfinite(fr)) or np.any(fr < 0) or np.any(fr >= 1):
+            raise ValueError(f"hold_out_own: fractions must be in [0, 1), got {fr.tolist()}")
+        counts = np.asarray(self.train_count, np.int64)
+        keep_rows, held_rows = [], []
+        for i in range(n):
+            c = int(counts[i])
+            h = 0 if fr[i] == 0 or c < 2 else min(c - 1, max(1, int(round(fr[i] * c))))
+            perm = np.random.default_rng([int(seed), int(self.node_ids[i])]).permutation(c)
+            held_rows.append(np.sort(perm[:h]))
+            keep_rows.append(np.sort(perm[h:]))
+        m = int(np.shape(self.train_groups)[1])
+        size = max(1, max(len(r) for r in held_rows))
+        ids = self.meta.get("example_ids")
+
+        def regroup(arr: np.ndarray, rows: list[np.ndarray], width: int, fill: Any) -> np.ndarray:
+            out = np.full((n, width, *arr.shape[2:]), fill, arr.dtype)
+            for i, r in enumerate(rows):
+                out[i, : len(r)] = arr[i, r]
+            return out
+
+        meta = dict(self.meta)
+        if ids is not None:
+            meta["example_ids"] = regroup(np.asarray(ids), keep_rows, m, -1)
+            meta["own_heldout_ids"] = regroup(np.asarray(ids), held_rows, size, -1)
+        return dataclasses.replace(
+            self,
+            train={k: regroup(np.asarray(v), keep_rows, m, 0) for k, v in self.train.items()},
+            train_count=np.asarray([len(r) for r in keep_rows], np.int32),
+            train_groups=regroup(np.asarray(self.train_groups), keep_rows, m, -1),
+            own_heldout={k: regroup(np.asarray(v), held_rows, size, 0) for k, v in self.train.items()},
+            own_heldout_count=np.asarray([len(r) for r in held_rows], np.int32),
+            meta=meta,
+        )
+
+    def own_heldout_batch(self, i: int) -> dict[str, np.ndarray] | None:
+        """The valid own held-out rows of hosted node ``i`` (its local index), None without any."""
+        if self.own_heldout is None or self.own_heldout_count is None:
+            return None
+        k = int(self.own_heldout_count[i])
+        return None if k == 0 else {name: v[i, :k] for name, v in self.own_heldout.items()}
+
+    def drawn_ids(self, data: NodeData) -> list[np.ndarray]:
+        """The global ids of the rows each hosted node may draw in the fit phase ``data``.
+
+        A shared pool is the general pool (its ids are ``meta["general_ids"]``); a per-node pool
+        is the nodes' own shards (``meta["example_ids"]``).
+
+        Raises:
+          ValueError: the ids this needs are not in ``meta``.
+        """
+        index, count = np.asarray(data.index), np.asarray(count_host(data.count))
+        key = "general_ids" if data.shared else "example_ids"
+        ids = self.meta.get(key)
+        if ids is None:
+            raise ValueError(f"TaskData.drawn_ids: the task gives no meta[{key!r}]")
+        ids = np.asarray(ids)
+        if data.shared:
+            return [ids[index[i, : count[i]]] for i in range(data.num_nodes)]
+        return [ids[i, index[i, : count[i]]] for i in range(data.num_nodes)]
 
     def own(self) -> NodeData:
         """Each node draws from its own shard only."""
@@ -273,6 +385,64 @@ class TaskData:
         if count.min(initial=1) < 1:
             raise ValueError("TaskData.own_in_groups: some nodes hold no row of their own groups")
         return NodeData(dict(self.train), index, count, shared=False, name="own_groups")
+
+
+def public_split(
+    groups: np.ndarray, rows: np.ndarray, fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Stratified public / private split of ``rows``: ``round(fraction * size)`` of every group is public.
+
+    Args:
+      groups: (N,) int group (class) of every example of the data set.
+      rows: the candidate rows (the training split).
+      fraction: the public share in [0, 1).
+      seed: seed of the draw (``np.random.default_rng(seed)``).
+
+    Returns:
+      ``(public, private)``: sorted, disjoint, together ``rows``.
+
+    Raises:
+      ValueError: a fraction outside [0, 1).
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"public_fraction must be in [0, 1), got {fraction}")
+    rows = np.sort(np.asarray(rows, np.int64))
+    if fraction == 0.0:
+        return rows[:0], rows
+    rng = np.random.default_rng(seed)
+    g = np.asarray(groups)[rows]
+    public = [rng.permutation(rows[g == c])[: int(round(fraction * np.sum(g == c)))] for c in np.unique(g)]
+    pub = np.sort(np.concatenate(public)) if public else rows[:0]
+    return pub, np.setdiff1d(rows, pub)
+
+
+def with_public_pool(task: Any, public_fraction: float | None = None, general_pool: str | None = None) -> Any:
+    """``task`` with a config's public pool settings (None keeps the task's own).
+
+    A task takes them when it has the fields ``public_fraction`` / ``general_pool``
+    (a frozen dataclass: digits, Fashion-MNIST, :func:`~strategies.tasks.task_from_arrays`).
+
+    Raises:
+      ValueError: a value the task does not take, or a bad one.
+    """
+    changes: dict[str, Any] = {}
+    name = getattr(task, "name", type(task).__name__)
+    fields = {f.name for f in dataclasses.fields(task)} if dataclasses.is_dataclass(task) else set()
+    if public_fraction is not None:
+        if "public_fraction" not in fields:
+            raise ValueError(f"task {name!r} sets its public pool itself: it takes no task.public_fraction")
+        if not 0.0 <= float(public_fraction) < 1.0:
+            raise ValueError(f"task.public_fraction must be in [0, 1), got {public_fraction}")
+        changes["public_fraction"] = float(public_fraction)
+    if general_pool is not None:
+        if general_pool not in GENERAL_POOLS:
+            raise ValueError(f"task.general_pool must be one of {list(GENERAL_POOLS)}, got {general_pool!r}")
+        if "general_pool" not in fields:
+            if getattr(task, "general_pool", None) == general_pool:
+                return dataclasses.replace(task, **changes) if changes else task
+            raise ValueError(f"task {name!r} sets its general pool itself: it takes no task.general_pool")
+        changes["general_pool"] = general_pool
+    return dataclasses.replace(task, **changes) if changes else task
 
 
 def hosted_nodes(num_nodes: int, process_index: int = 0, process_count: int = 1) -> np.ndarray:

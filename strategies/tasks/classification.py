@@ -1,10 +1,14 @@
 """What every image / feature classification task shares: its loss and metrics, and its node protocol.
 
-The node protocol (digits, Fashion-MNIST): fixed train / held-out / test
-splits; the training split is partitioned over the nodes by
+The node protocol (digits, Fashion-MNIST, arrays): fixed train / held-out /
+test splits; a stratified ``public_fraction`` of the training split is the
+**public pool** (fixed by the task's split seed, like the held-out split); the
+rest, the private rows, is partitioned over the nodes by
 :func:`~strategies.tasks.base.dirichlet_partition` over the classes (label
-skew, alpha); the general pool shared by every node is the whole training
-split; each node specializes in its dominant classes (the fewest covering
+skew, alpha). The general pool shared by every node is the public pool, so no
+node ever draws another node's rows; ``general_pool = "union"`` makes it the
+public pool and every shard (centralised data, an upper bound for comparisons).
+Each node specializes in its dominant classes (the fewest covering
 ``dominant_mass`` of its shard); a process keeps the examples of its hosted
 nodes only.
 """
@@ -17,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from strategies.tasks.base import (
+    DEFAULT_PUBLIC_FRACTION,
+    GENERAL_POOLS,
     Array,
     Batch,
     PyTree,
@@ -27,6 +33,7 @@ from strategies.tasks.base import (
     hosted_nodes,
     masked_mean,
     pad_stack,
+    public_split,
 )
 
 
@@ -74,6 +81,10 @@ def classification_splits(
     process_count: int = 1,
     min_size: int = 8,
     group_names: tuple[str, ...] | None = None,
+    public_fraction: float = DEFAULT_PUBLIC_FRACTION,
+    general_pool: str = "public",
+    public_seed: int = 0,
+    public: np.ndarray | None = None,
 ) -> TaskData:
     """The :class:`TaskData` of a classification data set given the row indices of its three splits.
 
@@ -84,15 +95,30 @@ def classification_splits(
     Args:
       x, y: every example (rows) and its int class.
       train, heldout, test: disjoint row indices of the three splits.
+      public_fraction: the stratified share of ``train`` reserved as the public pool (drawn with
+        ``public_seed``; ignored when ``public`` is given).
+      general_pool: ``"public"`` (the general pool is the public rows only) or ``"union"``
+        (the public rows and every node's shard: centralised data).
+      public: the rows of the public pool given explicitly (disjoint from the three splits);
+        then every row of ``train`` is private.
     """
+    if general_pool not in GENERAL_POOLS:
+        raise ValueError(f"general_pool must be one of {list(GENERAL_POOLS)}, got {general_pool!r}")
     hosted = hosted_nodes(num_nodes, process_index, process_count)
-    train = np.sort(np.asarray(train))
+    if public is None:
+        public, train = public_split(y, train, public_fraction, public_seed)
+    else:
+        public, train = np.sort(np.asarray(public, np.int64)), np.sort(np.asarray(train, np.int64))
+        if np.intersect1d(public, train).size:
+            raise ValueError("the public rows overlap the training split")
     rng = np.random.default_rng(seed)
     if num_nodes == 1:
         shards = [np.arange(len(train))]
     else:
         shards = dirichlet_partition(y[train], num_nodes, alpha, rng, min_size=min_size)
     local = [train[shards[i]] for i in hosted]
+    # The general pool: the public rows, or (explicitly) the public rows and every node's shard.
+    general = public if general_pool == "public" else np.sort(np.concatenate([public, train]))
     size = max(len(s) for s in shards)  # the same padded size on every process
     groups = np.stack([dominant_groups(y[r], num_classes, mass=dominant_mass) for r in local])
     train_groups = pad_stack([y[r] for r in local], size)
@@ -109,13 +135,20 @@ def classification_splits(
         train={"x": pad_stack([x[r] for r in local], size), "y": pad_stack([y[r] for r in local], size)},
         train_count=counts,
         train_groups=train_groups,
-        general={"x": x[train], "y": y[train]},
-        general_groups=y[train],
+        general={"x": x[general], "y": y[general]},
+        general_groups=y[general],
         heldout={"x": x[heldout], "y": y[heldout]},
         test={"x": x[test], "y": y[test]},
         node_groups=groups,
         group_names=group_names or tuple(str(c) for c in range(num_classes)),
         process_index=process_index,
         process_count=process_count,
-        meta={"example_ids": example_ids, "alpha": alpha, "seed": seed},
+        meta={
+            "example_ids": example_ids,
+            "general_ids": general.astype(np.int64),
+            "public_ids": public.astype(np.int64),
+            "general_pool": general_pool,
+            "alpha": alpha,
+            "seed": seed,
+        },
     )

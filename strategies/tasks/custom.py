@@ -1,10 +1,12 @@
 """Bring your own model: a :class:`~strategies.tasks.base.Task` from a Flax model and arrays ``(x, y)``.
 
 :func:`task_from_arrays` builds everything the system needs from a model and
-labelled arrays: the Dirichlet node split over the classes, the general pool
-(the whole training split) and the groups (classes), the held-out split the
-coordinator weighs nodes on, and the test split, with cross entropy and accuracy
-unless you pass your own loss and metrics. A custom task in a few lines::
+labelled arrays: the public pool (``public=(x, y)`` given, or a stratified share
+of the training split, 0.1 by default), the Dirichlet node split of the other
+training rows over the classes, the general pool of hierarchical nodes (the
+public pool) and the groups (classes), the held-out split the coordinator weighs
+nodes on, and the test split, with cross entropy and accuracy unless you pass
+your own loss and metrics. A custom task in a few lines::
 
     import flax.nnx as nnx
     from strategies.tasks import task_from_arrays
@@ -33,7 +35,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strategies.tasks.base import Array, Batch, PyTree, TaskData, cross_entropy, masked_mean, split_module
+from strategies.tasks.base import (
+    DEFAULT_PUBLIC_FRACTION,
+    GENERAL_POOLS,
+    Array,
+    Batch,
+    PyTree,
+    TaskData,
+    cross_entropy,
+    masked_mean,
+    split_module,
+)
 from strategies.tasks.checks import (
     CHECK_ROWS,
     TaskError,
@@ -66,6 +78,10 @@ class ArrayTask:
       num_classes: C.
       loss_fn: ``(logits, y) -> per-row loss``; metric_fns: name -> ``(logits, y) -> per-row value``.
       dominant_mass: the classes covering this share of a node's shard are its groups.
+      public_fraction: stratified share of the training split reserved as the public pool
+        (unused when ``public_rows`` is given).
+      general_pool: ``"public"`` or ``"union"`` (the public pool and every node's shard).
+      public_rows: the rows of ``x`` given as public data (None: drawn from the training split).
     """
 
     name: str
@@ -78,6 +94,9 @@ class ArrayTask:
     loss_fn: RowFn = cross_entropy
     metric_fns: Mapping[str, RowFn] = dataclasses.field(default_factory=lambda: {"accuracy": _accuracy})
     dominant_mass: float = 0.8
+    public_fraction: float = DEFAULT_PUBLIC_FRACTION
+    general_pool: str = "public"
+    public_rows: np.ndarray | None = None
     kind = "classification"
 
     def init(self, key: Array) -> PyTree:
@@ -133,6 +152,10 @@ class ArrayTask:
             process_index=process_index,
             process_count=process_count,
             min_size=1,
+            public_fraction=self.public_fraction,
+            general_pool=self.general_pool,
+            public_seed=1,
+            public=self.public_rows,
         )
 
 
@@ -200,6 +223,8 @@ def task_from_arrays(
     name: str = "custom",
     split_seed: int = 0,
     dominant_mass: float = 0.8,
+    public: tuple[np.ndarray, np.ndarray] | float | None = None,
+    general_pool: str = "public",
 ) -> ArrayTask:
     """A classification :class:`~strategies.tasks.base.Task` from a model and labelled arrays.
 
@@ -220,22 +245,43 @@ def task_from_arrays(
       name: the task's name in tables.
       split_seed: seed of the train / held-out / test split.
       dominant_mass: a node's groups are its classes covering this share of its shard.
+      public: the public pool of hierarchical nodes, apart from every node's shard: ``(x, y)``
+        of public examples, or the stratified share of the training split to reserve
+        (default 0.1; 0 gives no public pool).
+      general_pool: ``"public"`` (the public pool) or ``"union"`` (the public pool and every
+        node's shard: centralised data, an upper bound for comparisons).
 
     Returns:
-      an :class:`ArrayTask`; the node split (Dirichlet over the classes with the run's alpha
-      and seed), the general pool (the training split) and the groups (the classes) follow.
+      an :class:`ArrayTask`; the node split (Dirichlet over the private training rows' classes
+      with the run's alpha and seed), the general pool and the groups (the classes) follow.
     """
     x, y = np.asarray(x), np.asarray(y)
     if x.ndim < 2 or y.ndim != 1 or len(x) != len(y):
         raise TaskError(f"task_from_arrays: x must be (N, ...) and y (N,); got {x.shape} and {y.shape}")
     if (heldout is None) != (test is None):
         raise TaskError("task_from_arrays: give both heldout and test, or neither (one set is split)")
+    if general_pool not in GENERAL_POOLS:
+        raise TaskError(
+            f"task_from_arrays: general_pool must be one of {list(GENERAL_POOLS)}, got {general_pool!r}"
+        )
+    public_fraction = DEFAULT_PUBLIC_FRACTION
+    public_arrays: tuple[np.ndarray, np.ndarray] | None = None
+    if isinstance(public, tuple):
+        public_arrays = (np.asarray(public[0]), np.asarray(public[1]))
+        public_fraction = 0.0
+    elif public is not None:
+        public_fraction = float(public)
+        if not 0.0 <= public_fraction < 1.0:
+            raise TaskError(f"task_from_arrays: public must be (x, y) or a share in [0, 1), got {public!r}")
     arrays = [("x", "y", x, y)]
     if heldout is not None:
         assert test is not None  # given together with heldout, checked above
         hx, hy = (np.asarray(a) for a in heldout)
         tx, ty = (np.asarray(a) for a in test)
         arrays += [("heldout x", "heldout y", hx, hy), ("test x", "test y", tx, ty)]
+    if public_arrays is not None:
+        arrays.append(("public x", "public y", *public_arrays))
+    if len(arrays) > 1:
         for xs, _, a, b in arrays[1:]:
             if a.shape[1:] != x.shape[1:] or np.ndim(b) != 1 or len(a) != len(b):
                 raise TaskError(
@@ -248,18 +294,22 @@ def task_from_arrays(
             check_labels(b, None, ys)
     except TaskError as e:
         raise TaskError(f"task_from_arrays: {e}") from None
+    public_rows = None
     if heldout is None:
         if len(fractions) != 3 or min(fractions) <= 0 or abs(sum(fractions) - 1) > 1e-6:
             raise TaskError(
                 f"task_from_arrays: fractions must be three shares > 0 summing to 1, got {fractions}"
             )
         rows = _stratified_split(y, (fractions[0], fractions[1], fractions[2]), split_seed)
-        all_x, all_y = x, y
     else:
-        all_x = np.concatenate([a for _, _, a, _ in arrays])
-        all_y = np.concatenate([b for _, _, _, b in arrays]).astype(y.dtype)
         n, h = len(x), len(arrays[1][2])
-        rows = (np.arange(n), np.arange(n, n + h), np.arange(n + h, len(all_y)))
+        t = h + len(arrays[2][2])
+        rows = (np.arange(n), np.arange(n, n + h), np.arange(n + h, n + t))
+    all_x = np.concatenate([a for _, _, a, _ in arrays])
+    all_y = np.concatenate([b for _, _, _, b in arrays]).astype(y.dtype)
+    if public_arrays is not None:
+        # The public rows are appended last, after the train (and held-out, test) rows.
+        public_rows = np.arange(len(all_y) - len(public_arrays[1]), len(all_y))
     try:
         init_fn, apply_fn = _model_functions(model, all_x)
         probe = ArrayTask(name, init_fn, apply_fn, all_x[:CHECK_ROWS], all_y[:CHECK_ROWS], rows, 1)
@@ -282,6 +332,9 @@ def task_from_arrays(
         loss_fn=loss or cross_entropy,
         metric_fns=dict(metrics) if metrics is not None else {"accuracy": _accuracy},
         dominant_mass=dominant_mass,
+        public_fraction=public_fraction,
+        general_pool=general_pool,
+        public_rows=public_rows,
     )
 
 

@@ -8,10 +8,12 @@ is its class, and a node specializes in its dominant classes (the fewest
 classes holding ``dominant_mass`` of its shard), which feeds the middle level
 of hierarchical training: all classes -> the node's classes -> its own shard.
 
-The general pool shared by every node is the whole training split (the
-"general data" of the first hierarchical level, treated as public); the
-private per-node shards are a partition of it, and a process loads the shards
-of the nodes it hosts only.
+A stratified ``public_fraction`` (default 0.1) of the training split is the
+public pool, the "general data" of the first two hierarchical levels; the
+private per-node shards are a partition of the rest, so no node draws another
+node's rows (``general_pool = "union"`` adds every shard to the general pool:
+centralised data, an upper bound). A process loads the shards of the nodes it
+hosts only.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import numpy as np
 from flax import nnx
 
 from strategies.tasks.base import (
+    DEFAULT_PUBLIC_FRACTION,
+    GENERAL_POOLS,
     TASKS,
     Array,
     PyTree,
@@ -119,6 +123,10 @@ class DigitsTask(ClassifierMethods):
       split_seed: seed of the train / held-out / test split (fixed, so test
         numbers compare across partition seeds).
       dominant_mass: share of a node's shard its specialized classes cover.
+      public_fraction: stratified share of the training split reserved as the public pool
+        (fixed by ``split_seed``), apart from every node's shard.
+      general_pool: ``"public"`` (the public pool) or ``"union"`` (the public pool and every
+        node's shard: centralised data).
 
     Example:
       >>> task = DigitsTask()
@@ -135,6 +143,8 @@ class DigitsTask(ClassifierMethods):
     heldout_fraction: float = 0.1
     split_seed: int = 0
     dominant_mass: float = 0.8
+    public_fraction: float = DEFAULT_PUBLIC_FRACTION
+    general_pool: str = "public"
     name: str = "digits"
     kind: ClassVar[str] = "classification"  # what the weight objectives may assume (see Task)
 
@@ -144,6 +154,10 @@ class DigitsTask(ClassifierMethods):
         fractions_ok = self.test_fraction > 0 and self.heldout_fraction > 0
         if not (fractions_ok and self.test_fraction + self.heldout_fraction < 1):
             raise ValueError("test_fraction and heldout_fraction must be > 0 and sum to less than 1")
+        if not 0.0 <= self.public_fraction < 1.0:
+            raise ValueError(f"public_fraction must be in [0, 1), got {self.public_fraction}")
+        if self.general_pool not in GENERAL_POOLS:
+            raise ValueError(f"general_pool must be one of {list(GENERAL_POOLS)}, got {self.general_pool!r}")
 
     @functools.cached_property
     def _graphdef(self) -> Any:
@@ -186,12 +200,12 @@ class DigitsTask(ClassifierMethods):
         process_index: int = 0,
         process_count: int = 1,
     ) -> TaskData:
-        """Train / held-out / test splits and the Dirichlet(alpha) node shards.
+        """Train / held-out / test splits, the public pool and the Dirichlet(alpha) node shards.
 
         The partition depends on ``seed`` and ``alpha`` only (every process
         computes the same one from the labels); a process keeps the pixels of
-        its hosted nodes' shards. With ``num_nodes=1`` the single shard is the
-        whole training split.
+        its hosted nodes' shards. With ``num_nodes=1`` the single shard is every
+        private training row.
         """
         from sklearn.model_selection import train_test_split
 
@@ -217,6 +231,9 @@ class DigitsTask(ClassifierMethods):
             dominant_mass=self.dominant_mass,
             process_index=process_index,
             process_count=process_count,
+            public_fraction=self.public_fraction,
+            general_pool=self.general_pool,
+            public_seed=self.split_seed + 2,
         )
 
 

@@ -12,8 +12,9 @@ files are looked for, first match wins:
 
 Splits: the official 10,000 test images are the test split; ``heldout_size``
 images of the official 60,000 training images (stratified, ``split_seed``) are
-the held-out split, the rest the training split that the Dirichlet(alpha)
-partition shares over the nodes (the node protocol of
+the held-out split, the rest the training split; a stratified
+``public_fraction`` (default 0.1) of it is the public pool and the
+Dirichlet(alpha) partition shares the rest over the nodes (the node protocol of
 :mod:`strategies.tasks.classification`, the same as digits).
 
 Pixels are stored as uint8 (a quarter of the memory of float32 on every node
@@ -34,7 +35,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from strategies.tasks.base import TASKS, Array, PyTree, TaskData, param_dtype, split_module
+from strategies.tasks.base import (
+    DEFAULT_PUBLIC_FRACTION,
+    GENERAL_POOLS,
+    TASKS,
+    Array,
+    PyTree,
+    TaskData,
+    param_dtype,
+    split_module,
+)
 from strategies.tasks.classification import ClassifierMethods, classification_splits
 from strategies.tasks.digits import MLP, mlp_dense_taps
 from strategies.tasks.idx import read_idx
@@ -159,6 +169,10 @@ class FashionMNISTTask(ClassifierMethods):
       data_dir: folder of the IDX files (see the module docstring for the default).
       limit: use only the first ``limit`` official training and test images each
         (quick runs and tests; None = all).
+      public_fraction: stratified share of the training split reserved as the public pool
+        (fixed by ``split_seed``), apart from every node's shard.
+      general_pool: ``"public"`` (the public pool) or ``"union"`` (the public pool and every
+        node's shard: centralised data).
     """
 
     model: str = "mlp"
@@ -170,6 +184,8 @@ class FashionMNISTTask(ClassifierMethods):
     dominant_mass: float = 0.8
     data_dir: str | None = None
     limit: int | None = None
+    public_fraction: float = DEFAULT_PUBLIC_FRACTION
+    general_pool: str = "public"
     name: str = "fashion_mnist"
 
     def __post_init__(self):
@@ -181,6 +197,12 @@ class FashionMNISTTask(ClassifierMethods):
             raise ValueError(f"fashion_mnist: heldout_size must be >= {NUM_CLASSES}, got {self.heldout_size}")
         if self.limit is not None and self.limit <= self.heldout_size:
             raise ValueError(f"fashion_mnist: limit={self.limit} leaves no training images past heldout_size")
+        if not 0.0 <= self.public_fraction < 1.0:
+            raise ValueError(f"fashion_mnist: public_fraction must be in [0, 1), got {self.public_fraction}")
+        if self.general_pool not in GENERAL_POOLS:
+            raise ValueError(
+                f"fashion_mnist: general_pool must be one of {list(GENERAL_POOLS)}, got {self.general_pool!r}"
+            )
         object.__setattr__(self, "hidden", tuple(int(h) for h in self.hidden))
         object.__setattr__(self, "channels", tuple(int(c) for c in self.channels))
 
@@ -231,7 +253,7 @@ class FashionMNISTTask(ClassifierMethods):
         process_index: int = 0,
         process_count: int = 1,
     ) -> TaskData:
-        """Official test split, a stratified held-out slice of the training set, Dirichlet(alpha) shards."""
+        """The official test split, stratified held-out and public slices, Dirichlet(alpha) shards."""
         x, y, num_train = _load(str(data_directory(self.data_dir)))
         train_rows = np.arange(num_train)
         test = np.arange(num_train, len(y))
@@ -257,6 +279,9 @@ class FashionMNISTTask(ClassifierMethods):
             process_index=process_index,
             process_count=process_count,
             group_names=CLASS_NAMES,
+            public_fraction=self.public_fraction,
+            general_pool=self.general_pool,
+            public_seed=self.split_seed + 2,
         )
 
 

@@ -437,6 +437,9 @@ class TextTask:
     root: str | None = None
     name: str = "text"
     kind: ClassVar[str] = "language"  # what the weight objectives may assume (see Task)
+    # The general pool is windows of the files whose role is "general": public data, never a node's
+    # file (see list_corpus), so it is fixed by the file roles and takes no task.public_fraction.
+    general_pool: ClassVar[str] = "public"
 
     def __post_init__(self):
         if self.d_model % self.num_heads:
@@ -647,6 +650,7 @@ class TextTask:
 
         family_of = np.array([f.family for f in files], np.int32)
         shared = {}
+        shared_ids = {}
         for offset, (role, count) in enumerate(
             (
                 ("general", self.general_windows),
@@ -655,8 +659,9 @@ class TextTask:
             )
         ):
             rng = np.random.default_rng([self.split_seed, 1 + offset])
-            w, fid, _ = sample_windows(files, by_role(role), count, length, rng, read)
+            w, fid, off = sample_windows(files, by_role(role), count, length, rng, read)
             shared[role] = ({"x": w[:, :-1], "y": w[:, 1:]}, family_of[fid])
+            shared_ids[role] = ((fid.astype(np.int64) << 32) | off).astype(np.int64)
 
         xs, ys, ids, groups = [], [], [], []
         for node in hosted:
@@ -685,6 +690,8 @@ class TextTask:
             process_count=process_count,
             meta={
                 "example_ids": np.stack(ids).astype(np.int64),
+                "general_ids": shared_ids["general"],
+                "general_pool": "public",
                 "node_files": [node_files[i] for i in hosted],
                 "node_packages": [sorted({files[j].package for j in node_files[i]}) for i in hosted],
                 "files": tuple(f.path for f in files),

@@ -374,3 +374,148 @@ def test_bad_inputs_get_clear_errors():
         sp.weighted_soup(ings[:2], [0.0, 0.0])
     with pytest.raises(ValueError, match="no ingredients"):
         sp.greedy_soup([], metrics, metric="loss")
+
+
+# ----------------------------------------------------------------------------- the soup node strategy
+
+
+def _softmax_metrics(w: np.ndarray, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+    """Float64 accuracy and cross entropy of a linear softmax classifier ``x @ w``."""
+    z = x @ w
+    z = z - z.max(1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(1, keepdims=True))
+    return {"accuracy": float(np.mean(z.argmax(1) == y)), "loss": float(-logp[np.arange(len(y)), y].mean())}
+
+
+def _node_case(seed: int, bad: float):
+    """Held-out data of a 3-class linear problem and 4 snapshots; the earlier ones ``bad`` off the truth."""
+    rng = np.random.default_rng(seed)
+    truth = rng.normal(size=(6, 3))
+    x = rng.normal(size=(40, 6))
+    y = (x @ truth + 0.5 * rng.normal(size=(40, 3))).argmax(1)
+    snaps = [truth + bad * rng.normal(size=truth.shape) for _ in range(3)]
+    snaps.append(truth + 0.3 * rng.normal(size=truth.shape))  # the latest: close to the truth
+    return x, y, snaps
+
+
+def _key(m: dict[str, float]) -> tuple[float, float]:
+    return (m["accuracy"], -m["loss"])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_soup_node_is_never_worse_on_its_heldout_split_than_its_latest_snapshot(seed):
+    from strategies.node import Soup
+
+    x, y, snaps = _node_case(seed, bad=3.0)
+    trees = [{"w": jnp.asarray(s, jnp.float32)} for s in snaps]
+
+    def evaluate(p):
+        return _softmax_metrics(np.asarray(p["w"], np.float64), x, y)
+
+    latest = evaluate(trees[-1])
+    # The case is one where averaging every snapshot hurts: the earlier ones are bad.
+    assert _key(evaluate(sp.uniform_soup(trees))) < _key(latest)
+    soup = Soup().submit(trees[-1], trees, evaluate, scores=[evaluate(t) for t in trees])
+    got = evaluate(soup)
+    assert _key(got) >= _key(latest)
+    # Reference: the greedy rule replayed in float64, from the latest, the others best first.
+    metrics = [_softmax_metrics(s, x, y) for s in snaps]
+    order = [3, *sorted(range(3), key=lambda i: _key(metrics[i]), reverse=True)]
+    kept, best = [3], _key(metrics[3])
+    for i in order[1:]:
+        cand = _key(_softmax_metrics(np.mean([snaps[j] for j in [*kept, i]], 0), x, y))
+        if cand >= best:
+            kept, best = [*kept, i], cand
+    np.testing.assert_allclose(np.asarray(soup["w"]), np.mean([snaps[j] for j in kept], 0), atol=1e-5)
+
+
+def test_soup_node_keeps_snapshots_that_help_and_its_other_modes():
+    from strategies.node import Soup
+
+    # Snapshots scattered around the truth: their average is better than any one of them.
+    rng = np.random.default_rng(7)
+    truth = rng.normal(size=(6, 3))
+    x = rng.normal(size=(400, 6))
+    y = (x @ truth).argmax(1)
+    snaps = [truth + 1.5 * rng.normal(size=truth.shape) for _ in range(4)]
+    trees = [{"w": jnp.asarray(s, jnp.float32)} for s in snaps]
+
+    def evaluate(p):
+        return _softmax_metrics(np.asarray(p["w"], np.float64), x, y)
+
+    soup = Soup().submit(trees[-1], trees, evaluate)
+    assert _key(evaluate(soup)) > _key(evaluate(trees[-1]))
+    assert not np.allclose(np.asarray(soup["w"]), snaps[-1])  # it kept more than the latest
+    uniform = Soup(mode="uniform").submit(trees[-1], trees, evaluate)
+    np.testing.assert_allclose(np.asarray(uniform["w"]), np.mean(snaps, 0), atol=1e-5)
+    acc = np.array([evaluate(t)["accuracy"] for t in trees])
+    w = np.exp((acc - acc.max()) / 0.05)
+    weighted = Soup(mode="weighted").submit(trees[-1], trees, evaluate)
+    np.testing.assert_allclose(
+        np.asarray(weighted["w"]), np.tensordot(w / w.sum(), np.stack(snaps), 1), atol=1e-5
+    )
+    # A caller that scores trees by accuracy alone (one number each) gets the accuracy rule.
+    by_acc = Soup().submit(trees[-1], trees, lambda p: evaluate(p)["accuracy"], scores=list(acc))
+    assert evaluate(by_acc)["accuracy"] >= acc[-1]
+    assert Soup().settings(8, 0.1).own_heldout == 0.1
+    assert Soup(heldout="shared").settings(8, 0.1).own_heldout == 0.0
+    with pytest.raises(ValueError, match="mode"):
+        Soup(mode="best")
+    with pytest.raises(ValueError, match="heldout"):
+        Soup(heldout="public")
+
+
+def test_greedy_soup_tuple_metric_breaks_accuracy_ties_by_the_loss():
+    # Equal accuracy everywhere: a plain accuracy rule keeps everything (ties keep); (accuracy, loss)
+    # keeps only what lowers the loss.
+    def evaluate(p):
+        v = float(p["w"][0])
+        return {"accuracy": 1.0, "loss": (v - 1.0) ** 2}
+
+    trees = [{"w": jnp.asarray([v], jnp.float32)} for v in (3.0, 0.8, 1.1)]
+    plain = sp.greedy_soup(trees, evaluate, metric="accuracy", first=2)
+    assert sorted(plain.kept) == [0, 1, 2]
+    lex = sp.greedy_soup(trees, evaluate, metric=("accuracy", "loss"), first=2)
+    # From 1.1: with 0.8 the mean 0.95 is closer to 1 (kept); with 3.0 too it is 1.63 (rejected).
+    assert sorted(lex.kept) == [1, 2]
+    np.testing.assert_allclose(np.asarray(lex.params["w"]), [0.95], atol=1e-6)
+    with pytest.raises(ValueError, match="greedy"):
+        sp.IncrementalSoup("uniform", metric=("accuracy", "loss"))
+    with pytest.raises(ValueError, match="first"):
+        sp.greedy_soup(trees, evaluate, metric="accuracy", first=3)
+
+
+@pytest.mark.slow
+def test_soup_nodes_in_a_round_are_never_worse_than_their_latest_snapshot():
+    from meta_consensus import config
+    from meta_consensus.fleet import Fleet
+
+    cfg = config.load(
+        None,
+        [
+            "task.options.hidden=[8]",
+            "nodes.count=4",
+            "nodes.strategies=soup",
+            "vote.rule=median",
+            "byzantine.nodes=[]",
+            "nodes.local_steps=12",
+            "nodes.options.soup.heldout_fraction=0.3",
+        ],
+    )
+    fleet = Fleet(cfg)
+    params = fleet.initial_params(jax.random.key(0))
+    state = fleet.init(jax.random.key(1), params)
+    for r in range(2):
+        out = fleet.fit(state, params, jax.random.key(2 + r))
+        state, params = out.state, jax.tree.map(lambda x: x.mean(0), out.submitted)
+    assert len(fleet.soup_log) == 2
+    for log in fleet.soup_log:
+        assert sorted(log) == [0, 1, 2, 3]
+        for v in log.values():
+            assert v["split"] == "own"
+            assert _key(v["soup"]) >= _key(v["latest"])
+    # The latest snapshot's numbers are those of the node's trained params on its own split.
+    batch = fleet.data.own_heldout_batch(0)
+    last = jax.tree.map(lambda x: x[0], state.params)
+    m = fleet._metrics(last, batch)
+    assert float(m["accuracy"]) == pytest.approx(fleet.soup_log[-1][0]["latest"]["accuracy"])

@@ -37,14 +37,24 @@ def test_splits_partition_the_training_split():
     shards = [ids[i, : d.train_count[i]] for i in range(5)]
     all_ids = np.concatenate(shards)
     assert len(all_ids) == len(np.unique(all_ids)), "node shards overlap"
-    assert len(all_ids) == len(d.general_groups), "node shards do not cover the training split"
+    # The general pool is the public split: disjoint from every shard, and with them the training split.
+    public = d.meta["general_ids"]
+    assert d.general_pool == "public" and np.intersect1d(public, all_ids).size == 0
+    assert len(all_ids) + len(public) == 1797 - 360 - 180, "shards and public pool do not cover training"
+    # Stratified: every class has round(0.1 * its training rows) public rows.
+    from sklearn.datasets import load_digits
+
+    labels = load_digits().target
+    per_class = np.bincount(labels[np.concatenate([all_ids, public])], minlength=10)
+    np.testing.assert_array_equal(
+        np.bincount(labels[public], minlength=10), np.round(0.1 * per_class).astype(int)
+    )
+    np.testing.assert_array_equal(d.general["y"], labels[public])
     # Padding is marked.
     for i in range(5):
         assert np.all(ids[i, d.train_count[i] :] == -1)
         assert np.all(d.train_groups[i, d.train_count[i] :] == -1)
     # The rows of each shard are the bundled data set's rows.
-    from sklearn.datasets import load_digits
-
     full = load_digits()
     for i in range(5):
         c = d.train_count[i]
@@ -52,7 +62,6 @@ def test_splits_partition_the_training_split():
         np.testing.assert_array_equal(d.train["y"][i, :c], full.target[shards[i]])
     # Held-out and test sets are disjoint from training and from each other; sizes as configured.
     assert len(d.test["y"]) == 360 and len(d.heldout["y"]) == 180
-    assert len(d.general_groups) == 1797 - 360 - 180
     xs = {tuple(r) for r in np.round(d.test["x"] * 16).astype(int)}
     assert len(xs) > 300  # sanity: distinct images
 

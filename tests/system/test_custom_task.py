@@ -36,7 +36,12 @@ def test_task_from_arrays_splits_and_metrics_match_numpy():
     # The three splits partition the rows, stratified: each class keeps ~its share in each split.
     assert len(np.intersect1d(train, held)) == len(np.intersect1d(train, test)) == 0
     assert len(train) + len(held) + len(test) == len(task.y)
-    assert int(data.train_count.sum()) == len(train)
+    # The public pool (a stratified tenth of the training split) and the node shards partition it.
+    public = data.meta["general_ids"]
+    assert np.isin(public, train).all() and abs(len(public) - 0.1 * len(train)) <= task.num_classes
+    shards = data.meta["example_ids"][data.meta["example_ids"] >= 0]
+    assert np.intersect1d(shards, public).size == 0
+    assert int(data.train_count.sum()) + len(public) == len(train)
     params = task.init(jax.random.key(0))
     batch = {"x": data.test["x"], "y": data.test["y"]}
     got = {k: float(v) for k, v in task.metrics(params, batch).items()}

@@ -28,10 +28,12 @@ from meta_consensus.config import ConfigError
 from meta_consensus.example_level_dp import ExampleAccountant, check_no_leaks
 from strategies.dpsgd import effective_rate, sampling_rates
 
-# No hierarchical node: its general pool is every node's data (refused, tested below).
+# No hierarchical node (its "groups" level reads the node's private classes: refused, tested below);
+# the soup scores its snapshots on the coordinator's held-out split, not on rows of its own shard.
 EXAMPLE = [
     *SMALL,
     "nodes.strategies=['convexity', 'soup', 'local', 'local', 'local', 'local']",
+    "nodes.options.soup.heldout=shared",
     "dp.level=example",
 ]
 
@@ -137,20 +139,38 @@ def test_overflow_share_of_delta_covers_the_pad(tmp_path):
 
 
 def test_configs_that_leak_are_refused_with_the_part_that_leaks(tmp_path):
-    cfg = config.load(None, [*SMALL, "dp.level=example", f"output_dir={tmp_path}"])  # has a hierarchical node
-    with pytest.raises(ConfigError, match=r"hierarchical.*general pool"):
-        Coordinator(cfg)
-    fleet_like = cfg.nodes.build_strategies()
-    settings = [s.settings(12, 0.01) for s in fleet_like]
+    shared = "nodes.options.soup.heldout=shared"
+    base = [*SMALL, "dp.level=example", f"output_dir={tmp_path}"]  # a hierarchical and a soup node
+    # The hierarchical node's "groups" level picks public rows by its private class histogram.
+    with pytest.raises(ConfigError, match=r"\['hierarchical'\].*'groups' level"):
+        Coordinator(config.load(None, [*base, shared]))
+    # The soup node would score snapshots on private rows of its own shard.
+    no_groups = "nodes.options.hierarchical.fractions=[0.75, 0.0, 0.25]"
+    with pytest.raises(ConfigError, match=r"\['soup'\].*own shard.*heldout = 'shared'"):
+        Coordinator(config.load(None, [*base, no_groups]))
+    # The union pool is node data.
+    with pytest.raises(ConfigError, match=r"\['hierarchical'\].*general pool.*holds node data"):
+        Coordinator(config.load(None, [*base, shared, no_groups, "task.general_pool=union"]))
+    # Public pool, no groups level, soups on the shared split: accepted.
+    cfg = config.load(None, [*base, shared, no_groups])
+    Coordinator(cfg)
+    settings = [s.settings(12, 0.01) for s in cfg.nodes.build_strategies()]
+    assert settings[0].level_steps[0] > 0
 
     class PublicPool:
         name = "public"
         public_general = True
 
-    check_no_leaks(cfg, PublicPool(), settings)  # a task whose general pool is public data
+    check_no_leaks(cfg, PublicPool(), settings)  # a task of its own that declares its pool public
+
+    class NodeDataPool:
+        name = "private"
+
+    with pytest.raises(ConfigError, match="general pool"):
+        check_no_leaks(cfg, NodeDataPool(), settings)
     # Hierarchical nodes with no step on the general pool do not touch it.
     own_only = [dataclasses.replace(st, level_steps=(0, 0, 12)) for st in settings]
-    check_no_leaks(cfg, Coordinator.__new__(Coordinator), own_only)
+    check_no_leaks(cfg, NodeDataPool(), own_only)
     with pytest.raises(ConfigError, match="adaptive clipping is node-level only"):
         config.load(None, [*EXAMPLE, "dp.adaptive=true"])
 
