@@ -59,6 +59,12 @@ def user_location(error: BaseException) -> str:
 
     The user's code is any file outside this package's directories, the standard
     library and site-packages (a script, ``my_tasks.py``, a notebook cell).
+
+    Args:
+      error: a raised exception (its traceback is read).
+
+    Returns:
+      ``" at <file>:<line>"``, or '' when no frame is the user's.
     """
     frames = [f for f in traceback.extract_tb(error.__traceback__) if _is_users(f.filename)]
     if not frames:
@@ -67,7 +73,14 @@ def user_location(error: BaseException) -> str:
 
 
 def one_line(error: BaseException) -> str:
-    """``Type: first line of the message`` of an exception, with the user's file and line."""
+    """``Type: first line of the message`` of an exception, with the user's file and line.
+
+    Args:
+      error: a raised exception.
+
+    Returns:
+      One line (the message's whitespace collapsed, cut at 300 characters).
+    """
     text = " ".join(str(error).split())
     if len(text) > 300:
         text = text[:297] + "..."
@@ -79,7 +92,15 @@ def _index(idx: tuple[int, ...] | np.ndarray) -> str:
 
 
 def check_features(x: Any, what: str = "x") -> None:
-    """Raise a TaskError naming the first non-finite entry of a floating array ``x``."""
+    """Check that a floating array ``x`` is finite (other dtypes pass).
+
+    Args:
+      x: the features.
+      what: how the error names the array.
+
+    Raises:
+      TaskError: naming the first non-finite entry and how many rows hold one.
+    """
     x = np.asarray(x)
     if not np.issubdtype(x.dtype, np.floating):
         return
@@ -95,7 +116,17 @@ def check_features(x: Any, what: str = "x") -> None:
 
 
 def check_labels(y: Any, num_classes: int | None, what: str = "y", why: str = "") -> None:
-    """Raise a TaskError naming the first label that is not an integer in ``[0, num_classes)``."""
+    """Check that every label is an integer in ``[0, num_classes)``.
+
+    Args:
+      y: the labels.
+      num_classes: the class count (None: only non-negativity is checked).
+      what: how the error names the array.
+      why: a clause added after the bad label (e.g. where ``num_classes`` comes from).
+
+    Raises:
+      TaskError: naming the first label that is not an integer in ``[0, num_classes)``.
+    """
     y = np.asarray(y)
     if not np.issubdtype(y.dtype, np.integer):
         raise TaskError(f"{what} must hold non-negative integer classes, got dtype {y.dtype}")
@@ -131,6 +162,19 @@ def forward_shape(
 
     A failure is a TaskError: the model's input width against the data's when the
     message says so, else the exception's message and the user's file and line.
+
+    Args:
+      init: ``init(key) -> params``.
+      apply: ``apply(params, x) -> logits``.
+      x: the inputs (the first ``CHECK_ROWS`` rows are used).
+      what: how the error names the inputs.
+      key: the init key (default: ``jax.random.key(0)``).
+
+    Returns:
+      The output shape ``(rows, C)``.
+
+    Raises:
+      TaskError: when init or the forward pass fails, or the output is not ``(rows, C)``.
     """
     key = jax.random.key(0) if key is None else key
     try:
@@ -166,7 +210,21 @@ def logit_count(
     num_classes: int | None,
     what: str,
 ) -> int:
-    """The model's logit count, checked against ``num_classes`` when given."""
+    """The model's logit count, checked against ``num_classes`` when given.
+
+    Args:
+      init: ``init(key) -> params``.
+      apply: ``apply(params, x) -> logits``.
+      x: the inputs.
+      num_classes: the task's class count, or None.
+      what: how the error names the inputs.
+
+    Returns:
+      C, the number of logits.
+
+    Raises:
+      TaskError: as :func:`forward_shape`, or when C differs from ``num_classes``.
+    """
     classes = forward_shape(init, apply, x, what=what)[1]
     if num_classes is not None and classes != num_classes:
         raise TaskError(
@@ -199,6 +257,14 @@ def check_task_data(task: Any, data: Any, origin: str = "the task") -> None:
     Every floating ``x`` is finite; for a classification task (``kind`` missing or
     ``"classification"``) one forward pass gives ``(rows, C)`` logits, ``C`` equals the
     task's ``num_classes`` when it has one, and every label of every split is in ``[0, C)``.
+
+    Args:
+      task: the task (``init``, ``apply``; ``kind`` and ``num_classes`` when it has them).
+      data: its TaskData.
+      origin: how the error names the task.
+
+    Raises:
+      TaskError: ``"<origin>: <what is wrong>"``.
     """
     splits = _splits(data)
     try:

@@ -47,6 +47,10 @@ def read_idx(
       dtype: when given, the dtype the file must declare (e.g. ``np.uint8``).
       shape: when given, the shape it must have; None entries accept any size
         (``(None, 28, 28)`` for images).
+
+    Returns:
+      The array, in native byte order.
+
     Raises:
       IDXError: a bad magic number, an unknown type code, a size that does not
         match the header, or a dtype / shape other than the expected one. The
@@ -86,7 +90,19 @@ def read_idx(
 
 
 def write_idx(path: str | os.PathLike, array: np.ndarray, *, compress: bool | None = None) -> Path:
-    """Write ``array`` as an IDX file (gzip when ``compress`` or the name ends in ``.gz``); for tests."""
+    """Write ``array`` as an IDX file (gzip when ``compress`` or the name ends in ``.gz``); for tests.
+
+    Args:
+      path: the file to write.
+      array: the array (a dtype IDX can store).
+      compress: gzip the file (default: when the name ends in ``.gz``).
+
+    Returns:
+      The path written.
+
+    Raises:
+      IDXError: for a dtype IDX cannot store.
+    """
     path = Path(path)
     array = np.asarray(array)
     codes = {v.newbyteorder("="): k for k, v in IDX_TYPES.items()}
