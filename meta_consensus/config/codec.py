@@ -47,18 +47,36 @@ OWNED_OPTIONS = (
 
 
 def default_text() -> str:
-    """The TOML text of the embedded default config."""
+    """The TOML text of the embedded default config.
+
+    Returns:
+      The text of ``meta_consensus/default.toml``.
+    """
     return importlib.resources.files("meta_consensus").joinpath(DEFAULT_FILE).read_text()
 
 
 def preset_names() -> list[str]:
-    """The presets shipped with the package (``meta-consensus run --preset NAME``), sorted."""
+    """The presets shipped with the package (``meta-consensus run --preset NAME``), sorted.
+
+    Returns:
+      The preset names.
+    """
     folder = importlib.resources.files("meta_consensus").joinpath(PRESETS_DIR)
     return sorted(p.name[: -len(".toml")] for p in folder.iterdir() if p.name.endswith(".toml"))
 
 
 def preset_text(name: str) -> str:
-    """The TOML text of the preset ``name`` (a ConfigError listing the presets when there is none)."""
+    """The TOML text of the preset ``name``.
+
+    Args:
+      name: a preset's name.
+
+    Returns:
+      Its TOML text.
+
+    Raises:
+      ConfigError: listing the presets when there is no such preset.
+    """
     _choices("preset", name, preset_names())
     return importlib.resources.files("meta_consensus").joinpath(PRESETS_DIR, f"{name}.toml").read_text()
 
@@ -138,7 +156,15 @@ def _build(cls: Any, data: Mapping[str, Any], prefix: str = "") -> Any:
 
 
 def with_plugins(data: Mapping[str, Any], plugins: Sequence[str]) -> dict[str, Any]:
-    """``data`` with ``plugins`` appended to its ``plugins`` list (each module once, in order)."""
+    """``data`` with ``plugins`` appended to its ``plugins`` list (each module once, in order).
+
+    Args:
+      data: the config's nested dicts.
+      plugins: plug-in module names.
+
+    Returns:
+      A shallow copy of ``data`` with the longer list.
+    """
     out = dict(data)
     if plugins:
         listed = out.get("plugins", [])
@@ -152,6 +178,16 @@ def from_dict(data: Mapping[str, Any], plugins: Sequence[str] = ()) -> Config:
 
     The plug-ins are imported before any name is checked and stay listed in the config, so
     its TOML text (:func:`dumps`) loads them again wherever it is read.
+
+    Args:
+      data: the config's nested dicts.
+      plugins: plug-in modules to import and list.
+
+    Returns:
+      The validated config.
+
+    Raises:
+      ConfigError: for an unknown key, a value of the wrong type or an invalid value.
     """
     return _build(Config, with_plugins(data, plugins))
 
@@ -163,8 +199,23 @@ def load(
     *,
     preset: str | None = None,
 ) -> Config:
-    """The config of a file (None: the embedded default, or ``preset``) with ``key=value``
-    overrides and plug-ins; options dropped with their owner are logged (:func:`load_with_notes`)."""
+    """The config of a file (None: the embedded default, or ``preset``) with overrides and plug-ins.
+
+    Options dropped with their owner are logged (:func:`load_with_notes`).
+
+    Args:
+      path: a TOML file (None: the embedded default, or ``preset``).
+      overrides: ``section.key=value`` overrides (values parsed as TOML).
+      plugins: plug-in modules to import.
+      preset: a shipped preset instead of a file.
+
+    Returns:
+      The validated config.
+
+    Raises:
+      ConfigError: for a missing or invalid file, both a file and a preset, a bad override or
+        an invalid config.
+    """
     cfg, notes = load_with_notes(path, overrides, plugins, preset=preset)
     for note in notes:
         logging.getLogger(__name__).warning("meta-consensus: note: %s", note)
@@ -206,7 +257,20 @@ def load_with_notes(
     *,
     preset: str | None = None,
 ) -> tuple[Config, list[str]]:
-    """:func:`load`, and one line per option dropped because its owner changed (see the module)."""
+    """:func:`load`, and one line per option dropped because its owner changed (see the module).
+
+    Args:
+      path: a TOML file (None: the embedded default, or ``preset``).
+      overrides: ``section.key=value`` overrides.
+      plugins: plug-in modules to import.
+      preset: a shipped preset instead of a file.
+
+    Returns:
+      ``(config, notes)``.
+
+    Raises:
+      ConfigError: as :func:`load`.
+    """
     if path is not None and preset is not None:
         raise ConfigError("give a config file or a preset, not both")
     if path is None:
@@ -306,7 +370,20 @@ def _parse_value(text: str) -> Any:
 
 
 def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Apply ``section.key=value`` overrides to nested dicts (``value`` parsed as TOML)."""
+    """Apply ``section.key=value`` overrides to nested dicts (``value`` parsed as TOML).
+
+    A value that is not TOML is taken as a string; ``none``/``null`` sets None.
+
+    Args:
+      data: the config's nested dicts (not modified).
+      overrides: the overrides, in order.
+
+    Returns:
+      A deep copy of ``data`` with the overrides applied.
+
+    Raises:
+      ConfigError: for an override without ``=`` or one whose path crosses a non-table.
+    """
     out = _deep_copy(dict(data))
     for item in overrides:
         if "=" not in item:
@@ -328,7 +405,14 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
-    """Plain nested dicts of a config (tuples as lists; TOML has no null, so None is "none")."""
+    """Plain nested dicts of a config (tuples as lists; TOML has no null, so None is "none").
+
+    Args:
+      cfg: a config.
+
+    Returns:
+      Nested dicts of TOML values.
+    """
 
     def clean(x: Any) -> Any:
         if x is None:
@@ -343,5 +427,12 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 
 
 def dumps(cfg: Config) -> str:
-    """TOML text of a config; :func:`load` of it gives back an equal config."""
+    """TOML text of a config; :func:`load` of it gives back an equal config.
+
+    Args:
+      cfg: a config.
+
+    Returns:
+      The TOML text.
+    """
     return tomli_w.dumps(to_dict(cfg))

@@ -11,12 +11,31 @@ class ConfigError(ValueError):
 
 
 def check_choice(key: str, value: Any, valid: Sequence[Any]) -> None:
-    """``value`` is one of ``valid``, else a ConfigError listing them."""
+    """Check that ``value`` is one of ``valid``.
+
+    Args:
+      key: the dotted key, for the message.
+      value: its value.
+      valid: the valid choices.
+
+    Raises:
+      ConfigError: listing the valid choices.
+    """
     if value not in valid:
         raise ConfigError(f"{key} = {value!r} is not valid; choose one of {list(valid)}")
 
 
 def check(cond: bool, key: str, value: Any, need: str) -> None:
-    """``cond`` holds, else a ConfigError saying what ``key`` needs."""
+    """Check that ``cond`` holds.
+
+    Args:
+      cond: the condition.
+      key: the dotted key, for the message.
+      value: its value.
+      need: what the key needs, for the message.
+
+    Raises:
+      ConfigError: saying what ``key`` needs.
+    """
     if not cond:
         raise ConfigError(f"{key} = {value!r} is not valid: {need}")
