@@ -80,7 +80,7 @@ def mean() -> Aggregator:
 
     .. math:: \bar x = \frac{1}{m} \sum_{i \in V} x_i
 
-    V is the set of valid nodes (allowed by ``mask`` and finite), m = |V|.
+    V is the set of valid nodes (allowed by ``mask`` and finite), m = ``|V|``.
     Not robust: a single Byzantine node moves the output arbitrarily far.
     Precondition: m >= 1. DP sensitivity: C / n (a uniform mean of updates clipped to C).
     ``update`` also takes ``assume_finite=True`` to skip the finiteness check.

@@ -207,7 +207,7 @@ def smea(num_byzantine: int) -> Aggregator:
     """Smallest maximum eigenvalue averaging (SMEA; Allouah et al. 2023): the least spread subset's mean.
 
     Over every subset S of m - f valid nodes, the top eigenvalue of the
-    empirical covariance (1/|S|) sum_{i in S} (x_i - mu_S)(x_i - mu_S)^T; the
+    empirical covariance ``(1/|S|) sum_{i in S} (x_i - mu_S)(x_i - mu_S)^T``; the
     output is the mean of the subset with the smallest one (the first in
     ``itertools.combinations`` order of the dropped nodes on ties). Exact, by
     enumeration: C(n, f) eigenvalue problems of size n x n on the Gram matrix.
