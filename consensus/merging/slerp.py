@@ -242,7 +242,7 @@ def karcher_mean(
 
     Args:
       max_iter: The largest number of fixed-point iterations (>= 1).
-      tol: The stopping tolerance on |T| (> 0).
+      tol: The stopping tolerance on ``|T|`` (> 0).
       weights: (n,) non-negative node weights w, or None for 1 (normalized to sum 1).
       on: ``"params"`` (the raw parameters) or ``"deltas"`` (task vectors around ``params``).
 

@@ -39,7 +39,7 @@ class StockState(NamedTuple):
 def stock_ratio(g: jax.Array, valid: jax.Array) -> jax.Array:
     """Compute Model Stock's t from the (n, n) Gram matrix of one leaf's task vectors.
 
-    cos = mean over valid pairs i < j of <d_i, d_j> / (|d_i| |d_j|);
+    ``cos = mean over valid pairs i < j of <d_i, d_j> / (|d_i| |d_j|)``;
     t = m cos / (1 + (m - 1) cos), m the number of valid nodes. Singular cases
     (a zero task vector, fewer than 2 valid nodes, or 1 + (m - 1) cos = 0) give
     t = 0: the leaf keeps the base.

@@ -36,7 +36,7 @@ ELECTIONS = ("sum", "count")
 def trim_thresholds(x: jax.Array, base: jax.Array, density: float, valid: jax.Array) -> jax.Array:
     """Find each node's trim threshold: node i keeps the entries with ``|x_i - base| >= threshold_i``.
 
-    k = max(1, int(density * size)); threshold_i keeps exactly the entries whose |x_i - base| is at
+    k = max(1, int(density * size)); threshold_i keeps exactly the entries whose ``|x_i - base|`` is at
     or above the k-th largest over the leaf (it is that value, or a float between it and the next
     smaller magnitude, which keeps the same entries), found exactly without sorting
     (:mod:`consensus.merging._select`). Invalid rows read as zeros (they are excluded later anyway).
