@@ -9,23 +9,29 @@ Every system run is the task's default config (digits and Fashion-MNIST: the emb
 budget (:data:`BUDGETS`), changed only by the overrides named here, on the same node split
 (``task.data_seed`` 0) with the same seeds. Three families of runs:
 
-* **node strategies**: every node ``local``, every node ``hierarchical``, ``convexity``, ``soup``,
-  and the default mix; Dirichlet alpha in {0.1, 0.5, 10} (text: its fixed split by module family);
-  with no attacker and with the default's attackers. Reported: the consensus's test accuracy (text:
-  perplexity and next-byte accuracy), the honest nodes' test accuracies (mean, spread), and loss
-  barriers (``strategies.convexity``: the held-out loss above the chord on the straight line)
-  between every pair of honest nodes and between each honest node and the final consensus, on the
-  nodes' parameters after the last round's training (soup nodes: their last snapshot, not the soup
-  they submitted).
+* **node strategies**, each compared on the same data: every node ``local`` on its private shard
+  only; ``local + public warm start`` (the initial consensus first trained on the task's public pool
+  for as many steps as one hierarchical node takes on it over the run, then local training: the
+  baseline that sees the same data as ``hierarchical``); ``hierarchical`` (the public pool, then the
+  node's groups of it, then its shard); ``convexity`` and ``soup`` from the same public warm start;
+  the default mix (as ``make run`` runs it); and ``hierarchical`` on the union pool (the public pool
+  and every node's shard: centralised data, an upper bound, not a strategy). Dirichlet alpha in
+  {0.1, 0.5, 10} (text: its fixed split by module family); with no attacker and with the default's
+  attackers. Reported: the consensus's test and held-out accuracy (text: perplexity and next-byte
+  accuracy), the honest nodes' test accuracies (mean, spread), loss barriers
+  (``strategies.convexity``: the held-out loss above the chord on the straight line) between every
+  pair of honest nodes and between each honest node and the final consensus, on the nodes'
+  parameters after the last round's training (soup nodes: their last snapshot), and for soup nodes
+  the metrics on their own held-out split of the latest snapshot and of the soup they submitted.
 * **merge pipeline** (default strategy mix, default alpha): plain mean, convex weights without a
   vote, the vote alone, the vote plus each weight objective, plus node-level DP (nominal noise and
   epsilon = 8), and example-level DP-SGD (``configs/private.toml`` against the same config without
   DP); the Byzantine nodes' total weight in the consensus ("byz weight") and the accuracy.
 * **baselines that never see the consensus**: each node trained alone on its own shard for the
   system's whole budget (rounds x local steps, the same Adam, batch and learning rate), and
-  centralised training on the union of the honest nodes' shards (the ceiling: the same number of
-  steps with one batch per node of the fleet in each step), and the barriers between the
-  independently trained nodes and to their plain average.
+  centralised training on the public pool and the union of the (honest) nodes' shards (the
+  ceiling: the same number of steps with one batch per node of the fleet in each step), and the
+  barriers between the independently trained nodes and to their plain average.
 
 The baselines are written here with the task's loss and optax (:func:`train_alone`,
 :func:`centralized`), not with the system, so they share no code path with what they check.
@@ -95,7 +101,23 @@ QUICK_ALPHAS = (0.5,)
 # checkpoints, evaluation only after the last round.
 COMMON = ["baseline_fedavg=false", "checkpoint_every=0"]
 
-STRATEGY_MIXES = ("local", "hierarchical", "convexity", "soup", "default mix")
+# Mix -> (the strategy of every node, None: the config's own mix; start from the public warm start;
+# extra overrides). The warm start gives every strategy that cannot draw the public pool itself the
+# same public rows the hierarchical nodes draw, so each row compares strategies on the same data.
+UNION = "hierarchical, union pool (centralised)"
+SAME_DATA = "local + public warm start"
+MIXES: dict[str, tuple[str | None, bool, tuple[str, ...]]] = {
+    "local": ("local", False, ()),
+    SAME_DATA: ("local", True, ()),
+    "hierarchical": ("hierarchical", False, ()),
+    "convexity + public warm start": ("convexity", True, ()),
+    "soup + public warm start": ("soup", True, ()),
+    "default mix": (None, False, ()),
+    UNION: ("hierarchical", False, ("task.general_pool=union",)),
+}
+STRATEGY_MIXES = tuple(MIXES)
+# Text's general pool is fixed by its file roles: no union row there.
+TEXT_MIXES = tuple(m for m in MIXES if m != UNION)
 THREATS: dict[str, list[str]] = {"clean": ["byzantine.nodes=[]"], "attack": []}
 
 # Merge variant -> overrides of the default config (the vote rule stays the task's own).
@@ -121,8 +143,8 @@ MERGES: dict[str, list[str]] = {
 }
 # Objectives that need a classification task (per-class logits): left out on text.
 CLASSIFICATION_ONLY = {"vote + quadratic"}
-# Example-level DP-SGD: configs/private.toml (hierarchical nodes cannot take part, their general pool
-# is every node's data) against the same file with DP off. Digits and Fashion-MNIST only.
+# Example-level DP-SGD: configs/private.toml against the same file with DP off. Digits and
+# Fashion-MNIST only.
 EXAMPLE_DP: dict[str, list[str]] = {
     "private.toml without DP": ["dp.enabled=false"],
     "private.toml, example-level DP-SGD, epsilon = 8": [],
@@ -133,15 +155,49 @@ EXAMPLE_DP: dict[str, list[str]] = {
 
 
 def strategy_overrides(mix: str, base: config.Config) -> list[str]:
-    """Every node on one strategy, or the task's default mix."""
-    if mix == "default mix":
-        return []
-    if mix not in STRATEGY_MIXES:
-        raise ValueError(f"unknown strategy mix {mix!r}; valid: {list(STRATEGY_MIXES)}")
-    out = [f"nodes.strategies={mix}"]
-    if mix == "soup" and base.nodes.options.get("soup"):
+    """Every node on one strategy, or the task's default mix (and the mix's own overrides)."""
+    if mix not in MIXES:
+        raise ValueError(f"unknown strategy mix {mix!r}; valid: {list(MIXES)}")
+    strategy, _, extra = MIXES[mix]
+    if strategy is None:
+        return list(extra)
+    out = [f"nodes.strategies={strategy}", *extra]
+    if strategy == "soup" and base.nodes.options.get("soup"):
         out.append(f"nodes.options.soup.snapshots={base.nodes.options['soup']['snapshots']}")
     return out
+
+
+def public_steps(cfg: config.Config) -> int:
+    """The steps one hierarchical node of ``cfg`` takes on the public pool over the run."""
+    from strategies.node import build_strategy
+
+    h = build_strategy("hierarchical", cfg.nodes.options.get("hierarchical", {}))
+    general, groups, _ = h.settings(cfg.nodes.local_steps, cfg.nodes.learning_rate).level_steps
+    return int(cfg.rounds * (general + groups))
+
+
+def public_warm_start(cfg: config.Config) -> PyTree:
+    """The system's initial consensus trained on the task's public pool (the warm start of a mix).
+
+    Adam at the nodes' batch size and learning rate for :func:`public_steps` steps, from the
+    params the system would start from (the first half of the root key, as ``Coordinator.init``).
+    """
+    task = make_task(cfg)
+    data = task.splits(cfg.nodes.count, seed=cfg.task.data_seed, alpha=cfg.task.alpha)
+    params = task.init(jax.random.split(jax.random.key(cfg.seed))[0])
+    pool = {k: np.asarray(v)[None] for k, v in data.general.items()}
+    count = np.asarray([len(data.general_groups)])
+    stacked = train_alone(
+        task,
+        params,
+        pool,
+        count,
+        jax.random.fold_in(jax.random.key(cfg.seed), 11),
+        steps=public_steps(cfg),
+        batch_size=cfg.nodes.batch_size,
+        learning_rate=cfg.nodes.learning_rate,
+    )
+    return jax.tree.map(lambda x: x[0], stacked)
 
 
 def build_config(
@@ -299,11 +355,19 @@ def centralized(
     steps: int,
     batch_size: int,
     learning_rate: float,
+    public: Mapping[str, np.ndarray] | None = None,
 ) -> PyTree:
-    """One model trained on the union of the chosen shards (the ceiling of the merged models)."""
+    """One model trained on the union of the chosen shards (the ceiling of the merged models).
+
+    ``public``: rows every node could also draw (the task's public pool), added to the union.
+    """
     if not len(nodes):
         raise ValueError("centralized: needs at least one node's shard")
     rows, count = union_of_shards(data, counts, nodes)
+    if public is not None:
+        extra = len(next(iter(public.values())))
+        rows = {k: np.concatenate([v[0], np.asarray(public[k])], 0)[None] for k, v in rows.items()}
+        count = count + extra
     stacked = train_alone(
         task, params, rows, count, key, steps=steps, batch_size=batch_size, learning_rate=learning_rate
     )
@@ -328,11 +392,13 @@ def honest(cfg: config.Config) -> np.ndarray:
     return np.setdiff1d(np.arange(cfg.nodes.count), np.asarray(cfg.byzantine.nodes, np.int64))
 
 
-def system_run(cfg: config.Config, *, with_barriers: bool, barrier_rows: int) -> dict[str, Any]:
+def system_run(
+    cfg: config.Config, *, with_barriers: bool, barrier_rows: int, initial_params: PyTree | None = None
+) -> dict[str, Any]:
     """Train one config; the consensus's and the honest nodes' test numbers (and barriers)."""
     t0 = time.perf_counter()
     mc = MetaConsensus(cfg, write=False, progress=False)
-    result = mc.train()
+    result = mc.train(initial_params=initial_params)
     ok = [i for i in result.history if i.ok]
     last = result.history[-1]
     fleet = mc.coordinator.fleet
@@ -341,9 +407,25 @@ def system_run(cfg: config.Config, *, with_barriers: bool, barrier_rows: int) ->
     task = fleet.task
     test = evaluate_stacked(task, jax.tree.map(lambda x: x[None], result.consensus_params), fleet.data.test)
     nodes = evaluate_stacked(task, take_rows(result.state.nodes.params, good), fleet.data.test)
+    held_out = evaluate_stacked(
+        task, jax.tree.map(lambda x: x[None], result.consensus_params), fleet.data.heldout
+    )
+    # Soup nodes, last round: their own held-out split's metrics of the latest snapshot and the soup.
+    soups = fleet.soup_log[-1] if fleet.soup_log else {}
+    honest_soups = {i: v for i, v in soups.items() if i in set(good.tolist())}
     out: dict[str, Any] = {
         "consensus_accuracy": float(test["accuracy"][0]),
         "consensus_loss": float(test["loss"][0]),
+        "consensus_heldout_accuracy": float(held_out["accuracy"][0]),
+        "soup_latest_accuracy": [v["latest"]["accuracy"] for v in honest_soups.values()],
+        "soup_accuracy": [v["soup"]["accuracy"] for v in honest_soups.values()],
+        "soup_latest_loss": [v["latest"]["loss"] for v in honest_soups.values()],
+        "soup_loss": [v["soup"]["loss"] for v in honest_soups.values()],
+        # Every round and soup node: the soup's own held-out accuracy minus the latest snapshot's.
+        "soup_gain_min": min(
+            (v["soup"]["accuracy"] - v["latest"]["accuracy"] for log in fleet.soup_log for v in log.values()),
+            default=math.nan,
+        ),
         "node_accuracy": nodes["accuracy"].tolist(),
         "node_loss": nodes["loss"].tolist(),
         "node_strategies": [cfg.nodes.strategy_of()[i] for i in good],
@@ -416,6 +498,7 @@ def baseline_runs(
             steps=total,
             batch_size=bs * n,
             learning_rate=lr,
+            public=data.general if data.general_pool == "public" and len(data.general_groups) else None,
         )
         m = evaluate_stacked(task, central, data.test)
         out[f"central_{label}_accuracy"] = float(m["accuracy"][0])
@@ -444,6 +527,12 @@ def summarize(res: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"strategies": {}, "merges": {}, "baselines": {}, "by_node_strategy": {}}
     fields = (
         "consensus_accuracy",
+        "consensus_heldout_accuracy",
+        "soup_latest_accuracy_mean",
+        "soup_accuracy_mean",
+        "soup_latest_loss_mean",
+        "soup_loss_mean",
+        "soup_gain_min",
         "consensus_perplexity",
         "node_accuracy_mean",
         "node_accuracy_spread",
@@ -516,6 +605,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--seeds", default=None, help="comma-separated root seeds (default: the task's)")
     parser.add_argument(
+        "--mixes",
+        default=None,
+        help="';'-separated strategy mixes to run (default: all of the task's; see MIXES)",
+    )
+    parser.add_argument(
+        "--no-merges",
+        action="store_true",
+        help="skip the merge-pipeline runs (strategy rows and baselines only)",
+    )
+    parser.add_argument(
         "--combine",
         nargs="+",
         type=Path,
@@ -541,6 +640,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except ValueError:
         parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
     text = args.task == "text"
+    mixes = list(TEXT_MIXES if text else STRATEGY_MIXES)
+    if args.mixes:
+        mixes = [m.strip() for m in args.mixes.split(";")]
+        unknown = [m for m in mixes if m not in MIXES]
+        if unknown:
+            parser.error(f"--mixes: unknown {unknown}; valid: {list(MIXES)}")
     alphas = list(budget_cfg["alphas"] if not args.quick or text else QUICK_ALPHAS)
     base = build_config(args.task, budget, 0, [])
     merges = [
@@ -564,9 +669,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "attack": f"{base.byzantine.attack} {dict(base.byzantine.options)}",
         "vote": f"{base.vote.rule}, f = {base.vote.f(base.nodes.count)}",
         "weights": f"{base.weights.objective}, max_weight = {base.weights.max_weight}",
-        "mixes": list(STRATEGY_MIXES),
+        "mixes": mixes,
+        "public_warm_start_steps": public_steps(base),
         "threats": list(THREATS),
-        "merges": merges + (list(EXAMPLE_DP) if example else []),
+        "merges": [] if args.no_merges else merges + (list(EXAMPLE_DP) if example else []),
         "honest_under_attack": honest(base).tolist(),
         "overrides": {"task": TASKS[args.task], "common": COMMON, "threats": THREATS, "merges": MERGES},
     }
@@ -574,12 +680,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     strategy_runs, merge_runs, baseline_list, done = [], [], [], []
     rows = max(8, 64 if text else 512)
     for seed in seeds:
+        # The public pool and the initial consensus depend on the seed only (not on alpha).
+        warm = (
+            public_warm_start(build_config(args.task, budget, seed, []))
+            if any(MIXES[m][1] for m in mixes)
+            else None
+        )
         for alpha in alphas:
-            for mix in STRATEGY_MIXES:
+            for mix in mixes:
                 for threat, tov in THREATS.items():
                     extra = [f"task.alpha={alpha}", *strategy_overrides(mix, base), *tov]
                     r = system_run(
-                        build_config(args.task, budget, seed, extra), with_barriers=True, barrier_rows=rows
+                        build_config(args.task, budget, seed, extra),
+                        with_barriers=True,
+                        barrier_rows=rows,
+                        initial_params=warm if MIXES[mix][1] else None,
                     )
                     r.update(seed=seed, alpha=alpha, mix=mix, threat=threat)
                     strategy_runs.append(r)
@@ -679,6 +794,11 @@ def combine(paths: Sequence[Path], task: str, quick: bool, parser: Any) -> dict[
 def derived(r: dict[str, Any]) -> dict[str, Any]:
     """A system run's perplexity and node-accuracy summary (mean, spread over the nodes, best)."""
     r["consensus_perplexity"] = perplexity(r["consensus_loss"])
+    for f in ("soup_latest_accuracy", "soup_accuracy", "soup_latest_loss", "soup_loss"):
+        v = r.get(f) or []
+        r[f"{f}_mean"] = float(np.mean(v)) if len(v) else math.nan
+    r.setdefault("consensus_heldout_accuracy", math.nan)
+    r.setdefault("soup_gain_min", math.nan)
     acc = np.asarray(r["node_accuracy"])
     r["node_accuracy_mean"], r["node_accuracy_spread"] = float(acc.mean()), float(acc.std())
     r["node_accuracy_best"] = float(acc.max())

@@ -112,6 +112,80 @@ def strategies_nodes(res: Result) -> list[str]:
     return lines
 
 
+SAME_DATA = "local + public warm start"
+
+
+def same_data(res: Result) -> list[str]:
+    """Every mix against local training that sees the same public rows, per alpha (no attacker)."""
+    st, sm = res["settings"], res["summary"]
+    if SAME_DATA not in st["mixes"]:
+        return []
+    lines = [f"## Each strategy against local training on the same data (no attacker, vs '{SAME_DATA}')", ""]
+    lines.append(
+        f"'{SAME_DATA}': the initial consensus trained on the task's public pool for "
+        f"{st.get('public_warm_start_steps', '?')} steps (the public-pool steps of one hierarchical node "
+        "over the run), then every node local on its own shard: the same rows a hierarchical node "
+        "draws. Per alpha: the consensus's held-out accuracy, and the consensus's test accuracy and the "
+        "honest nodes' mean test accuracy minus the reference's (points, mean over seeds). 'local' sees "
+        "no public row; the union row is centralised data (an upper bound, not a strategy)."
+    )
+    lines.append("")
+    head = ["strategy"]
+    for alpha in st["alphas"]:
+        a = _per_alpha(res, f"a={alpha:g}")
+        head += [f"held-out acc{a}", f"Δ consensus{a}", f"Δ nodes{a}"]
+    rows = []
+    for mix in st["mixes"]:
+        row = [mix]
+        for alpha in st["alphas"]:
+            s = sm["strategies"][f"{mix} | alpha={alpha:g} | clean"]
+            r = sm["strategies"][f"{SAME_DATA} | alpha={alpha:g} | clean"]
+            row.append(_pm(s["consensus_heldout_accuracy"]))
+            for f in ("consensus_accuracy", "node_accuracy_mean"):
+                row.append("ref." if mix == SAME_DATA else f"{100 * (s[f][0] - r[f][0]):+.1f}")
+        rows.append(row)
+    lines.append(markdown_table(head, rows))
+    return lines
+
+
+def soups(res: Result) -> list[str]:
+    """Soup nodes: their own held-out split's accuracy, latest snapshot against the soup submitted."""
+    st, sm = res["settings"], res["summary"]
+    mixes = [
+        m
+        for m in st["mixes"]
+        if any(
+            math.isfinite(sm["strategies"][f"{m} | alpha={a:g} | clean"]["soup_accuracy_mean"][0])
+            for a in st["alphas"]
+        )
+    ]
+    if not mixes:
+        return []
+    lines = ["## Soups: the node's own held-out split (no attacker)", ""]
+    lines.append(
+        "A soup node holds out a share of its own shard (never trained on) and submits the greedy "
+        "soup of its snapshots that starts from the latest and keeps a snapshot only if the held-out "
+        "accuracy (ties: the loss) is not worse. 'latest' and 'soup': the honest soup nodes' accuracy "
+        "on that split in the last round (mean over nodes, mean ± std over seeds); 'min gain': the "
+        "smallest soup - latest over every round and soup node (never below 0 by construction)."
+    )
+    lines.append("")
+    head = ["mix"]
+    for alpha in st["alphas"]:
+        a = _per_alpha(res, f"a={alpha:g}")
+        head += [f"latest{a}", f"soup{a}", f"min gain{a}"]
+    rows = []
+    for mix in mixes:
+        row = [mix]
+        for alpha in st["alphas"]:
+            s = sm["strategies"][f"{mix} | alpha={alpha:g} | clean"]
+            row += [_pm(s["soup_latest_accuracy_mean"]), _pm(s["soup_accuracy_mean"])]
+            row.append(f"{s['soup_gain_min'][0]:+.3f}" if math.isfinite(s["soup_gain_min"][0]) else "n/a")
+        rows.append(row)
+    lines.append(markdown_table(head, rows))
+    return lines
+
+
 def barriers(res: Result) -> list[str]:
     """Loss barriers between honest nodes and to the consensus, per mix and for the nodes alone."""
     st, sm = res["settings"], res["summary"]
@@ -161,6 +235,8 @@ def barriers(res: Result) -> list[str]:
 def barriers_by_node_strategy(res: Result) -> list[str]:
     """Within the default mix: each node strategy's barrier to the consensus and its accuracy."""
     st, sm = res["settings"], res["summary"]
+    if "default mix" not in st["mixes"]:
+        return []
     lines = [
         "Within the default mix (no attacker): each strategy's nodes, barrier to the consensus / "
         "test accuracy:",
@@ -183,6 +259,8 @@ def barriers_by_node_strategy(res: Result) -> list[str]:
 def merge_pipeline(res: Result) -> list[str]:
     """Every merge variant at the default mix: accuracy clean and attacked, byz weight, epsilon."""
     st, sm = res["settings"], res["summary"]
+    if not st["merges"]:
+        return []
     metric = _metric(res)
     lines = [
         "## Merge pipeline (default strategy mix"
@@ -235,6 +313,8 @@ def baselines(res: Result) -> list[str]:
     """Nodes alone, centralised training and the system side by side, per alpha."""
     st, sm = res["settings"], res["summary"]
     text = _is_text(res)
+    if "default mix" not in st["mixes"]:
+        return []
     lines = ["## Baselines that never train from the consensus", ""]
     head = [
         "setting",
@@ -269,8 +349,9 @@ def baselines(res: Result) -> list[str]:
     lines.append(
         f"Each node alone: Adam on its own shard for {st['rounds']} x {st['local_steps']} steps, the "
         "system's whole budget, from the system's initial model; centralised: the same steps on the "
-        "union of the shards with a batch of n x the nodes' batch in each step (the honest nodes of "
-        "the attack setting, or all); 'alone, averaged': the plain average of the independently trained "
+        "public pool and the union of the shards with a batch of n x the nodes' batch in each step (the "
+        "honest nodes of the attack setting, or all); 'alone, averaged': the plain average of the "
+        "independently trained "
         "nodes' parameters (one merge at the end, no rounds). The system's best node is trained "
         "from the consensus in the last round, so it inherits it: the comparison that separates "
         "them is 'nodes alone'."
@@ -305,6 +386,8 @@ SECTIONS = (
     header,
     strategies_consensus,
     strategies_nodes,
+    same_data,
+    soups,
     barriers,
     barriers_by_node_strategy,
     merge_pipeline,
@@ -342,6 +425,8 @@ def plot(res: Result) -> str:
     axes[0].legend(fontsize=6)
     axes[1].legend(fontsize=7)
     merges = st["merges"]
+    if not merges:
+        axes[2].set_axis_off()
     y = np.arange(len(merges))
     for k, threat in enumerate(("clean", "attack")):
         v = [sm["merges"][f"{m} | {threat}"]["consensus_accuracy"][0] for m in merges]

@@ -149,6 +149,13 @@ def test_centralized_on_the_union_is_training_on_the_concatenated_rows():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="at least one node"):
         ablations.centralized(task, init, padded, counts, [], key, **kw)
+    # Public rows join the union (after the shards' rows).
+    public = {k: v[15:19] for k, v in full.items()}
+    central = ablations.centralized(task, init, padded, counts, [0, 2], key, public=public, **kw)
+    union = {k: np.concatenate([v[:7], v[19:22], v[15:19]])[None] for k, v in full.items()}
+    direct = ablations.train_alone(task, init, union, np.asarray([14]), key, **kw)
+    for a, b in zip(jax.tree.leaves(central), jax.tree.leaves(direct), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("task", list(ablations.TASKS))
@@ -156,10 +163,20 @@ def test_every_ablation_is_a_config_change_of_the_default(task):
     budget = ablations.BUDGETS[task]["quick"]
     base = ablations.build_config(task, budget, 0, [])
     assert (base.rounds, base.nodes.local_steps, base.eval_every) == (*budget, budget[0])
-    for mix in ablations.STRATEGY_MIXES:
+    mixes = ablations.TEXT_MIXES if task == "text" else ablations.STRATEGY_MIXES
+    assert ablations.SAME_DATA in mixes and "local" in mixes
+    for mix in mixes:
         cfg = ablations.build_config(task, budget, 3, ablations.strategy_overrides(mix, base))
-        expected = base.nodes.strategy_of() if mix == "default mix" else (mix,) * base.nodes.count
+        strategy = mix.split(" ")[0].rstrip(",")
+        expected = base.nodes.strategy_of() if mix == "default mix" else (strategy,) * base.nodes.count
         assert cfg.nodes.strategy_of() == expected and cfg.seed == 3
+        # Only the union row trains on every node's shard; the warm-start rows say so in their name.
+        assert (cfg.task.general_pool == "union") == (mix == ablations.UNION)
+        assert ablations.MIXES[mix][1] == mix.endswith("public warm start")
+    # The warm start's steps: one hierarchical node's general + groups steps over the run.
+    frac = base.nodes.options.get("hierarchical", {}).get("fractions", (0.5, 0.25, 0.25))
+    steps = base.rounds * sum(int(np.floor(f * base.nodes.local_steps)) for f in frac[:2])
+    assert ablations.public_steps(base) == steps
     for merge, overrides in ablations.MERGES.items():
         if task == "text" and merge in ablations.CLASSIFICATION_ONLY:
             continue
