@@ -204,6 +204,28 @@ def test_run_writes_privacy_json_with_the_numbers_of_the_table_and_metrics(tmp_p
     assert "privacy budget" in stopped.stopped and "over the budget 1" in stopped.stopped
 
 
+@pytest.mark.slow  # one short run
+def test_hierarchical_nodes_train_on_the_public_pool_under_dp_sgd(tmp_path):
+    cfg = _cfg(
+        tmp_path,
+        "rounds=1",
+        "baseline_fedavg=false",
+        "nodes.strategies=['hierarchical', 'soup', 'local', 'local', 'hierarchical', 'local']",
+        "nodes.options.hierarchical.fractions=[0.75, 0.0, 0.25]",
+        "dp.noise_multiplier=1.0",
+    )
+    mc = MetaConsensus(cfg, write=False, progress=False)
+    result = mc.train()
+    assert result.succeeded == 1
+    info = result.history[-1]
+    # Every step is charged, the public ones too: the hierarchical nodes' epsilon is that of 12
+    # DP-SGD steps at their own shard's rate, like the local nodes' at theirs.
+    acc = mc.coordinator.example
+    for node in acc.nodes([12] * 6, pld=False):
+        assert info.node_epsilon[node.node] == pytest.approx(node.epsilon_rdp)
+    assert np.isfinite(info.epsilon) and np.all(np.isfinite(info.node_epsilon))
+
+
 # ----------------------------------------------------------------------------- resume
 
 
