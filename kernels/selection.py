@@ -562,7 +562,7 @@ def _nearest_to_median_mean(
 
     The same rule as :func:`kernels.sorting.closest_to_median_mean` (El Mhamdi
     et al. 2018; its docstring derives the window and the tie rule), found by
-    selection: with med the median (float32, as there) and dist = |v - med|,
+    selection: with med the median (float32, as there) and ``dist = |v - med|``,
     let D be the beta-th smallest distance. Every value with dist < D is in the
     window; the r = beta - count(dist < D) others come from the values at
     distance exactly D, those below the median first (the tie rule keeps the

@@ -112,11 +112,11 @@ def proximal_step(params: PyTree, anchor: PyTree, mu: Scalar, lr: Scalar) -> PyT
     """Exact proximal step of ``lr * mu/2 ||theta - anchor||^2``, leaf by leaf.
 
     Math:
-      Given the point ``v`` reached by a gradient (or any optimizer) step,
+      Given the point ``v`` reached by a gradient (or any optimizer) step::
 
-      ``prox(v) = argmin_theta 1/(2 lr) ||theta - v||^2 + mu/2 ||theta - anchor||^2
-               = (v + lr mu anchor) / (1 + lr mu)
-               = v - c (v - anchor),   c = lr mu / (1 + lr mu) in [0, 1).``
+          prox(v) = argmin_theta 1/(2 lr) ||theta - v||^2 + mu/2 ||theta - anchor||^2
+                  = (v + lr mu anchor) / (1 + lr mu)
+                  = v - c (v - anchor),   c = lr mu / (1 + lr mu) in [0, 1).
 
       Why a prox and not ``grad += mu (theta - anchor)``: the gradient form
       multiplies the distance to the anchor by ``1 - lr mu`` each step, which
