@@ -90,7 +90,7 @@ def finish(
     return out, deltas
 
 
-def dense_delta(adapter: Mapping[str, Mapping[str, jax.Array]], scale: float) -> dict[str, jax.Array]:
+def dense_delta(adapter: Mapping[str, Mapping[str, Any]], scale: float) -> dict[str, jax.Array]:
     """The dense update ``scale * a @ b`` of every target of an (unstacked) adapter tree.
 
     Args:

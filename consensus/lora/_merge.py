@@ -15,7 +15,7 @@ SPACES = ("products", "factors")
 
 def merge_adapters(
     method: str,
-    stacked: Mapping[str, Mapping[str, jax.Array]],
+    stacked: Mapping[str, Mapping[str, Any]],
     *,
     scale: Any,
     weights: Any = None,

@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import numpy as np
 
 from consensus.lora._core import check_stacked, node_scales
@@ -43,7 +42,7 @@ def target_gram(a: Any, b: Any, s: np.ndarray) -> np.ndarray:
     return np.einsum("ipjq,ipjq->ij", ata, bbt) * np.outer(s, s)
 
 
-def product_gram(stacked: Mapping[str, Mapping[str, jax.Array]], scale: Any) -> np.ndarray:
+def product_gram(stacked: Mapping[str, Mapping[str, Any]], scale: Any) -> np.ndarray:
     """The (n, n) Gram matrix of the nodes' whole-adapter updates, summed over targets, from the factors.
 
     ``G[i, j] = sum over targets of <s_i a_i b_i, s_j a_j b_j>_F`` in O(n^2 r^2 (in + out)) per

@@ -16,13 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 
 from consensus.lora._core import Adapter, AdapterError, AdapterMerge, finish, host
 from consensus.specs import ADAPTER_METHODS
 
-Stacked = Mapping[str, Mapping[str, jax.Array]]
+Stacked = Mapping[str, Mapping[str, Any]]
 Combine = Callable[[Stacked, np.ndarray, np.ndarray, Any], AdapterMerge]
 #: ``from_dense(m, rank, scale) -> (a, b, base_delta or None, info)`` for one target's dense update.
 FromDense = Callable[

@@ -50,7 +50,7 @@ CHUNK_BYTES = 64 << 20
 FACTOR_METHODS = ("fedit", "ffa")
 
 
-def finite_nodes(stacked: Mapping[str, Mapping[str, jax.Array]]) -> np.ndarray:
+def finite_nodes(stacked: Mapping[str, Mapping[str, Any]]) -> np.ndarray:
     """(n,) bool: the nodes whose factors are all finite."""
     ok = None
     for f in stacked.values():
@@ -62,7 +62,7 @@ def finite_nodes(stacked: Mapping[str, Mapping[str, jax.Array]]) -> np.ndarray:
     return ok
 
 
-def zero_invalid(stacked: Mapping[str, Mapping[str, jax.Array]], valid: np.ndarray) -> Adapter:
+def zero_invalid(stacked: Mapping[str, Mapping[str, Any]], valid: np.ndarray) -> Adapter:
     """The stack with the invalid nodes' factors set to 0 (their weight is 0; 0 * NaN would not be)."""
     v = jnp.asarray(valid)
     return {
@@ -123,7 +123,7 @@ def embedding_weights(rule: Aggregator, gram: np.ndarray, valid: np.ndarray, key
 def merge_robust(
     spec: Spec,
     built: AdapterMethod,
-    stacked: Mapping[str, Mapping[str, jax.Array]],
+    stacked: Mapping[str, Mapping[str, Any]],
     s: np.ndarray,
     weights: Any,
     rule: Any,

@@ -11,6 +11,7 @@ a few leaves, never n models. docs/merging.md describes the design; the modules,
 * :mod:`~meta_consensus.merge.compute`: the rules on one piece (compiled updates, Gram programs);
 * :mod:`~meta_consensus.merge.streaming`: buffers, column chunks, workers and write-behind;
 * :mod:`~meta_consensus.merge.report`: ``merge_report.json``;
+* :mod:`~meta_consensus.merge.adapters`: PEFT LoRA adapter folders in and out (``consensus.lora``);
 * :mod:`~meta_consensus.merge.errors`: :class:`MergeError` and the user-error types.
 
 jax and the library are imported in the functions that use them: building the CLI parser

@@ -90,6 +90,26 @@ def add_parser(sub: Any) -> None:
         metavar="W1,W2,...",
         help="one weight per input, in order (linear, task_arithmetic, ties, dare_*, karcher_mean, ...)",
     )
+    p.add_argument(
+        "--merge-into-base",
+        metavar="BASE",
+        help="PEFT adapter inputs: write BASE (a Hugging Face model folder) with the merged update added, "
+        "instead of an adapter folder",
+    )
+    p.add_argument(
+        "--adapter-method",
+        metavar="NAME",
+        help="PEFT adapter inputs with a robust --method (krum, median, ...): how the nodes are then "
+        "combined (stack, svd, exact_residual, fedit, ffa, cat; default stack after a vector rule, "
+        "svd after a coordinate-wise one, fedit with --space factors)",
+    )
+    p.add_argument(
+        "--space",
+        choices=("products", "factors"),
+        default=None,
+        help="PEFT adapter inputs: where a robust rule works, on the updates B A (exact; default) or on "
+        "the factors (cheap; the factorisation is not unique)",
+    )
     p.add_argument("--config", help="merge TOML file (command-line options win)")
     p.add_argument(
         "--mergekit-config",
@@ -119,6 +139,9 @@ def plan_from_args(args: Any) -> MergePlan:
         "seed": args.seed,
         "weights": args.weights,
         "overrides": overrides,
+        "merge_into_base": getattr(args, "merge_into_base", None),
+        "adapter_method": getattr(args, "adapter_method", None),
+        "space": getattr(args, "space", None),
         # --plugin's modules (meta_consensus.cli has loaded them): the report records them with the file's
         "plugins": list(getattr(args, "plugin", None) or []),
     }
@@ -146,6 +169,9 @@ def plan_from_args(args: Any) -> MergePlan:
         shard_size=parse_shard_size(args.shard_size),
         seed=args.seed or 0,
         plugins=tuple(dict.fromkeys(values["plugins"])),
+        merge_into_base=values["merge_into_base"],
+        adapter_method=values["adapter_method"],
+        space=values["space"] or "products",
     )
 
 

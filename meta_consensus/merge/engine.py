@@ -53,7 +53,10 @@ def merge_checkpoints(
     from tqdm.auto import tqdm
 
     from consensus import io as ckpt
+    from meta_consensus.merge.adapters import is_adapter_folder, merge_adapter_folders
 
+    if any(is_adapter_folder(p) for p in plan.inputs):  # PEFT LoRA adapters: their own merge
+        return merge_adapter_folders(plan, overwrite=overwrite, config_from=config_from)
     if len(plan.inputs) == 1:
         raise MergeError(f"one input ({plan.inputs[0]}): a merge needs at least 2")
     out_dtype = check_plan(plan, overwrite=overwrite)

@@ -11,6 +11,14 @@ def user_errors() -> tuple[type[Exception], ...]:
     """The exception types that are the user's mistake (one line, exit 2 in the CLI)."""
     from consensus.base import ByzantineToleranceError
     from consensus.io import CheckpointError, CheckpointKeyError
+    from consensus.lora import AdapterError
     from consensus.registry import RegistryError
 
-    return (MergeError, RegistryError, CheckpointError, CheckpointKeyError, ByzantineToleranceError)
+    return (
+        MergeError,
+        RegistryError,
+        CheckpointError,
+        CheckpointKeyError,
+        ByzantineToleranceError,
+        AdapterError,
+    )

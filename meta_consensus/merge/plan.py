@@ -108,6 +108,11 @@ class MergePlan:
     shard_size: int | None = None
     seed: int = 0
     plugins: tuple[str, ...] = ()  # modules imported before the rules are checked
+    # PEFT adapter inputs (meta_consensus.merge.adapters): a base model the merged update is added
+    # to (a full checkpoint out), the adapter method after a robust rule, and the rule's space.
+    merge_into_base: str | None = None
+    adapter_method: str | None = None
+    space: str = "products"
 
 
 # ----------------------------------------------------------------------------- reading
@@ -163,7 +168,8 @@ def plan_from_toml(path: str | Path, **overrides: Any) -> MergePlan:
 
     Keys: ``method``, ``num_byzantine``, ``inputs`` (list), ``out``, ``base``,
     ``dtype``, ``shard_size``, ``seed``, ``weights`` (one per input, as ``--weights``),
-    ``plugins`` (modules that declare more merge methods, as ``--plugin``), ``[params]``
+    ``plugins`` (modules that declare more merge methods, as ``--plugin``), for PEFT adapter
+    inputs ``merge_into_base``, ``adapter_method`` and ``space`` (as the options), ``[params]``
     (the method's parameters) and ``[[overrides]]`` tables with ``pattern``, ``method``, ``num_byzantine`` and
     ``params``. The plan's plug-ins are the file's, then the command line's.
     """
@@ -185,6 +191,9 @@ def plan_from_toml(path: str | Path, **overrides: Any) -> MergePlan:
         "params",
         "overrides",
         "plugins",
+        "merge_into_base",
+        "adapter_method",
+        "space",
     }
     unknown = sorted(set(doc) - known)
     if unknown:
@@ -219,6 +228,9 @@ def plan_from_toml(path: str | Path, **overrides: Any) -> MergePlan:
         shard_size=parse_shard_size(values.get("shard_size", doc.get("shard_size"))),
         seed=int(values.get("seed", doc.get("seed", 0))),
         plugins=tuple(dict.fromkeys([*listed, *values.get("plugins", [])])),
+        merge_into_base=values.get("merge_into_base", doc.get("merge_into_base")),
+        adapter_method=values.get("adapter_method", doc.get("adapter_method")),
+        space=values.get("space", doc.get("space", "products")),
     )
 
 
@@ -239,6 +251,20 @@ def check_plan(plan: MergePlan, *, overwrite: bool = False) -> Any:
     if out.exists() and not overwrite:
         raise MergeError(f"output {out} exists; choose a new folder (nothing is ever overwritten)")
     out_dtype = None if plan.dtype is None else output_dtype(plan.dtype)
+    adapter_options = [
+        name
+        for name, given in (
+            ("--merge-into-base", plan.merge_into_base is not None),
+            ("--adapter-method", plan.adapter_method is not None),
+            ("--space", plan.space != "products"),
+        )
+        if given
+    ]
+    if adapter_options:
+        raise MergeError(
+            f"{', '.join(adapter_options)}: for PEFT adapter inputs (folders with adapter_config.json); "
+            "these inputs are checkpoints"
+        )
     n = len(plan.inputs)
     try:
         for choice in (plan.rule, *plan.overrides):
