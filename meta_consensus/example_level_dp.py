@@ -53,6 +53,14 @@ _EPSILON_MEANINGFUL = 30.0
 
 
 def is_example_level(cfg: Config) -> bool:
+    """Whether the run applies example-level DP (DP-SGD in every node).
+
+    Args:
+      cfg: the run config.
+
+    Returns:
+      True when ``dp.enabled`` and ``dp.level == "example"``.
+    """
     return cfg.dp.enabled and cfg.dp.level == "example"
 
 
@@ -101,7 +109,16 @@ def check_no_leaks(cfg: Config, task: Any, settings: list[NodeSettings]) -> None
 
 @dataclasses.dataclass(frozen=True)
 class NodePrivacy:
-    """One node's example-level guarantee."""
+    """One node's example-level guarantee.
+
+    Attributes:
+      node: the node's index.
+      sampling_rate: q, the Poisson sampling rate of its DP-SGD batches.
+      noise_multiplier: z, the noise standard deviation over the clipping norm.
+      steps: the DP-SGD steps taken.
+      epsilon_rdp: epsilon by the RDP accountant.
+      epsilon_pld: epsilon by the PLD accountant (NaN when not computed).
+    """
 
     node: int
     sampling_rate: float
@@ -160,7 +177,11 @@ class ExampleAccountant:
         return p, pad
 
     def spec(self) -> dpsgd.ExampleDP:
-        """What the node trainer needs: ``ExampleDP(C, z per node, pad, microbatch)``."""
+        """What the node trainer needs: ``ExampleDP(C, z per node, pad, microbatch)``.
+
+        Returns:
+          The node trainer's DP-SGD settings.
+        """
         return dpsgd.ExampleDP(
             np.full((self.n,), self.clip_norm, np.float32),
             self.z.astype(np.float32),
@@ -169,6 +190,17 @@ class ExampleAccountant:
         )
 
     def epsilon(self, steps: int, q: float, z: float, accountant: str) -> float:
+        """One node's epsilon at the accountants' delta after ``steps`` DP-SGD steps.
+
+        Args:
+          steps: the DP-SGD steps taken.
+          q: the sampling rate.
+          z: the noise multiplier.
+          accountant: ``"rdp"``, else PLD.
+
+        Returns:
+          Epsilon: 0 after no step, inf without noise.
+        """
         if steps == 0:
             return 0.0
         if z == 0:
@@ -178,7 +210,15 @@ class ExampleAccountant:
         return _pld(z, q, steps, self.delta_acc)
 
     def nodes(self, steps: Any, *, pld: bool = True) -> list[NodePrivacy]:
-        """Every node's epsilons after ``steps[i]`` DP-SGD steps (PLD NaN when ``pld`` is False)."""
+        """Every node's epsilons after ``steps[i]`` DP-SGD steps (PLD NaN when ``pld`` is False).
+
+        Args:
+          steps: (n,) DP-SGD steps each node has taken.
+          pld: also compute the PLD epsilon (the slower accountant).
+
+        Returns:
+          One :class:`NodePrivacy` per node.
+        """
         out = []
         for i, (q, z, t) in enumerate(zip(self.rate, self.z, np.asarray(steps, np.int64), strict=True)):
             e_rdp = self.epsilon(int(t), float(q), float(z), "rdp")
@@ -187,12 +227,26 @@ class ExampleAccountant:
         return out
 
     def run_epsilon(self, nodes: list[NodePrivacy]) -> float:
-        """The run's epsilon in the configured accountant: the maximum over the nodes."""
+        """The run's epsilon in the configured accountant: the maximum over the nodes.
+
+        Args:
+          nodes: the nodes' guarantees (:meth:`nodes`).
+
+        Returns:
+          The largest epsilon.
+        """
         attr = "epsilon_rdp" if self.accountant == "rdp" else "epsilon_pld"
         return max(getattr(p, attr) for p in nodes)
 
     def over_budget(self, steps: Any) -> str:
-        """Why one more round would exceed the budget ('' when it would not)."""
+        """Why one more round would exceed the budget ('' when it would not).
+
+        Args:
+          steps: (n,) DP-SGD steps each node has taken so far.
+
+        Returns:
+          A sentence naming the node, its epsilon and the budget, or ''.
+        """
         if self.budget is None:
             return ""
         after = np.asarray(steps, np.int64) + self.per_round
@@ -209,7 +263,14 @@ class ExampleAccountant:
         return ""
 
     def summary(self, steps: Any) -> dict[str, Any]:
-        """The content of ``privacy.json``."""
+        """The content of ``privacy.json``.
+
+        Args:
+          steps: (n,) DP-SGD steps each node has taken.
+
+        Returns:
+          A JSON-ready dict (non-finite numbers as strings).
+        """
         nodes = self.nodes(steps)
         return {
             "level": "example",
