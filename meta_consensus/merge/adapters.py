@@ -239,10 +239,8 @@ def merge_adapter_folders(
     Returns the report (also written as ``merge_report.json``). Every check runs before the output
     folder is created; the output is written to a temporary folder and renamed at the end.
     """
-    import jax
 
-    from consensus import io, lora
-    from meta_consensus.merge.report import write_report
+    from consensus import io
 
     if len(plan.inputs) < 2:
         raise MergeError(f"{len(plan.inputs)} adapter(s): a merge needs at least 2")
@@ -280,6 +278,31 @@ def merge_adapter_folders(
             )
     adapters = [read_adapter(p) for p in plan.inputs]
     check_agree(adapters)
+    if plan.merge_into_base is not None:
+        base_reader = io.CheckpointReader(Path(plan.merge_into_base))
+    try:
+        if base_reader is not None:
+            check_base(base_reader, Path(plan.merge_into_base or ""), adapters[0])
+        return _merge_and_write(plan, what, adapters, base_reader, out_dtype, overwrite)
+    finally:
+        if base_reader is not None:
+            base_reader.close()
+
+
+def _merge_and_write(
+    plan: MergePlan,
+    what: AdapterPlan,
+    adapters: Sequence[AdapterFolder],
+    base_reader: Any,
+    out_dtype: np.dtype | None,
+    overwrite: bool,
+) -> dict[str, Any]:
+    """The merge of the checked adapters, then the output (written to a temporary folder, renamed)."""
+    import jax
+
+    from consensus import io, lora
+    from meta_consensus.merge.report import write_report
+
     targets = list(adapters[0].factors)
     stacked = {t: {k: np.stack([ad.factors[t][k] for ad in adapters]) for k in ("a", "b")} for t in targets}
     rule = what.rule.build() if what.rule is not None else None
@@ -322,34 +345,33 @@ def merge_adapter_folders(
             if "valid" in merged.info and i not in merged.info["valid"]
         },
     }
-    if plan.merge_into_base is not None:
-        base_reader = io.CheckpointReader(Path(plan.merge_into_base))
-    try:
-        with io.atomic_directory(Path(plan.out), overwrite=overwrite) as tmp:
-            if base_reader is None:
-                write_adapter(tmp, adapters[0].config, merged, out_dtype or adapters[0].dtype)
-            else:
-                report["model_files"] = write_merged_base(
-                    tmp,
-                    base_reader,
-                    Path(plan.merge_into_base or ""),
-                    adapters[0].config,
-                    merged,
-                    plan,
-                    out_dtype,
-                )
-            write_report(tmp, report)
-    finally:
-        if base_reader is not None:
-            base_reader.close()
+    with io.atomic_directory(Path(plan.out), overwrite=overwrite) as tmp:
+        if base_reader is None:
+            write_adapter(tmp, adapters[0].config, merged, out_dtype or adapters[0].dtype)
+        else:
+            report["model_files"] = write_merged_base(
+                tmp,
+                base_reader,
+                Path(plan.merge_into_base or ""),
+                adapters[0].config,
+                merged,
+                plan,
+                out_dtype,
+            )
+        write_report(tmp, report)
     return report
 
 
 def _name_nodes(message: str, inputs: Sequence[str]) -> str:
-    """The library names nodes by index; the command names them by folder."""
-    return re.sub(
-        r"node (\d+)", lambda m: f"{inputs[int(m[1])]}" if int(m[1]) < len(inputs) else m[0], message
+    """The library names nodes by index (``node 2``, ``node(s) [0, 2]``); the command names them by folder."""
+
+    def name(i: str) -> str:
+        return str(inputs[int(i)]) if int(i) < len(inputs) else f"node {i}"
+
+    message = re.sub(
+        r"node\(s\) \[([\d, ]+)\]", lambda m: ", ".join(name(i) for i in m[1].split(", ")), message
     )
+    return re.sub(r"node (\d+)", lambda m: name(m[1]), message)
 
 
 # ----------------------------------------------------------------------------- writing
@@ -384,6 +406,27 @@ def write_adapter(folder: Path, config: dict[str, Any], merged: Any, dtype: np.d
     (folder / ADAPTER_CONFIG).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
 
 
+def check_base(reader: Any, base_dir: Path, adapter: AdapterFolder) -> None:
+    """The base holds ``<module>.weight`` for every adapted module in the adapter's layout (checked first)."""
+    transposed = bool(adapter.config.get("fan_in_fan_out", False))
+    where = {f"{t}.weight": t for t in adapter.factors}
+    missing = sorted(k for k in where if k not in reader.specs)
+    if missing:
+        raise MergeError(
+            f"--merge-into-base {base_dir}: no tensor {missing[0]!r} for the adapted module "
+            f"{where[missing[0]]!r} (keys look like {reader.keys()[:3]})"
+        )
+    for key, t in where.items():
+        shape = tuple(reader.specs[key][0])
+        fan_in, fan_out = adapter.factors[t]["a"].shape[0], adapter.factors[t]["b"].shape[1]
+        want = (fan_in, fan_out) if transposed else (fan_out, fan_in)
+        if shape != want:
+            raise MergeError(
+                f"--merge-into-base {base_dir}: {key!r} has shape {shape}, the adapter's update {want} "
+                f"(fan_in_fan_out={transposed})"
+            )
+
+
 def write_merged_base(
     folder: Path,
     reader: Any,
@@ -399,22 +442,6 @@ def write_merged_base(
 
     transposed = bool(config.get("fan_in_fan_out", False))
     where = {f"{t}.weight": t for t in merged.adapter}
-    missing = sorted(k for k in where if k not in reader.specs)
-    if missing:
-        raise MergeError(
-            f"--merge-into-base {base_dir}: no tensor {missing[0]!r} for the adapted module "
-            f"{where[missing[0]]!r} (keys look like {reader.keys()[:3]})"
-        )
-    for key, t in where.items():
-        shape = reader.specs[key][0]
-        f = merged.adapter[t]
-        fan_in, fan_out = f["a"].shape[0], f["b"].shape[1]
-        want = (fan_in, fan_out) if transposed else (fan_out, fan_in)
-        if tuple(shape) != want:
-            raise MergeError(
-                f"--merge-into-base {base_dir}: {key!r} has shape {tuple(shape)}, the adapter's update "
-                f"{want} (fan_in_fan_out={transposed})"
-            )
     specs = {
         k: (shape, out_dtype if (out_dtype is not None and np.issubdtype(np.dtype(dt), np.floating)) else dt)
         for k, (shape, dt) in reader.specs.items()

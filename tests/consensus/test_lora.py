@@ -309,3 +309,19 @@ def test_a_non_finite_node_is_left_out_of_a_robust_merge():
     for t, f in ref.f64(st).items():
         keep = [0, 1, 2, 4]
         close(m.delta(t), np.median(ref.products(f, np.ones(5))[keep], axis=0))
+
+
+def test_every_adapter_method_has_a_reference_and_a_row_in_the_docs():
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "merging.md").read_text()
+    table = page.split("### The methods", 1)[1].split("###", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    documented = {name for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[1])}
+    assert documented == set(lora.ADAPTER_METHODS)
+    for name, spec in lora.ADAPTER_METHODS.items():
+        doc = spec.factory.__doc__ or ""
+        assert "References:" in doc and spec.kind == "adapter", name
+        exact = next(r for r in rows if f"`{name}`" in r.split("|")[1]).split("|")[3].strip()
+        assert exact.startswith("yes") == spec.traits["exact"], name

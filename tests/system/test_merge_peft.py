@@ -51,7 +51,7 @@ def write_adapter(folder, factors, r, alpha, **config):
 
 def random_factors(seed, r=3, modules=MODULES):
     sizes = [(fi * r, r * fo) for fi, fo in modules.values()]
-    flat = np.asarray(jax.random.normal(jax.random.key(seed), (sum(x + y for x, y in sizes),)))
+    flat = np.array(jax.random.normal(jax.random.key(seed), (sum(x + y for x, y in sizes),)))
     out, at = {}, 0
     for m, (fan_in, fan_out) in modules.items():
         a = flat[at : at + fan_in * r].reshape(fan_in, r)
@@ -148,12 +148,72 @@ def test_robust_krum_on_the_products_keeps_the_honest_adapter(tmp_path, three):
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 3
 
 
+def write_base(folder, modules, transposed, seed=9):
+    """A Hugging Face-style model folder: config.json and one float32 weight per module (+ one other)."""
+    rng = np.random.default_rng(seed)
+    state = {
+        f"{m}.weight": rng.standard_normal((fi, fo) if transposed else (fo, fi)).astype(np.float32)
+        for m, (fi, fo) in modules.items()
+    }
+    state["model.norm.weight"] = rng.standard_normal(4).astype(np.float32)
+    folder.mkdir()
+    writer = io.ShardedWriter(folder, {k: (v.shape, v.dtype) for k, v in state.items()})
+    for k, v in state.items():
+        writer.write(k, v)
+    writer.close()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "float32"}))
+    return {k: v.astype(np.float64) for k, v in state.items()}
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_merge_into_base_adds_the_exact_update_in_the_weights_layout(tmp_path, transposed):
+    """exact_residual (a dense residual) added to a base: W + delta^T (Linear), W + delta (fan_in_fan_out)."""
+    alphas = [6.0, 3.0, 12.0]
+    folders = [
+        write_adapter(tmp_path / f"ad{i}", random_factors(i), 3, alphas[i], fan_in_fan_out=transposed)
+        for i in range(3)
+    ]
+    base = write_base(tmp_path / "base", MODULES, transposed)
+    out = tmp_path / "full"
+    argv = [
+        "merge",
+        "--method",
+        "exact_residual",
+        "--weights",
+        "1,2,1",
+        "--merge-into-base",
+        str(tmp_path / "base"),
+    ]
+    assert main([*argv, "--quiet", "--out", str(out), *map(str, folders)]) == 0
+    with io.CheckpointReader(out) as r:
+        got = {k: r.get(k).astype(np.float64) for k in r.specs}
+    w = np.array([0.25, 0.5, 0.25])
+    s = np.array(alphas) / 3
+    assert sorted(got) == sorted(base)
+    np.testing.assert_array_equal(got["model.norm.weight"], base["model.norm.weight"])
+    for m in MODULES:
+        f = {
+            "a": np.stack([random_factors(i)[m][0] for i in range(3)]),
+            "b": np.stack([random_factors(i)[m][1] for i in range(3)]),
+        }
+        delta = ref.weighted_product_sum(ref.f64({m: f})[m], s, w)  # (in, out)
+        want = base[f"{m}.weight"] + (delta if transposed else delta.T)
+        np.testing.assert_allclose(got[f"{m}.weight"], want, rtol=1e-5, atol=1e-5)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    assert json.loads((out / "merge_report.json").read_text())["info"]["exactness"] == "exact"
+
+
 def test_user_errors_are_one_line(tmp_path, three, capsys):
     folders, _, _ = three
     low = write_adapter(tmp_path / "low", random_factors(5, r=2), 2, 4.0)
     lacking = write_adapter(
         tmp_path / "lacking", {k: v for k, v in random_factors(6).items() if "q_proj" in k}, 3, 6.0
     )
+    bad = random_factors(7)
+    bad["model.layers.0.mlp.up_proj"][1][0, 0] = np.nan
+    nan = write_adapter(tmp_path / "nan", bad, 3, 6.0)
+    other_base = tmp_path / "other_base"
+    write_base(other_base, {"model.layers.9.mlp.up_proj": (16, 20)}, False)
     ckpt = tmp_path / "ckpt.safetensors"
     io.save_safetensors({"w": np.zeros(3, np.float32)}, ckpt)
     out = str(tmp_path / "out")
@@ -170,6 +230,19 @@ def test_user_errors_are_one_line(tmp_path, three, capsys):
         (["--method", "fedit", *folders[:2], ckpt], "is not a PEFT adapter folder"),
         (["--method", "nope", *folders], "unknown method 'nope' for adapters"),
         (["--method", "ties", *folders], "ties needs parameter(s) ['density']"),
+        (
+            ["--method", "fedit", *folders[:2], nan],
+            f"non-finite values (NaN or Inf) in factor 'b' of target 'model.layers.0.mlp.up_proj', {nan}",
+        ),
+        (["--method", "fedit", "--merge-into-base", tmp_path / "nobase", *folders], "no config.json there"),
+        (
+            ["--method", "fedit", "--merge-into-base", other_base, *folders],
+            "no tensor 'model.layers.0.mlp.up_proj.weight'",
+        ),
+        (
+            ["--method", "median", "--merge-into-base", tmp_path / "base", ckpt, ckpt],
+            "for PEFT adapter inputs",
+        ),
     ]
     for args, pattern in cases:
         assert main(["merge", "--quiet", "--out", out, *map(str, args)]) == 2, pattern
