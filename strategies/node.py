@@ -67,7 +67,17 @@ class NodeStrategy(Protocol):
 
     name: str
 
-    def settings(self, local_steps: int, learning_rate: float) -> NodeSettings: ...
+    def settings(self, local_steps: int, learning_rate: float) -> NodeSettings:
+        """The node's per-node settings for a round.
+
+        Args:
+          local_steps: the round's local steps (``nodes.local_steps``).
+          learning_rate: the configured learning rate (``nodes.learning_rate``).
+
+        Returns:
+          The node's settings.
+        """
+        ...
 
     def submit(
         self,
@@ -75,12 +85,35 @@ class NodeStrategy(Protocol):
         snapshots: Sequence[PyTree],
         evaluate: Callable[[PyTree], Mapping[str, float]],
         scores: Sequence[Mapping[str, float]] | None = None,
-    ) -> PyTree: ...
+    ) -> PyTree:
+        """What the node sends to the coordinator.
+
+        Args:
+          final: the node's parameters at the end of the round.
+          snapshots: the snapshots taken along the round (the last is ``final``).
+          evaluate: ``evaluate(params) -> {"accuracy": ..., "loss": ...}`` on the node's
+            held-out data.
+          scores: the snapshots' metrics when the caller computed them (None: not known).
+
+        Returns:
+          The submitted parameters, a tree like ``final``.
+        """
+        ...
 
 
 class _SubmitFinal:
     def submit(self, final, snapshots, evaluate, scores=None):
-        """Submit the final parameters."""
+        """Submit the final parameters.
+
+        Args:
+          final: the node's parameters at the end of the round.
+          snapshots: unused.
+          evaluate: unused.
+          scores: unused.
+
+        Returns:
+          ``final``.
+        """
         del snapshots, evaluate, scores
         return final
 
@@ -93,6 +126,15 @@ class Local(_SubmitFinal):
     name: str = "local"
 
     def settings(self, local_steps: int, learning_rate: float) -> NodeSettings:
+        """Every step on the node's own shard, at the configured learning rate.
+
+        Args:
+          local_steps: the round's local steps.
+          learning_rate: the configured learning rate.
+
+        Returns:
+          The node's settings.
+        """
         return NodeSettings((0, 0, local_steps), (learning_rate,) * 3)
 
 
@@ -108,6 +150,10 @@ class Hierarchical(_SubmitFinal):
       fractions: shares of the round's steps on the three levels (sum 1); the remainder
         of the rounding goes to the own shard.
       lr_scale: learning-rate multipliers of the three levels.
+
+    Raises:
+      ValueError: for fractions that are not three shares >= 0 summing to 1, or multipliers
+        that are not three numbers > 0.
     """
 
     fractions: tuple[float, float, float] = (0.5, 0.25, 0.25)
@@ -122,6 +168,15 @@ class Hierarchical(_SubmitFinal):
             raise ValueError(f"hierarchical: lr_scale must be three multipliers > 0, got {self.lr_scale}")
 
     def settings(self, local_steps: int, learning_rate: float) -> NodeSettings:
+        """The round's steps split over the three levels by ``fractions``, rates scaled by ``lr_scale``.
+
+        Args:
+          local_steps: the round's local steps.
+          learning_rate: the configured learning rate.
+
+        Returns:
+          The node's settings.
+        """
         general, groups = (int(math.floor(f * local_steps)) for f in self.fractions[:2])
         steps = (general, groups, local_steps - general - groups)
         s0, s1, s2 = self.lr_scale  # three multipliers, checked in __post_init__
@@ -136,6 +191,9 @@ class Convexity(_SubmitFinal):
     Args:
       mu: proximal pull towards the last consensus (FedProx's mu).
       radius: the node stays in the L2 ball of this radius around the last consensus.
+
+    Raises:
+      ValueError: for ``mu < 0`` or ``radius <= 0``.
     """
 
     mu: float = 0.5
@@ -149,6 +207,15 @@ class Convexity(_SubmitFinal):
             raise ValueError(f"convexity: radius must be > 0, got {self.radius}")
 
     def settings(self, local_steps: int, learning_rate: float) -> NodeSettings:
+        """Every step on the node's own shard, with the proximal pull and the ball.
+
+        Args:
+          local_steps: the round's local steps.
+          learning_rate: the configured learning rate.
+
+        Returns:
+          The node's settings.
+        """
         return NodeSettings((0, 0, local_steps), (learning_rate,) * 3, self.mu, self.radius)
 
 
@@ -172,6 +239,10 @@ class Soup:
         consensus through DP-SGD).
       heldout_fraction: the share of the node's shard held out with ``heldout = "own"``.
       temperature: softmax temperature of ``weighted`` (on accuracy, in [0, 1]).
+
+    Raises:
+      ValueError: for a non-positive ``snapshots``, an unknown ``mode`` or ``heldout``, a
+        ``heldout_fraction`` outside (0, 1), or a ``temperature`` <= 0.
 
     References:
       Wortsman et al. 2022, "Model soups: averaging weights of multiple fine-tuned models
@@ -198,6 +269,18 @@ class Soup:
             raise ValueError(f"soup: temperature must be > 0, got {self.temperature}")
 
     def settings(self, local_steps: int, learning_rate: float) -> NodeSettings:
+        """Every step on the node's own shard, ``snapshots`` snapshots along it.
+
+        Args:
+          local_steps: the round's local steps.
+          learning_rate: the configured learning rate.
+
+        Returns:
+          The node's settings.
+
+        Raises:
+          ValueError: when there are fewer local steps than snapshots.
+        """
         if self.snapshots > local_steps:
             raise ValueError(
                 f"soup: {self.snapshots} snapshots need at least as many local steps ({local_steps})"
@@ -208,7 +291,17 @@ class Soup:
         )
 
     def submit(self, final, snapshots, evaluate, scores=None):
-        """The soup of the snapshots on the held-out metrics of ``evaluate`` (``scores``: theirs if known)."""
+        """The soup of the snapshots on the held-out metrics of ``evaluate`` (``scores``: theirs if known).
+
+        Args:
+          final: unused (the last snapshot is the final parameters).
+          snapshots: the snapshots taken along the round.
+          evaluate: ``evaluate(params) -> {"accuracy": ..., "loss": ...}`` on the held-out split.
+          scores: the snapshots' metrics (or accuracies) when known.
+
+        Returns:
+          The soup's parameters.
+        """
         from strategies.soup import greedy_soup, score_weights, uniform_soup, weighted_soup
 
         del final  # the last snapshot is the final parameters
@@ -231,12 +324,31 @@ class Soup:
 
 
 def strategy_options(spec: Spec) -> list[str]:
-    """A strategy's options: its factory's parameters less ``name`` (the strategy's own label)."""
+    """A strategy's options: its factory's parameters less ``name`` (the strategy's own label).
+
+    Args:
+      spec: an entry of :data:`STRATEGIES`.
+
+    Returns:
+      The option names.
+    """
     return [k for k in spec.params if k != "name"]
 
 
 def build_strategy(name: str, options: Mapping[str, Any] | None = None) -> NodeStrategy:
-    """The strategy ``name`` built with ``options`` (a RegistryError names unknown ones)."""
+    """The strategy ``name`` built with ``options``.
+
+    Args:
+      name: a name in :data:`STRATEGIES`.
+      options: its keyword options (TOML lists become tuples).
+
+    Returns:
+      The strategy.
+
+    Raises:
+      RegistryError: for an unknown name or option.
+      ValueError: for an invalid option value (the strategy's own check).
+    """
     spec = STRATEGIES[name]
     options = dict(options or {})
     unknown = sorted(set(options) - set(strategy_options(spec)))

@@ -81,9 +81,13 @@ def save_ingredient(path: str | os.PathLike, params: PyTree, *, force: bool = Fa
       path: the checkpoint directory to create (made absolute, as orbax needs).
       params: the params tree.
       force: overwrite an existing checkpoint at ``path``.
+
     Returns:
       The absolute path written. In a multi-process run every process must call
       this (orbax writes collectively).
+
+    Raises:
+      FileExistsError: when ``path`` exists and ``force`` is False.
 
     Example (writes a checkpoint directory)::
 
@@ -118,8 +122,13 @@ def load_ingredient(path: str | os.PathLike, template: PyTree) -> PyTree:
       template: a tree with the expected structure, shapes and dtypes (arrays or
         ``jax.ShapeDtypeStruct``; arrays' shardings are kept, so a sharded
         template restores sharded arrays without gathering them).
+
     Returns:
       The restored tree, with the template's structure.
+
+    Raises:
+      FileNotFoundError: when there is no checkpoint at ``path``.
+      ValueError: when it cannot be restored against the template (naming the file and cause).
     """
     import orbax.checkpoint as ocp
 
@@ -156,6 +165,19 @@ def metric_direction(metric: Metric, higher_is_better: Any) -> Any:
 
     For a tuple of names, a tuple of directions (``higher_is_better`` then a tuple of flags
     or None).
+
+    Args:
+      metric: a metric name (``METRIC_DIRECTIONS`` knows the usual ones), a tuple of names, or
+        None.
+      higher_is_better: the direction (a bool, a tuple of flags or None for a tuple), or None
+        to take it from the name.
+
+    Returns:
+      True when larger is better (a tuple of them for a tuple of names).
+
+    Raises:
+      ValueError: for an unknown name without a flag, no name and no flag, or a tuple of names
+        that is empty or has a different number of flags.
     """
     if isinstance(metric, tuple):
         flags = (None,) * len(metric) if higher_is_better is None else tuple(higher_is_better)
@@ -243,8 +265,13 @@ def uniform_soup(ingredients: Sequence[PyTree]) -> PyTree:
 
     Args:
       ingredients: k params trees of one structure.
+
     Returns:
       The mean tree, in the ingredients' dtypes.
+
+    Raises:
+      ValueError: for no ingredient.
+      TypeError: for a leaf that is not floating-point.
     """
     if len(ingredients) == 0:
         raise ValueError("uniform_soup: no ingredients")
@@ -258,8 +285,14 @@ def weighted_soup(ingredients: Sequence[PyTree], weights: Sequence[float] | np.n
     Args:
       ingredients: k params trees of one structure.
       weights: k weights >= 0 with a positive sum (normalized here).
+
     Returns:
       The weighted mean tree, in the ingredients' dtypes.
+
+    Raises:
+      ValueError: for no ingredient, or weights of the wrong length, negative, non-finite or
+        all zero.
+      TypeError: for a leaf that is not floating-point.
     """
     w = np.asarray(weights, np.float64)
     if w.shape != (len(ingredients),):
@@ -274,7 +307,21 @@ def weighted_soup(ingredients: Sequence[PyTree], weights: Sequence[float] | np.n
 
 
 def score_weights(scores: Sequence[float], *, higher_is_better: bool, temperature: float = 1.0) -> np.ndarray:
-    """Softmax weights from held-out scores: ``w_i ∝ exp(±score_i / temperature)`` (float64)."""
+    """Softmax weights from held-out scores: ``w_i ∝ exp(±score_i / temperature)`` (float64).
+
+    A NaN score gets weight 0.
+
+    Args:
+      scores: the ingredients' held-out scores.
+      higher_is_better: the sign: + when a larger score is better.
+      temperature: the softmax temperature (> 0).
+
+    Returns:
+      Weights summing to 1.
+
+    Raises:
+      ValueError: for ``temperature <= 0``.
+    """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     s = np.asarray(scores, np.float64) * (1.0 if higher_is_better else -1.0) / temperature
@@ -366,18 +413,18 @@ class IncrementalSoup:
     """A soup that takes ingredients one at a time (optax-style: config here, state in :class:`SoupState`).
 
     Math:
-      uniform: ``s_k = s_{k-1} + (x_k - s_{k-1}) / k`` (running mean).
-      weighted: ``s_k = s_{k-1} + (w_k / W_k)(x_k - s_{k-1})``, ``W_k = sum_{j<=k} w_j``,
+      - uniform: ``s_k = s_{k-1} + (x_k - s_{k-1}) / k`` (running mean).
+      - weighted: ``s_k = s_{k-1} + (w_k / W_k)(x_k - s_{k-1})``, ``W_k = sum_{j<=k} w_j``,
         with ``w_k`` given, or ``w_k = exp(±score_k / temperature)`` (kept in log
         space, so any scores work).
-      greedy: candidate ``c = s + (x - s)/(m + 1)`` over the m kept ingredients;
+      - greedy: candidate ``c = s + (x - s)/(m + 1)`` over the m kept ingredients;
         keep x iff ``metric(c)`` is not worse than ``metric(s)`` (ties keep, as in
         Wortsman et al.). With ``restart=True`` an ingredient that is better on its
         own than both the soup and the candidate replaces the soup, so the soup
         is never worse than any single ingredient seen so far; ``restart=False``
         is the plain greedy rule.
 
-    Args (fields):
+    Args:
       mode: ``"uniform"``, ``"weighted"`` or ``"greedy"``.
       evaluate: ``evaluate(params) -> scalar | dict`` on the held-out (selection)
         set. Required for greedy and for score-based weights; optional otherwise
@@ -390,6 +437,11 @@ class IncrementalSoup:
       restart: for ``greedy`` incremental mode, see above.
       template: tree (or abstract tree) to restore checkpoint-path ingredients
         against; the current soup serves when it is None.
+
+    Raises:
+      ValueError: for an unknown ``mode`` or ``weight_by``, greedy without ``evaluate``, a
+        tuple of metrics outside greedy, a metric without a known direction, or
+        ``temperature <= 0``.
 
     Example:
       >>> def accuracy(p): return 1.0 - float(jnp.abs(p["w"] - 1.0).sum())  # a held-out score
@@ -437,7 +489,11 @@ class IncrementalSoup:
         return metric_direction(self.metric, self.higher_is_better)
 
     def init(self) -> SoupState:
-        """An empty soup."""
+        """An empty soup.
+
+        Returns:
+          A :class:`SoupState` without ingredients.
+        """
         return SoupState(params=None, count=0, log_total_weight=-math.inf, score=None, events=())
 
     def _eval(self, params: PyTree) -> float:
@@ -461,9 +517,17 @@ class IncrementalSoup:
           weight: its weight (``weighted`` with ``weight_by="given"`` only), >= 0.
           score: its own held-out score if already known (saves one evaluation).
           name: a label for the report (default: the path, or the arrival index).
+
         Returns:
           The new :class:`SoupState`; ``state`` itself is unchanged. Non-finite
           ingredients are rejected (reason ``non-finite``), never merged.
+
+        Raises:
+          consensus.tree.TreeMismatchError: when the ingredient does not match the soup.
+          TypeError: for a first ingredient with a leaf that is not floating-point.
+          ValueError: for a ``weight`` outside ``weighted``/``"given"``, a missing or invalid
+            weight there, a missing score with ``weight_by="score"`` and no ``evaluate``, or
+            an ingredient path that cannot be restored.
         """
         index = len(state.events)
         label = name if name is not None else (os.fspath(ingredient) if _is_path(ingredient) else str(index))
@@ -601,9 +665,14 @@ def greedy_soup(
         in-memory ingredient, or required when all are paths).
       names: labels for the report.
       first: index of the ingredient the soup starts from (default: the best scored).
+
     Returns:
       A :class:`SoupState`: ``params`` is the soup, ``events`` are in the order
       the ingredients were tried, with ``index`` the position in ``ingredients``.
+
+    Raises:
+      ValueError: for no ingredient, ``scores`` or ``names`` of the wrong length, a ``first``
+        that is not an ingredient index, or a metric without a known direction.
 
     References:
       Wortsman et al. 2022, "Model soups", ICML, Algorithm 1 (GreedySoup).
