@@ -88,5 +88,11 @@ def _optional_pages(app, docname: str, source: list[str]) -> None:
         source[0] = source[0].replace("\nlora\n", "\n")
 
 
+def _api_outdated(app, env, added, changed, removed) -> list[str]:
+    """Re-read the API pages on every build: Sphinx does not see a docstring change in a .py file."""
+    return sorted(d for d in env.found_docs if d.startswith("api/"))
+
+
 def setup(app) -> None:
     app.connect("source-read", _optional_pages)
+    app.connect("env-get-outdated", _api_outdated)
