@@ -148,6 +148,29 @@ def test_robust_krum_on_the_products_keeps_the_honest_adapter(tmp_path, three):
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 3
 
 
+def test_a_coordinatewise_rule_on_the_factors_and_on_the_products(tmp_path, three):
+    folders, stacked, s = three
+    on_factors, on_products = tmp_path / "factors", tmp_path / "products"
+    argv = ["merge", "--method", "median", "--quiet"]
+    assert main([*argv, "--space", "factors", "--out", str(on_factors), *map(str, folders)]) == 0
+    assert main([*argv, "--out", str(on_products), *map(str, folders)]) == 0  # then svd to rank r
+    products = delta_of(on_products)
+    for m, f in ref.f64(stacked).items():
+        best, _ = ref.truncated(np.median(ref.products(f, s), axis=0), 3)
+        np.testing.assert_allclose(products[m], best.T, rtol=1e-4, atol=1e-5)
+    mods, _ = read_folder(on_factors)
+    for m, f in ref.f64(stacked).items():
+        fold = s[:, None, None] / s[0]  # each input's scale folded into its b, the first input's scale kept
+        a, b = np.median(f["a"], axis=0), np.median(fold * f["b"], axis=0)
+        np.testing.assert_allclose(delta_of(on_factors)[m], (s[0] * a @ b).T, rtol=1e-5, atol=1e-5)
+        assert mods[m][0].shape == (3, MODULES[m][0])
+    report = json.loads((on_factors / "merge_report.json").read_text())
+    assert report["space"] == "factors" and report["adapter_method"] == "fedit"
+    report = json.loads((on_products / "merge_report.json").read_text())
+    assert report["space"] == "products" and report["adapter_method"] == "svd"
+    assert report["info"]["relative_truncation_error"] > 0
+
+
 def write_base(folder, modules, transposed, seed=9):
     """A Hugging Face-style model folder: config.json and one float32 weight per module (+ one other)."""
     rng = np.random.default_rng(seed)
@@ -366,3 +389,47 @@ def test_merge_into_base_writes_base_plus_delta_that_transformers_loads(tmp_path
         np.testing.assert_allclose(state[k], want, rtol=1e-5, atol=1e-6, err_msg=k)
     assert touched == 4
     assert json.loads((out / "merge_report.json").read_text())["info"]["exactness"] == "exact"
+
+
+@pytest.mark.slow  # torch, transformers and peft: a tiny GPT-2 and two adapters
+def test_gpt2_conv1d_adapters_merged_into_the_base_equal_pefts_merge_and_unload(tmp_path):
+    """GPT-2's Conv1D stores (in, out) weights (PEFT's fan_in_fan_out): the update goes in untransposed."""
+    torch, transformers, peft = _peft()
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).eval().save_pretrained(tmp_path / "base")
+    folders = []
+    for i in range(2):
+        torch.manual_seed(5 + i)
+        base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+        lc = peft.LoraConfig(
+            r=2, lora_alpha=4, target_modules=["c_attn"], lora_dropout=0.0, fan_in_fan_out=True
+        )
+        model = peft.get_peft_model(base, lc)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.3)
+        model.save_pretrained(tmp_path / f"adapter{i}")
+        folders.append(tmp_path / f"adapter{i}")
+    out = tmp_path / "full"
+    argv = [
+        "merge",
+        "--method",
+        "stack",
+        "--merge-into-base",
+        str(tmp_path / "base"),
+        "--quiet",
+        "--out",
+        str(out),
+    ]
+    assert main([*argv, *map(str, folders)]) == 0
+    model, _ = peft_weighted(torch, transformers, peft, tmp_path / "base", folders, [0.5, 0.5], "cat")
+    want = model.merge_and_unload().eval()
+    got = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    ids = torch.arange(12).reshape(2, 6)
+    with torch.no_grad():
+        ours, theirs, before = (m(ids).logits.numpy() for m in (got, want, plain))
+    assert np.abs(theirs - before).max() > 1e-2  # the adapters change the model
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
