@@ -62,16 +62,22 @@ def finite_nodes(stacked: Mapping[str, Mapping[str, Any]]) -> np.ndarray:
     return ok
 
 
-def zero_invalid(stacked: Mapping[str, Mapping[str, Any]], valid: np.ndarray) -> Adapter:
-    """The stack with the invalid nodes' factors set to 0 (their weight is 0; 0 * NaN would not be)."""
-    v = jnp.asarray(valid)
-    return {
-        t: {
-            k: jnp.where(v.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
-            for k, x in f.items()
-        }
-        for t, f in stacked.items()
-    }
+def zero_invalid(stacked: Mapping[str, Mapping[str, Any]], valid: np.ndarray) -> dict[str, dict[str, Any]]:
+    """The stack with each invalid node's update set to 0: ``b = 0``, ``a`` = the first valid node's.
+
+    Their weight is 0, but ``0 * NaN`` is not 0; taking a valid ``a`` keeps a shared ``a`` shared
+    (FFA-LoRA). With no valid node the stack is returned as it is (the rule refuses it).
+    """
+    if not valid.any():
+        return {t: dict(f) for t, f in stacked.items()}
+    first = int(np.flatnonzero(valid)[0])
+    out: dict[str, dict[str, Any]] = {}
+    for t, f in stacked.items():
+        a, b = np.array(f["a"]), np.array(f["b"])
+        a[~valid] = a[first]
+        b[~valid] = 0
+        out[t] = {"a": a, "b": b}
+    return out
 
 
 def _rule_kind(rule: Any) -> str:
@@ -156,7 +162,7 @@ def merge_robust(
 def _dense(
     spec: Spec,
     built: AdapterMethod,
-    stacked: Adapter,
+    stacked: Mapping[str, Mapping[str, Any]],
     s: np.ndarray,
     valid: np.ndarray,
     rule: Aggregator,
@@ -226,7 +232,7 @@ def _dense_methods() -> list[tuple[str, Spec]]:
 
 def _on_factors(
     spec: Spec,
-    stacked: Adapter,
+    stacked: Mapping[str, Mapping[str, Any]],
     s: np.ndarray,
     valid: np.ndarray,
     rule: Aggregator,

@@ -325,3 +325,19 @@ def test_every_adapter_method_has_a_reference_and_a_row_in_the_docs():
         assert "References:" in doc and spec.kind == "adapter", name
         exact = next(r for r in rows if f"`{name}`" in r.split("|")[1]).split("|")[3].strip()
         assert exact.startswith("yes") == spec.traits["exact"], name
+
+
+def test_ffa_under_a_vector_rule_leaves_a_non_finite_node_out_and_stays_exact():
+    import numpy_reference as nref
+
+    st = outlier_adapters(n=6)
+    st = {t: {"a": np.broadcast_to(f["a"][:1], f["a"].shape).copy(), "b": f["b"]} for t, f in st.items()}
+    st["blocks/0/mlp/kernel"]["b"][4, 1, 2] = np.nan
+    m = lora.merge_adapters("ffa", st, scale=1.0, rule=consensus.multi_krum(1, 3))
+    valid = np.arange(6) != 4
+    x = ref.flat_products(st, np.ones(6))
+    want, chosen = nref.multi_krum(np.where(valid[:, None], x, 0.0), 1, 3, valid)
+    assert m.info["valid"] == [0, 1, 2, 3, 5] and set(m.info["selected"]) == chosen
+    assert m.info["exactness"] == "exact"
+    for t, p in ref.split_flat(want, st).items():
+        close(m.delta(t), p, rtol=1e-4, atol=1e-5)
