@@ -145,7 +145,7 @@ def _take_tree(axes: Any, arg: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=32)
-def _evaluator(task: Task, sequential: bool = False) -> Callable:
+def _evaluator(task: Task, sequential: bool = False, frozen: bool = False) -> Callable:
     """Per-node metrics of a stack on one batch, compiled once per task and shared by trainers.
 
     ``sequential``: one node after the other (``lax.map``), for a single device. A vmapped
@@ -154,6 +154,14 @@ def _evaluator(task: Task, sequential: bool = False) -> Callable:
     mapping on XLA:CPU (for digits the two are the same). On a node mesh the vmap spreads nodes over
     devices, so it stays.
     """
+    if frozen:  # a LoRA task: the frozen base is one more (unstacked) argument
+        metrics = task.metrics
+
+        def run(stacked, batch, frozen):
+            one = functools.partial(metrics, batch=batch, frozen=frozen)
+            return jax.lax.map(one, stacked) if sequential else jax.vmap(one)(stacked)
+
+        return jax.jit(run)
     if sequential:
         return jax.jit(lambda stacked, batch: jax.lax.map(lambda p: task.metrics(p, batch), stacked))
     return jax.jit(jax.vmap(task.metrics, in_axes=(0, None)))
@@ -416,6 +424,7 @@ class NodeTrainer:
         proximal: Proximal | None = None,
         record: bool = False,
         dp: dpsgd.ExampleDP | None = None,
+        frozen: PyTree | None = None,
     ) -> tuple[TrainState, FitLog]:
         """Run ``steps`` training steps of every node in one jitted call.
 
@@ -446,6 +455,10 @@ class NodeTrainer:
             count)`` into ``dp.pad`` slots (``rows`` then logs the slots, -1 where empty).
             The clipped sum takes the fast path (ghost clipping) when the task supplies
             ``dp_dense_taps()`` and ``dp.ghost`` is True, else the generic per-example path.
+          frozen: the frozen part of the model (a LoRA task's base, :mod:`strategies.lora`), one
+            unstacked tree every node's loss reads as ``task.loss(params, batch, key,
+            frozen=frozen)``: no gradient, no optimizer state, not copied per node. None: the
+            task's loss of ``params`` alone.
         Returns:
           ``(state, log)`` with a :class:`FitLog`.
         """
@@ -506,6 +519,7 @@ class NodeTrainer:
             use_prox,
             gate,
             dp_static,
+            frozen is not None,
         )
 
         rep = self._rep_sh()
@@ -520,6 +534,7 @@ class NodeTrainer:
             if prox is None
             else (jax.tree.map(put_small, prox[0]), put_small(prox[1]), put_small(prox[2])),
             None if dp_args is None else tuple(put_small(a) for a in dp_args),
+            None if frozen is None else jax.tree.map(put_small, frozen),
         )
         pools = tuple((dict(d.pool), d.index, d.count) for d in levels)
         return self._fit_jit(state, pools, *args, static=static)
@@ -566,19 +581,22 @@ class NodeTrainer:
 
         return dpsgd.DenseTaps(taps.widths, loss)
 
-    def _loss_fn(self) -> Callable:
+    def _loss_fn(self, frozen: PyTree | None = None) -> Callable:
         def loss(params, batch, key):
             if jnp.dtype(self.compute_dtype) != jnp.dtype(jnp.float32):
                 params = cast_floating(params, self.compute_dtype)
+            if frozen is not None:
+                out = self.task.loss(params, batch, key, frozen=frozen)
+                return out.astype(jnp.float32)
             return self.task.loss(params, batch, key).astype(jnp.float32)
 
         if self.remat:
             loss = jax.checkpoint(loss, policy=jax.checkpoint_policies.dots_saveable)
         return loss
 
-    def _fit_impl(self, state, pools, level_t, active_t, hp, flip, prox, dp_args, *, static):
-        steps, record, shared, use_flip, attack, use_prox, gate, dp_static = static
-        loss_fn = self._loss_fn()
+    def _fit_impl(self, state, pools, level_t, active_t, hp, flip, prox, dp_args, frozen, *, static):
+        steps, record, shared, use_flip, attack, use_prox, gate, dp_static, _ = static
+        loss_fn = self._loss_fn(frozen)
         dense_taps = self._dense_taps() if dp_static is not None and dp_static[2] else None
         accum = self.grad_accum > 1
         batch_sh = None
@@ -708,8 +726,12 @@ class NodeTrainer:
 
     # ------------------------------------------------------------------ evaluate
 
-    def evaluate(self, stacked_params: PyTree, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    def evaluate(
+        self, stacked_params: PyTree, batch: Mapping[str, Any], frozen: PyTree | None = None
+    ) -> dict[str, np.ndarray]:
         """Per-node metrics of every node on one shared batch, in one vmapped call.
+
+        ``frozen``: the frozen part of the model (see :meth:`fit`), shared by every node.
 
         Returns:
           ``{metric: (n,) float64 numpy}`` gathered on the host (every process).
@@ -718,5 +740,10 @@ class NodeTrainer:
             k: self._put(np.asarray(v) if not isinstance(v, jax.Array) else v, self._rep_sh(), per_node=False)
             for k, v in batch.items()
         }
-        out = self._eval_jit(stacked_params, batch)
+        if frozen is None:
+            out = self._eval_jit(stacked_params, batch)
+        else:
+            one_device = self._mesh is None or self._mesh.devices.size == 1
+            evaluator = _evaluator(self.task, one_device, True)  # type: ignore[arg-type]  # hashable tasks
+            out = evaluator(stacked_params, batch, frozen)
         return {k: np.asarray(v, np.float64) for k, v in mesh_lib.to_host(out).items()}
