@@ -1,9 +1,9 @@
-"""The Gram matrix of the nodes' LoRA updates, formed from the factors.
+r"""The Gram matrix of the nodes' LoRA updates, formed from the factors.
 
 For updates ``P_i = s_i a_i b_i`` (a_i (in, r), b_i (r, out)),
 
-.. math:: \\langle P_i, P_j \\rangle_F = s_i s_j \\operatorname{tr}(b_i^T a_i^T a_j b_j)
-          = s_i s_j \\sum_{p,q} (a_i^T a_j)_{pq} (b_i b_j^T)_{pq},
+.. math:: \langle P_i, P_j \rangle_F = s_i s_j \operatorname{tr}(b_i^T a_i^T a_j b_j)
+          = s_i s_j \sum_{p,q} (a_i^T a_j)_{pq} (b_i b_j^T)_{pq},
 
 so each pair costs two r x r products, O(r^2 (in + out)), instead of O(in out) on the dense
 updates. All pairs at once are two Gram products of the concatenated factors

@@ -69,9 +69,12 @@ def random_prune(key: jax.Array, x: np.ndarray, density: float) -> np.ndarray:
 
 
 def disjoint_ties(pruned: np.ndarray, c: np.ndarray, sign_method: str) -> np.ndarray:
-    """PEFT's ``ties`` after the pruning: elect the sign on the unweighted pruned stack (``total``: sign of
-    the sum, ``frequency``: of the count of signs), then the mean of the weighted entries that agree
-    with it, over their count (at least 1)."""
+    """PEFT's ``ties`` after the pruning: sign election, then the disjoint mean.
+
+    The sign of each entry is elected on the unweighted pruned stack (``total``: the sign of the
+    sum, ``frequency``: of the count of signs); the result is the sum of the weighted entries that
+    agree with it over their count (at least 1).
+    """
     sign = np.sign(pruned)
     magnitude = pruned.sum(0) if sign_method == "total" else sign.sum(0)
     majority = np.where(magnitude >= 0, 1.0, -1.0)
@@ -193,8 +196,10 @@ def ties(density: float, majority_sign_method: str = "total") -> AdapterMethod:
     traits={"exact": False, "normalize": False, "space": "factors", "dense": False},
 )
 def dare_linear(density: float) -> AdapterMethod:
-    """PEFT's ``dare_linear`` on the factors: random drop (keep with probability ``density``, rescale by
-    ``1/density``) of each node's factor, then PEFT's ``linear`` weighted sum. Approximate, rank r, scale 1.
+    """PEFT's ``dare_linear`` on the factors: DARE's random drop, then PEFT's ``linear`` weighted sum.
+
+    Each node's factor keeps each entry with probability ``density``, rescaled by ``1/density``.
+    Approximate, rank r, scale 1.
 
     The drop is keyed (``jax.random``): equal to PEFT's in distribution, not bit for bit.
 

@@ -232,14 +232,13 @@ def adapter_plan(plan: MergePlan, n: int) -> AdapterPlan:
 
 
 def merge_adapter_folders(
-    plan: MergePlan, *, progress: bool = True, overwrite: bool = False, config_from: str | None = None
+    plan: MergePlan, *, overwrite: bool = False, config_from: str | None = None
 ) -> dict[str, Any]:
     """Merge PEFT adapter folders into an adapter folder (or, with ``merge_into_base``, a full checkpoint).
 
     Returns the report (also written as ``merge_report.json``). Every check runs before the output
     folder is created; the output is written to a temporary folder and renamed at the end.
     """
-
     from consensus import io
 
     if len(plan.inputs) < 2:
