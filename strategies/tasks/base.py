@@ -82,19 +82,77 @@ class Task(Protocol):
 
     name: str
 
-    def init(self, key: Array) -> PyTree: ...
+    def init(self, key: Array) -> PyTree:
+        """Fresh parameters.
 
-    def apply(
-        self, params: PyTree, inputs: Array, *, train: bool = False, key: Array | None = None
-    ) -> Array: ...
+        Args:
+          key: a JAX PRNG key.
 
-    def loss(self, params: PyTree, batch: Batch, key: Array | None = None) -> Array: ...
+        Returns:
+          The parameter tree.
+        """
+        ...
 
-    def metrics(self, params: PyTree, batch: Batch) -> dict[str, Array]: ...
+    def apply(self, params: PyTree, inputs: Array, *, train: bool = False, key: Array | None = None) -> Array:
+        """The model's output on a batch of inputs, in the floating dtype of ``params``.
 
-    def logical_axes(self, params: PyTree) -> PyTree: ...
+        Args:
+          params: the parameters.
+          inputs: a batch of inputs.
+          train: training mode (dropout on, when the model has it).
+          key: the dropout key in training mode.
 
-    def flip_labels(self, batch: Batch) -> Batch: ...
+        Returns:
+          The outputs (logits (rows, classes) for a classification task).
+        """
+        ...
+
+    def loss(self, params: PyTree, batch: Batch, key: Array | None = None) -> Array:
+        """The mean training loss over the batch's rows (masked rows excluded).
+
+        Args:
+          params: the parameters.
+          batch: a batch (``"mask"`` optional).
+          key: the dropout key, for models that use one.
+
+        Returns:
+          A float32 scalar.
+        """
+        ...
+
+    def metrics(self, params: PyTree, batch: Batch) -> dict[str, Array]:
+        """Evaluation metrics on a batch.
+
+        Args:
+          params: the parameters.
+          batch: a batch (``"mask"`` optional).
+
+        Returns:
+          float32 scalars by name, ``"loss"`` at least.
+        """
+        ...
+
+    def logical_axes(self, params: PyTree) -> PyTree:
+        """Logical axis names of every parameter (for sharding).
+
+        Args:
+          params: the parameters (or their shapes).
+
+        Returns:
+          A tree like ``params`` with a tuple of names (or None) per leaf dimension.
+        """
+        ...
+
+    def flip_labels(self, batch: Batch) -> Batch:
+        """The batch with corrupted targets (the label-flipping attack); pure and jittable.
+
+        Args:
+          batch: a training batch.
+
+        Returns:
+          A batch of the same structure, shapes and dtypes.
+        """
+        ...
 
     def splits(
         self,
@@ -104,7 +162,20 @@ class Task(Protocol):
         alpha: float = 0.5,
         process_index: int = 0,
         process_count: int = 1,
-    ) -> TaskData: ...
+    ) -> TaskData:
+        """Every split of the task, partitioned over the nodes.
+
+        Args:
+          num_nodes: the number of nodes over all processes.
+          seed: the data seed (partition and draws).
+          alpha: the Dirichlet concentration of the non-IID partition.
+          process_index: this process's index.
+          process_count: the number of processes (each hosts a contiguous block of nodes).
+
+        Returns:
+          The splits for the nodes this process hosts.
+        """
+        ...
 
 
 #: What a task's general pool is: ``"public"``, public rows apart from every node's shard (the
@@ -137,6 +208,11 @@ class NodeData:
       identity: promise that ``index[i, j] == j`` for every node (as for
         :meth:`TaskData.own`), so samplers may draw pool rows directly and skip
         one gather. Checked when ``index`` is a host array.
+
+    Raises:
+      ValueError: for ``index``/``count`` of the wrong shapes, an empty pool, pool arrays that
+        disagree on their leading dims, a node without a row, or an ``identity`` that does
+        not hold.
     """
 
     # Host arrays as built here; a fit phase may put them on the devices.
@@ -168,17 +244,32 @@ class NodeData:
 
     @property
     def num_nodes(self) -> int:
+        """n, the number of nodes (rows of ``index``)."""
         return int(np.shape(self.index)[0])
 
     def select_nodes(self, rows: np.ndarray) -> NodeData:
-        """The NodeData of a subset of the nodes (host-side, e.g. for one process)."""
+        """The NodeData of a subset of the nodes (host-side, e.g. for one process).
+
+        Args:
+          rows: the nodes' indices.
+
+        Returns:
+          A NodeData over those nodes.
+        """
         rows = np.asarray(rows)
         pool = self.pool if self.shared else {k: v[rows] for k, v in self.pool.items()}
         return dataclasses.replace(self, pool=pool, index=self.index[rows], count=self.count[rows])
 
 
 def count_host(count: Any) -> np.ndarray:
-    """``count`` as a host numpy array when it is concrete (for validation only)."""
+    """``count`` as a host numpy array when it is concrete (for validation only).
+
+    Args:
+      count: row counts (host, device or traced).
+
+    Returns:
+      The counts, or an empty array when they cannot be read on the host.
+    """
     try:
         return np.asarray(count)
     except Exception:  # a tracer or a global array spanning processes: skip the check
@@ -186,7 +277,14 @@ def count_host(count: Any) -> np.ndarray:
 
 
 def pad_index_table(rows_per_node: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Pack per-node row lists into an ``(n, k)`` int32 table (padded with 0) and counts."""
+    """Pack per-node row lists into an ``(n, k)`` int32 table (padded with 0) and counts.
+
+    Args:
+      rows_per_node: one array of row indices per node.
+
+    Returns:
+      ``(table, counts)``: (n, k) int32 with k the longest list (at least 1), (n,) int32.
+    """
     counts = np.array([len(r) for r in rows_per_node], np.int32)
     k = max(int(counts.max(initial=0)), 1)
     table = np.zeros((len(rows_per_node), k), np.int32)
@@ -196,7 +294,15 @@ def pad_index_table(rows_per_node: list[np.ndarray]) -> tuple[np.ndarray, np.nda
 
 
 def pad_stack(arrays: list[np.ndarray], size: int | None = None) -> np.ndarray:
-    """Stack arrays of shape (m_i, ...) into (n, max m_i, ...) with zero padding after each."""
+    """Stack arrays of shape (m_i, ...) into (n, max m_i, ...) with zero padding after each.
+
+    Args:
+      arrays: n arrays of one trailing shape and dtype.
+      size: the padded length (default: the longest).
+
+    Returns:
+      (n, size, ...) array.
+    """
     size = max(a.shape[0] for a in arrays) if size is None else size
     out = np.zeros((len(arrays), size, *arrays[0].shape[1:]), arrays[0].dtype)
     for i, a in enumerate(arrays):
@@ -230,6 +336,10 @@ class TaskData:
       own_heldout: None, or dict of (n_local, h, ...) arrays: rows of each node's
         own shard kept out of its training (:meth:`hold_out_own`), valid rows first.
       own_heldout_count: (n_local,) int32 valid rows of ``own_heldout`` (None with it).
+
+    Raises:
+      ValueError: when ``train``, ``train_count`` or ``node_groups`` disagree with ``node_ids``
+        on the number of nodes, or ``node_groups`` with ``group_names``.
     """
 
     num_nodes: int
@@ -261,6 +371,7 @@ class TaskData:
 
     @property
     def num_local(self) -> int:
+        """The number of nodes this process hosts."""
         return len(self.node_ids)
 
     @property
@@ -325,7 +436,14 @@ class TaskData:
         )
 
     def own_heldout_batch(self, i: int) -> dict[str, np.ndarray] | None:
-        """The valid own held-out rows of hosted node ``i`` (its local index), None without any."""
+        """The valid own held-out rows of hosted node ``i`` (its local index), None without any.
+
+        Args:
+          i: the node's local index.
+
+        Returns:
+          Its held-out rows by name, or None.
+        """
         if self.own_heldout is None or self.own_heldout_count is None:
             return None
         k = int(self.own_heldout_count[i])
@@ -336,6 +454,12 @@ class TaskData:
 
         A shared pool is the general pool (its ids are ``meta["general_ids"]``); a per-node pool
         is the nodes' own shards (``meta["example_ids"]``).
+
+        Args:
+          data: a fit phase of this TaskData (:meth:`own`, :meth:`everything`, ...).
+
+        Returns:
+          One array of global ids per hosted node.
 
         Raises:
           ValueError: the ids this needs are not in ``meta``.
@@ -351,21 +475,39 @@ class TaskData:
         return [ids[i, index[i, : count[i]]] for i in range(data.num_nodes)]
 
     def own(self) -> NodeData:
-        """Each node draws from its own shard only."""
+        """Each node draws from its own shard only.
+
+        Returns:
+          A per-node NodeData over ``train`` (``identity`` holds).
+        """
         m = int(next(iter(self.train.values())).shape[1])
         index = np.broadcast_to(np.arange(m, dtype=np.int32), (self.num_local, m)).copy()
         count = self.train_count.astype(np.int32)
         return NodeData(dict(self.train), index, count, shared=False, name="own", identity=True)
 
     def everything(self) -> NodeData:
-        """Every node draws from the whole shared general pool."""
+        """Every node draws from the whole shared general pool.
+
+        Returns:
+          A shared NodeData over ``general``.
+        """
         n_g = len(self.general_groups)
         index = np.broadcast_to(np.arange(n_g, dtype=np.int32), (self.num_local, n_g)).copy()
         count = np.full((self.num_local,), n_g, np.int32)
         return NodeData(dict(self.general), index, count, shared=True, name="general")
 
     def in_groups(self, node_groups: np.ndarray | None = None) -> NodeData:
-        """Every node draws from the general rows of its own groups (default ``self.node_groups``)."""
+        """Every node draws from the general rows of its own groups (default ``self.node_groups``).
+
+        Args:
+          node_groups: (n_local, G) bool groups per node (default: ``self.node_groups``).
+
+        Returns:
+          A shared NodeData over ``general``, each node's candidates its groups' rows.
+
+        Raises:
+          ValueError: when a node has no general row in its groups.
+        """
         node_groups = self.node_groups if node_groups is None else np.asarray(node_groups, bool)
         rows = [np.flatnonzero(node_groups[i][self.general_groups]) for i in range(self.num_local)]
         empty = [int(self.node_ids[i]) for i, r in enumerate(rows) if len(r) == 0]
@@ -375,7 +517,14 @@ class TaskData:
         return NodeData(dict(self.general), index, count, shared=True, name="groups")
 
     def own_in_groups(self, node_groups: np.ndarray | None = None) -> NodeData:
-        """Each node draws from the rows of its own shard that belong to its groups."""
+        """Each node draws from the rows of its own shard that belong to its groups.
+
+        Args:
+          node_groups: (n_local, G) bool groups per node (default: ``self.node_groups``).
+
+        Returns:
+          A per-node NodeData over ``train``.
+        """
         node_groups = self.node_groups if node_groups is None else np.asarray(node_groups, bool)
         rows = []
         for i in range(self.num_local):
@@ -422,6 +571,14 @@ def with_public_pool(task: Any, public_fraction: float | None = None, general_po
     A task takes them when it has the fields ``public_fraction`` / ``general_pool``
     (a frozen dataclass: digits, Fashion-MNIST, :func:`~strategies.tasks.task_from_arrays`).
 
+    Args:
+      task: the task.
+      public_fraction: the share of the training rows reserved as the public pool, in [0, 1).
+      general_pool: one of :data:`GENERAL_POOLS`.
+
+    Returns:
+      The task with the settings (the task itself when none is given).
+
     Raises:
       ValueError: a value the task does not take, or a bad one.
     """
@@ -450,6 +607,18 @@ def hosted_nodes(num_nodes: int, process_index: int = 0, process_count: int = 1)
 
     Contiguous blocks match how a mesh built over ``jax.devices()`` lays the
     "node" axis over processes (each process owns a contiguous run of devices).
+
+    Args:
+      num_nodes: the number of nodes over all processes.
+      process_index: this process's index.
+      process_count: the number of processes.
+
+    Returns:
+      The hosted global ids.
+
+    Raises:
+      ValueError: for a process index outside [0, process_count), or a node count that is not
+        a multiple of the process count.
     """
     if process_count < 1 or not 0 <= process_index < process_count:
         raise ValueError(f"need 0 <= process_index < process_count, got {process_index}, {process_count}")
@@ -481,8 +650,14 @@ def dirichlet_partition(
       alpha: concentration, > 0.
       rng: numpy Generator (seeded by the caller).
       min_size: smallest acceptable shard.
+      max_tries: the most draws before giving up.
+
     Returns:
       n sorted int arrays of example indices, disjoint, covering all N examples.
+
+    Raises:
+      ValueError: for ``alpha <= 0``, ``num_nodes < 1``, too few examples, or no draw within
+        ``max_tries`` that gives every node ``min_size`` examples.
 
     References:
       Hsu, Qi, Brown, "Measuring the effects of non-identical data distribution
@@ -513,7 +688,16 @@ def dirichlet_partition(
 
 
 def dominant_groups(shard_groups: np.ndarray, num_groups: int, *, mass: float = 0.8) -> np.ndarray:
-    """(G,) bool: the fewest groups that cover ``mass`` of a node's examples (its specialization)."""
+    """The fewest groups that cover ``mass`` of a node's examples (its specialization).
+
+    Args:
+      shard_groups: the group of each of the node's examples.
+      num_groups: G.
+      mass: the share of the examples to cover.
+
+    Returns:
+      (G,) bool.
+    """
     counts = np.bincount(np.asarray(shard_groups), minlength=num_groups).astype(np.float64)
     order = np.argsort(-counts, kind="stable")
     cum = np.cumsum(counts[order]) / max(counts.sum(), 1.0)
@@ -532,6 +716,15 @@ def logical_axes_of_state(state: Any) -> PyTree:
     Reads the ``out_sharding`` metadata set by ``nnx.with_partitioning`` (use
     ``eager_sharding=False`` so modules can be built without a mesh); dims
     without a name get None, so every leaf gets a tuple of length ``ndim``.
+
+    Args:
+      state: an ``nnx.State`` (or a pure tree) of Params.
+
+    Returns:
+      A pure tree of tuples of axis names.
+
+    Raises:
+      ValueError: when a leaf's names outnumber its dimensions.
     """
     from flax import nnx
 
@@ -552,6 +745,15 @@ def split_module(module: Any) -> tuple[Any, PyTree, PyTree]:
 
     Only ``nnx.Param`` variables are trainable params; a module with other
     state (batch statistics, caches) is rejected so nothing is silently lost.
+
+    Args:
+      module: an NNX module.
+
+    Returns:
+      ``(graphdef, params, logical_axes)``.
+
+    Raises:
+      TypeError: when the module holds state other than ``nnx.Param``.
     """
     from flax import nnx
 
@@ -562,12 +764,27 @@ def split_module(module: Any) -> tuple[Any, PyTree, PyTree]:
 
 
 def cast_floating(tree: PyTree, dtype: Any) -> PyTree:
-    """Cast every floating leaf of ``tree`` to ``dtype`` (integers are left alone)."""
+    """Cast every floating leaf of ``tree`` to ``dtype`` (integers are left alone).
+
+    Args:
+      tree: a tree of arrays.
+      dtype: the floating dtype.
+
+    Returns:
+      The cast tree.
+    """
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
 def param_dtype(params: PyTree) -> Any:
-    """The dtype of the first floating leaf (the dtype ``apply`` computes in)."""
+    """The dtype of the first floating leaf (the dtype ``apply`` computes in).
+
+    Args:
+      params: a parameter tree.
+
+    Returns:
+      That dtype, or float32 when no leaf is floating.
+    """
     for x in jax.tree_util.tree_leaves(params):
         if jnp.issubdtype(x.dtype, jnp.floating):
             return x.dtype
@@ -575,7 +792,15 @@ def param_dtype(params: PyTree) -> Any:
 
 
 def masked_mean(values: Array, mask: Array | None) -> Array:
-    """Float32 mean of ``values`` over the entries where ``mask`` is True (all when None)."""
+    """Float32 mean of ``values`` over the entries where ``mask`` is True (all when None).
+
+    Args:
+      values: the values.
+      mask: a bool mask of their shape, or None.
+
+    Returns:
+      A float32 scalar (0 when nothing is masked in).
+    """
     values = values.astype(jnp.float32)
     if mask is None:
         return jnp.mean(values)
@@ -584,13 +809,31 @@ def masked_mean(values: Array, mask: Array | None) -> Array:
 
 
 def cross_entropy(logits: Array, labels: Array) -> Array:
-    """Per-example softmax cross entropy in float32 (logits (..., C), int labels (...))."""
+    """Per-example softmax cross entropy in float32 (logits (..., C), int labels (...)).
+
+    Args:
+      logits: (..., C) logits.
+      labels: (...) integer labels.
+
+    Returns:
+      (...) float32 losses.
+    """
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
 
 def batch_rows(batch: Batch) -> int:
-    """Number of rows of a batch (leading dim of its arrays, checked to agree)."""
+    """Number of rows of a batch (leading dim of its arrays, checked to agree).
+
+    Args:
+      batch: a dict of arrays.
+
+    Returns:
+      The row count.
+
+    Raises:
+      ValueError: when the arrays disagree on it.
+    """
     sizes = {int(np.shape(v)[0]) for v in batch.values()}
     if len(sizes) != 1:
         raise ValueError(f"batch arrays disagree on the number of rows: {sizes}")

@@ -43,15 +43,46 @@ class ClassifierMethods:
     num_classes: ClassVar[int] = 10
 
     def apply(self, params: PyTree, inputs: Array, *, train: bool = False, key: Array | None = None) -> Array:
+        """The (B, C) logits; every task that mixes these methods in defines it.
+
+        Args:
+          params: the parameters.
+          inputs: a batch of inputs.
+          train: training mode (dropout on, when the model has it).
+          key: the dropout key in training mode.
+
+        Returns:
+          (B, C) logits.
+
+        Raises:
+          NotImplementedError: here; the task's own ``apply`` replaces it.
+        """
         raise NotImplementedError
 
     def loss(self, params: PyTree, batch: Batch, key: Array | None = None) -> Array:
-        """Mean cross entropy (float32) over the batch rows (``batch["mask"]`` when present)."""
+        """Mean cross entropy (float32) over the batch rows (``batch["mask"]`` when present).
+
+        Args:
+          params: the parameters.
+          batch: ``{"x", "y"}`` (``"mask"`` optional).
+          key: the dropout key (training mode when given).
+
+        Returns:
+          A float32 scalar.
+        """
         logits = self.apply(params, batch["x"], train=key is not None, key=key)
         return masked_mean(cross_entropy(logits, batch["y"]), batch.get("mask"))
 
     def metrics(self, params: PyTree, batch: Batch) -> dict[str, Array]:
-        """``{"loss", "accuracy"}`` as float32 scalars."""
+        """``{"loss", "accuracy"}`` as float32 scalars.
+
+        Args:
+          params: the parameters.
+          batch: ``{"x", "y"}`` (``"mask"`` optional).
+
+        Returns:
+          The metrics.
+        """
         logits = self.apply(params, batch["x"])
         mask = batch.get("mask")
         correct = (jnp.argmax(logits, axis=-1) == batch["y"]).astype(jnp.float32)
@@ -59,7 +90,14 @@ class ClassifierMethods:
         return {"loss": loss, "accuracy": masked_mean(correct, mask)}
 
     def flip_labels(self, batch: Batch) -> Batch:
-        """Label flipping attack: y -> C - 1 - y."""
+        """Label flipping attack: y -> C - 1 - y.
+
+        Args:
+          batch: a batch with labels ``"y"``.
+
+        Returns:
+          The batch with flipped labels (same dtype).
+        """
         out = dict(batch)
         out["y"] = (self.num_classes - 1 - batch["y"]).astype(batch["y"].dtype)
         return out
@@ -93,14 +131,35 @@ def classification_splits(
     shards. With ``num_nodes=1`` the single shard is the whole training split.
 
     Args:
-      x, y: every example (rows) and its int class.
-      train, heldout, test: disjoint row indices of the three splits.
+      x: every example (rows).
+      y: the int class of every example.
+      train: row indices of the training split.
+      heldout: row indices of the held-out split (disjoint from the others).
+      test: row indices of the test split (disjoint from the others).
+      num_nodes: the number of nodes over all processes.
+      num_classes: C.
+      seed: the partition's seed.
+      alpha: the Dirichlet concentration of the non-IID partition.
+      dominant_mass: the share of a node's examples its groups cover
+        (:func:`~strategies.tasks.base.dominant_groups`).
+      process_index: this process's index.
+      process_count: the number of processes.
+      min_size: the smallest shard the partition accepts.
+      group_names: the class names (default: ``"0"`` ... ``"C-1"``).
       public_fraction: the stratified share of ``train`` reserved as the public pool (drawn with
         ``public_seed``; ignored when ``public`` is given).
       general_pool: ``"public"`` (the general pool is the public rows only) or ``"union"``
         (the public rows and every node's shard: centralised data).
+      public_seed: the seed of the public draw.
       public: the rows of the public pool given explicitly (disjoint from the three splits);
         then every row of ``train`` is private.
+
+    Returns:
+      The splits for this process's hosted nodes.
+
+    Raises:
+      ValueError: for an unknown ``general_pool``, public rows that overlap ``train``, or a
+        partition that cannot be drawn (see :func:`~strategies.tasks.base.dirichlet_partition`).
     """
     if general_pool not in GENERAL_POOLS:
         raise ValueError(f"general_pool must be one of {list(GENERAL_POOLS)}, got {general_pool!r}")

@@ -73,10 +73,12 @@ class ArrayTask:
       name: the task's name in logs and tables.
       init_fn: ``key -> params`` (a pytree of float arrays).
       apply_fn: ``(params, x) -> logits (B, C)``.
-      x, y: every example and its int class in ``0..num_classes-1``.
+      x: every example.
+      y: its int class in ``0..num_classes-1``.
       split_rows: the row indices of the train, held-out and test splits.
       num_classes: C.
-      loss_fn: ``(logits, y) -> per-row loss``; metric_fns: name -> ``(logits, y) -> per-row value``.
+      loss_fn: ``(logits, y) -> per-row loss``.
+      metric_fns: name -> ``(logits, y) -> per-row value``.
       dominant_mass: the classes covering this share of a node's shard are its groups.
       public_fraction: stratified share of the training split reserved as the public pool
         (unused when ``public_rows`` is given).
@@ -100,19 +102,57 @@ class ArrayTask:
     kind = "classification"
 
     def init(self, key: Array) -> PyTree:
+        """Fresh parameters from ``init_fn``.
+
+        Args:
+          key: a JAX PRNG key.
+
+        Returns:
+          The parameters.
+        """
         return self.init_fn(key)
 
     def apply(self, params: PyTree, inputs: Array, *, train: bool = False, key: Array | None = None) -> Array:
+        """The logits of ``apply_fn``, floating inputs cast to the parameters' dtype.
+
+        Args:
+          params: the parameters.
+          inputs: a batch of inputs.
+          train: unused (the model has no training mode here).
+          key: unused.
+
+        Returns:
+          (B, C) logits.
+        """
         del train, key
         dtype = jax.tree.leaves(params)[0].dtype
         x = inputs.astype(dtype) if jnp.issubdtype(inputs.dtype, jnp.floating) else inputs
         return self.apply_fn(params, x)
 
     def loss(self, params: PyTree, batch: Batch, key: Array | None = None) -> Array:
+        """Mean ``loss_fn`` (float32) over the batch rows (``batch["mask"]`` when present).
+
+        Args:
+          params: the parameters.
+          batch: ``{"x", "y"}`` (``"mask"`` optional).
+          key: the dropout key (training mode when given).
+
+        Returns:
+          A float32 scalar.
+        """
         logits = self.apply(params, batch["x"], train=key is not None, key=key).astype(jnp.float32)
         return masked_mean(self.loss_fn(logits, batch["y"]), batch.get("mask"))
 
     def metrics(self, params: PyTree, batch: Batch) -> dict[str, Array]:
+        """``"loss"`` and every ``metric_fns`` entry, masked means as float32 scalars.
+
+        Args:
+          params: the parameters.
+          batch: ``{"x", "y"}`` (``"mask"`` optional).
+
+        Returns:
+          The metrics.
+        """
         logits = self.apply(params, batch["x"]).astype(jnp.float32)
         mask = batch.get("mask")
         out = {"loss": masked_mean(self.loss_fn(logits, batch["y"]), mask)}
@@ -121,11 +161,25 @@ class ArrayTask:
         return out
 
     def logical_axes(self, params: PyTree) -> PyTree:
-        """No named model axes: on a mesh the parameters are split over nodes only."""
+        """No named model axes: on a mesh the parameters are split over nodes only.
+
+        Args:
+          params: the parameters.
+
+        Returns:
+          A tree of all-None tuples, one entry per leaf dimension.
+        """
         return jax.tree.map(lambda p: (None,) * np.ndim(p), params)
 
     def flip_labels(self, batch: Batch) -> Batch:
-        """Label flipping attack: y -> C - 1 - y."""
+        """Label flipping attack: y -> C - 1 - y.
+
+        Args:
+          batch: a batch with labels ``"y"``.
+
+        Returns:
+          The batch with flipped labels (same dtype).
+        """
         return {**batch, "y": (self.num_classes - 1 - batch["y"]).astype(batch["y"].dtype)}
 
     def splits(
@@ -137,6 +191,18 @@ class ArrayTask:
         process_index: int = 0,
         process_count: int = 1,
     ) -> TaskData:
+        """The splits of the arrays, the training rows partitioned over the nodes.
+
+        Args:
+          num_nodes: the number of nodes over all processes.
+          seed: the partition's seed.
+          alpha: the Dirichlet concentration of the non-IID partition.
+          process_index: this process's index.
+          process_count: the number of processes.
+
+        Returns:
+          The splits for this process's hosted nodes (:func:`classification_splits`).
+        """
         train, heldout, test = self.split_rows
         return classification_splits(
             self.x,
@@ -231,11 +297,13 @@ def task_from_arrays(
     Args:
       model: an NNX constructor ``rngs -> nnx.Module``, a ``flax.linen`` Module, or a pair
         ``(init_fn(key) -> params, apply_fn(params, x) -> logits)``; logits are (B, C).
-      x, y: the training examples (N, ...) and their int classes (N,). Without ``heldout``
-        and ``test`` they are split (stratified, ``fractions`` of each class, ``split_seed``)
-        into train / held-out / test; otherwise all of them are training data.
-      heldout, test: optional ``(x, y)`` of the held-out split (the coordinator's data for
-        weights and gates) and the test split (reported numbers only).
+      x: the training examples (N, ...). Without ``heldout`` and ``test`` they are split
+        (stratified, ``fractions`` of each class, ``split_seed``) into train / held-out /
+        test; otherwise all of them are training data.
+      y: their int classes (N,).
+      heldout: optional ``(x, y)`` of the held-out split (the coordinator's data for weights
+        and gates); given together with ``test``.
+      test: optional ``(x, y)`` of the test split (reported numbers only).
       fractions: train / held-out / test shares when splitting one set.
       num_classes: C, checked against the model's logit count (default: that count); every
         label must be in ``[0, C)``.
@@ -254,6 +322,14 @@ def task_from_arrays(
     Returns:
       an :class:`ArrayTask`; the node split (Dirichlet over the private training rows' classes
       with the run's alpha and seed), the general pool and the groups (the classes) follow.
+
+    Raises:
+      TaskError: (one line) for arrays of the wrong shapes, non-finite features, labels that
+        are not classes in ``[0, C)``, only one of ``heldout`` and ``test``, a bad
+        ``general_pool``, ``public`` or ``fractions``, or a model whose constructor or forward
+        pass fails or whose logit count is not ``num_classes``.
+      TaskTypeError: for a model that is none of the accepted kinds (a built NNX module
+        included).
     """
     x, y = np.asarray(x), np.asarray(y)
     if x.ndim < 2 or y.ndim != 1 or len(x) != len(y):

@@ -62,6 +62,16 @@ class MLP(nnx.Module):
             setattr(self, f"dense_{i}", layer)
 
     def __call__(self, x: Array, *, dropout: float = 0.0, key: Array | None = None) -> Array:
+        """The logits: ReLU between the layers, dropout after each hidden one when given a key.
+
+        Args:
+          x: (B, d) inputs.
+          dropout: the dropout rate (0: none).
+          key: the dropout key (None: no dropout).
+
+        Returns:
+          (B, C) logits.
+        """
         for i in range(self.num_layers):
             x = getattr(self, f"dense_{i}")(x)
             if i < self.num_layers - 1:
@@ -77,6 +87,13 @@ class MLP(nnx.Module):
 
         The taps of ghost clipping (:class:`strategies.dpsgd.DenseTaps`): the cotangent of
         ``offsets[i]`` is the gradient with respect to layer i's output.
+
+        Args:
+          x: (B, d) inputs.
+          offsets: one (B, out_i) array per layer.
+
+        Returns:
+          ``(logits, inputs)``: (B, C) logits and the tuple of every layer's input.
         """
         inputs = []
         for i in range(self.num_layers):
@@ -93,6 +110,14 @@ def mlp_dense_taps(sizes: tuple[int, ...], graphdef: Any, features: Any) -> Any:
 
     The per-example loss is the task's cross entropy, so the fast DP-SGD path (ghost clipping)
     clips the gradients the task's ``loss`` has on one-row batches.
+
+    Args:
+      sizes: the MLP's layer widths, input first.
+      graphdef: the MLP's NNX graph definition.
+      features: ``features(params, x)``, the MLP's input from a batch's ``"x"``.
+
+    Returns:
+      The taps.
     """
     from strategies.dpsgd import DenseTaps
 
@@ -119,7 +144,8 @@ class DigitsTask(ClassifierMethods):
     Args:
       hidden: hidden layer widths of the MLP.
       dropout: dropout rate in training (0 disables it).
-      test_fraction, heldout_fraction: shares of the 1,797 examples.
+      test_fraction: share of the 1,797 examples in the test split.
+      heldout_fraction: share of them in the held-out split.
       split_seed: seed of the train / held-out / test split (fixed, so test
         numbers compare across partition seeds).
       dominant_mass: share of a node's shard its specialized classes cover.
@@ -127,6 +153,10 @@ class DigitsTask(ClassifierMethods):
         (fixed by ``split_seed``), apart from every node's shard.
       general_pool: ``"public"`` (the public pool) or ``"union"`` (the public pool and every
         node's shard: centralised data).
+
+    Raises:
+      ValueError: for a dropout outside [0, 1), fractions that are not > 0 or sum to 1 or
+        more, a ``public_fraction`` outside [0, 1), or an unknown ``general_pool``.
 
     Example:
       >>> task = DigitsTask()
@@ -169,24 +199,52 @@ class DigitsTask(ClassifierMethods):
         return (NUM_FEATURES, *self.hidden, NUM_CLASSES)
 
     def init(self, key: Array) -> PyTree:
-        """Fresh float32 params (a nested dict of arrays)."""
+        """Fresh float32 params (a nested dict of arrays).
+
+        Args:
+          key: a JAX PRNG key.
+
+        Returns:
+          The parameters.
+        """
         _, params, _ = split_module(MLP(self._sizes, rngs=nnx.Rngs(params=key)))
         return params
 
     def logical_axes(self, params: PyTree | None = None) -> PyTree:
-        """Logical axis names per leaf ("embed", "mlp", "classes")."""
+        """Logical axis names per leaf ("embed", "mlp", "classes").
+
+        Args:
+          params: unused (the axes follow from the architecture).
+
+        Returns:
+          A tree like the parameters with a tuple of names per leaf.
+        """
         _, _, axes = split_module(nnx.eval_shape(lambda: MLP(self._sizes, rngs=nnx.Rngs(0))))
         return axes
 
     def apply(self, params: PyTree, inputs: Array, *, train: bool = False, key: Array | None = None) -> Array:
-        """Logits (B, 10) in the params' dtype."""
+        """Logits (B, 10) in the params' dtype.
+
+        Args:
+          params: the parameters.
+          inputs: (B, 64) features.
+          train: training mode (dropout on, when configured).
+          key: the dropout key in training mode.
+
+        Returns:
+          (B, 10) logits.
+        """
         model = nnx.merge(self._graphdef, params)
         x = inputs.astype(param_dtype(params))
         rate = self.dropout if train else 0.0
         return model(x, dropout=rate, key=key)
 
     def dp_dense_taps(self) -> Any:
-        """Dense-layer taps for the fast DP-SGD path (ghost clipping); None with dropout."""
+        """Dense-layer taps for the fast DP-SGD path (ghost clipping); None with dropout.
+
+        Returns:
+          :class:`strategies.dpsgd.DenseTaps`, or None.
+        """
         if self.dropout > 0.0:
             return None
         return mlp_dense_taps(self._sizes, self._graphdef, lambda params, x: x.astype(param_dtype(params)))
@@ -206,6 +264,16 @@ class DigitsTask(ClassifierMethods):
         computes the same one from the labels); a process keeps the pixels of
         its hosted nodes' shards. With ``num_nodes=1`` the single shard is every
         private training row.
+
+        Args:
+          num_nodes: the number of nodes over all processes.
+          seed: the partition's seed.
+          alpha: the Dirichlet concentration of the non-IID partition.
+          process_index: this process's index.
+          process_count: the number of processes.
+
+        Returns:
+          The splits for this process's hosted nodes.
         """
         from sklearn.model_selection import train_test_split
 

@@ -80,7 +80,14 @@ class DataNotFoundError(FileNotFoundError):
 
 
 def data_directory(data_dir: str | os.PathLike | None = None) -> Path:
-    """The folder the files are read from (see the module docstring for the order)."""
+    """The folder the files are read from (see the module docstring for the order).
+
+    Args:
+      data_dir: an explicit folder (default: the environment variable, else Debian's folder).
+
+    Returns:
+      The folder.
+    """
     if data_dir is not None:
         return Path(data_dir)
     env = os.environ.get(ENV_VAR)
@@ -88,7 +95,17 @@ def data_directory(data_dir: str | os.PathLike | None = None) -> Path:
 
 
 def find_files(data_dir: str | os.PathLike | None = None) -> dict[str, Path]:
-    """The four IDX files (``name.gz`` or ``name``); the error lists every path tried and the package."""
+    """The four IDX files (``name.gz`` or ``name``).
+
+    Args:
+      data_dir: the folder (see :func:`data_directory`).
+
+    Returns:
+      The path of each file by role (``train_x``, ``train_y``, ``test_x``, ``test_y``).
+
+    Raises:
+      DataNotFoundError: listing every path tried and the Debian package.
+    """
     folder = data_directory(data_dir)
     found, tried = {}, []
     for role, name in FILES.items():
@@ -146,6 +163,16 @@ class CNN(nnx.Module):
         self.head = nnx.Linear(flat, NUM_CLASSES, kernel_init=kernel, bias_init=bias, rngs=rngs)
 
     def __call__(self, x: Array, *, dropout: float = 0.0, key: Array | None = None) -> Array:
+        """The logits of a batch of images.
+
+        Args:
+          x: (B, 28, 28, 1) images.
+          dropout: unused (no dropout in the CNN).
+          key: unused.
+
+        Returns:
+          (B, 10) logits.
+        """
         del dropout, key  # no dropout in the CNN (the option applies to the MLP)
         for conv in (self.conv_0, self.conv_1):
             x = jax.nn.relu(conv(x))
@@ -173,6 +200,10 @@ class FashionMNISTTask(ClassifierMethods):
         (fixed by ``split_seed``), apart from every node's shard.
       general_pool: ``"public"`` (the public pool) or ``"union"`` (the public pool and every
         node's shard: centralised data).
+
+    Raises:
+      ValueError: for an unknown ``model`` or ``general_pool``, a dropout or ``public_fraction``
+        outside [0, 1), a ``heldout_size`` below 10, or a ``limit`` that leaves no training image.
     """
 
     model: str = "mlp"
@@ -216,16 +247,41 @@ class FashionMNISTTask(ClassifierMethods):
         return nnx.graphdef(nnx.eval_shape(lambda: self._module(nnx.Rngs(0))))
 
     def init(self, key: Array) -> PyTree:
-        """Fresh float32 params (a nested dict of arrays)."""
+        """Fresh float32 params (a nested dict of arrays).
+
+        Args:
+          key: a JAX PRNG key.
+
+        Returns:
+          The parameters.
+        """
         _, params, _ = split_module(self._module(nnx.Rngs(params=key)))
         return params
 
     def logical_axes(self, params: PyTree | None = None) -> PyTree:
+        """Logical axis names per leaf (from the model's ``nnx.with_partitioning`` metadata).
+
+        Args:
+          params: unused (the axes follow from the architecture).
+
+        Returns:
+          A tree like the parameters with a tuple of names per leaf.
+        """
         _, _, axes = split_module(nnx.eval_shape(lambda: self._module(nnx.Rngs(0))))
         return axes
 
     def apply(self, params: PyTree, inputs: Array, *, train: bool = False, key: Array | None = None) -> Array:
-        """Logits (B, 10) in the params' dtype from uint8 (or already scaled float) images (B, 28, 28)."""
+        """Logits (B, 10) in the params' dtype from uint8 (or already scaled float) images (B, 28, 28).
+
+        Args:
+          params: the parameters.
+          inputs: (B, 28, 28) images.
+          train: training mode (MLP dropout on, when configured).
+          key: the dropout key in training mode.
+
+        Returns:
+          (B, 10) logits.
+        """
         x = self._features(params, inputs)
         model = nnx.merge(self._graphdef, params)
         return model(x, dropout=self.dropout if train else 0.0, key=key)
@@ -239,7 +295,11 @@ class FashionMNISTTask(ClassifierMethods):
         return x.reshape(x.shape[0], SIDE, SIDE, 1) if self.model == "cnn" else x.reshape(x.shape[0], -1)
 
     def dp_dense_taps(self) -> Any:
-        """Dense-layer taps for the fast DP-SGD path (ghost clipping): the MLP without dropout, else None."""
+        """Dense-layer taps for the fast DP-SGD path (ghost clipping): the MLP without dropout, else None.
+
+        Returns:
+          :class:`strategies.dpsgd.DenseTaps`, or None.
+        """
         if self.model != "mlp" or self.dropout > 0.0:
             return None
         return mlp_dense_taps((SIDE * SIDE, *self.hidden, NUM_CLASSES), self._graphdef, self._features)
@@ -253,7 +313,23 @@ class FashionMNISTTask(ClassifierMethods):
         process_index: int = 0,
         process_count: int = 1,
     ) -> TaskData:
-        """The official test split, stratified held-out and public slices, Dirichlet(alpha) shards."""
+        """The official test split, stratified held-out and public slices, Dirichlet(alpha) shards.
+
+        Args:
+          num_nodes: the number of nodes over all processes.
+          seed: the partition's seed.
+          alpha: the Dirichlet concentration of the non-IID partition.
+          process_index: this process's index.
+          process_count: the number of processes.
+
+        Returns:
+          The splits for this process's hosted nodes.
+
+        Raises:
+          DataNotFoundError: when the IDX files are not found.
+          IDXError: for a file that is not the IDX array expected.
+          ValueError: for image and label counts that differ, or a label that is not a class.
+        """
         x, y, num_train = _load(str(data_directory(self.data_dir)))
         train_rows = np.arange(num_train)
         test = np.arange(num_train, len(y))

@@ -94,7 +94,11 @@ class CorpusFile:
 
 
 def stdlib_root() -> str:
-    """The directory of the running interpreter's standard library."""
+    """The directory of the running interpreter's standard library.
+
+    Returns:
+      The path.
+    """
     return sysconfig.get_paths()["stdlib"]
 
 
@@ -120,8 +124,13 @@ def list_corpus(
         which bounds the corpus (a few MB at most).
       min_bytes: shorter files are left out.
       split_seed: seed of the role draw.
+
     Returns:
       Tuple of :class:`CorpusFile`, sorted by (family, path).
+
+    Raises:
+      ValueError: for ``max_bytes_per_file < min_bytes``, or a family with fewer than 8
+        usable files.
     """
     root = stdlib_root() if root is None else root
     if max_bytes_per_file < min_bytes:
@@ -166,8 +175,16 @@ def list_corpus(
 def assign_files(files: Sequence[CorpusFile], num_nodes: int, num_families: int) -> list[np.ndarray]:
     """Private files of each node: node i gets a contiguous, byte-balanced run of family ``i % F``.
 
+    Args:
+      files: the corpus list.
+      num_nodes: n.
+      num_families: F.
+
     Returns:
       ``num_nodes`` int arrays of indices into ``files``, disjoint, each non-empty.
+
+    Raises:
+      ValueError: for ``num_nodes < 1``, or a family with fewer private files than nodes.
     """
     if num_nodes < 1:
         raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
@@ -196,7 +213,16 @@ def assign_files(files: Sequence[CorpusFile], num_nodes: int, num_families: int)
 
 
 def read_file_bytes(path: str, max_bytes: int, root: str | None = None) -> np.ndarray:
-    """The first ``max_bytes`` bytes of ``root/path`` as a uint8 array."""
+    """The first ``max_bytes`` bytes of ``root/path`` as a uint8 array.
+
+    Args:
+      path: the file's path relative to ``root``.
+      max_bytes: the most bytes read.
+      root: the stdlib directory (default :func:`stdlib_root`).
+
+    Returns:
+      (k,) uint8, k <= ``max_bytes``.
+    """
     root = stdlib_root() if root is None else root
     with open(os.path.join(root, path), "rb") as fh:
         return np.frombuffer(fh.read(max_bytes), np.uint8)
@@ -219,8 +245,12 @@ def sample_windows(
       length: bytes per window (context + 1).
       rng: numpy Generator.
       read: ``read(file_id) -> uint8 array`` (cached by the caller).
+
     Returns:
       ``(windows (count, length) int32, file_of_window (count,) int64, offset (count,) int64)``.
+
+    Raises:
+      ValueError: when no given file is at least ``length`` bytes long.
     """
     usable = np.array([j for j in file_ids if files[j].size >= length], np.int64)
     if len(usable) == 0:
@@ -286,6 +316,14 @@ class LayerNorm(nnx.Module):
         self.bias = _param(rngs, (dim,), ("norm",))
 
     def __call__(self, x: Array) -> Array:
+        """Normalize ``x`` over its last axis, then scale and shift.
+
+        Args:
+          x: (..., dim) activations.
+
+        Returns:
+          The normalized activations, x's shape.
+        """
         return _layer_norm(x, self.scale[...], self.bias[...])
 
 
@@ -303,6 +341,14 @@ class CausalSelfAttention(nnx.Module):
         self.out = _param(rngs, (num_heads, head_dim, d_model), ("heads", "kv", "embed"), std=w_out)
 
     def __call__(self, x: Array) -> Array:
+        """Causal attention of every position over itself and the earlier ones (softmax in float32).
+
+        Args:
+          x: (B, T, d_model) activations.
+
+        Returns:
+          (B, T, d_model), x's dtype.
+        """
         dt = x.dtype
         q = jnp.einsum("btd,dnh->btnh", x, self.query[...].astype(dt))
         k = jnp.einsum("btd,dnh->btnh", x, self.key[...].astype(dt))
@@ -328,6 +374,14 @@ class MLPBlock(nnx.Module):
         self.bo = _param(rngs, (d_model,), ("norm",))
 
     def __call__(self, x: Array) -> Array:
+        """``gelu(x W_i + b_i) W_o + b_o`` at every position.
+
+        Args:
+          x: (..., d_model) activations.
+
+        Returns:
+          (..., d_model), x's dtype.
+        """
         dt = x.dtype
         h = jax.nn.gelu(x @ self.wi[...].astype(dt) + self.bi[...].astype(dt))
         return h @ self.wo[...].astype(dt) + self.bo[...].astype(dt)
@@ -343,6 +397,16 @@ class Block(nnx.Module):
         self.mlp = MLPBlock(d_model, d_mlp, num_layers, rngs=rngs)
 
     def __call__(self, x: Array, *, dropout: float = 0.0, key: Array | None = None) -> Array:
+        """The block's output, dropout on both residual branches when given a key.
+
+        Args:
+          x: (B, T, d_model) activations.
+          dropout: the dropout rate.
+          key: the dropout key (None: no dropout).
+
+        Returns:
+          (B, T, d_model).
+        """
         k1, k2 = jax.random.split(key) if key is not None else (None, None)
         x = x + _dropout(self.attn(self.ln_attn(x)), dropout, k1)
         return x + _dropout(self.mlp(self.ln_mlp(x)), dropout, k2)
@@ -381,6 +445,17 @@ class ByteTransformer(nnx.Module):
         self.unembed_bias = _param(rngs, (vocab,), ("vocab",))
 
     def __call__(self, tokens: Array, *, dtype: Any, dropout: float = 0.0, key: Array | None = None) -> Array:
+        """Next-byte logits of a batch of token sequences.
+
+        Args:
+          tokens: (B, T) int byte tokens, T <= context.
+          dtype: the compute dtype.
+          dropout: the dropout rate.
+          key: the dropout key (None: no dropout).
+
+        Returns:
+          (B, T, vocab) logits in ``dtype``.
+        """
         t = tokens.shape[-1]
         x = jnp.take(self.embed[...].astype(dtype), tokens, axis=0) + self.pos[...][:t].astype(dtype)
         keys = jax.random.split(key, self.num_layers) if key is not None else [None] * self.num_layers
@@ -403,15 +478,24 @@ class TextTask:
 
     Args:
       context: tokens per example (the model's maximum length).
-      d_model, num_heads, num_layers, d_mlp: transformer size.
+      d_model: the embedding width.
+      num_heads: attention heads (``d_model`` must be a multiple).
+      num_layers: transformer blocks.
+      d_mlp: the MLP's hidden width.
       dropout: dropout rate in training (0 disables it).
       windows_per_node: training windows sampled from each node's own files.
-      general_windows, heldout_windows, test_windows: sizes of the shared pools.
+      general_windows: windows in the shared general pool.
+      heldout_windows: windows in the held-out pool.
+      test_windows: windows in the test pool.
       max_bytes_per_file: only the first this many bytes of each file are used.
       split_seed: seed of the file roles and of the shared pools (fixed, so
         test numbers compare across node seeds).
       families: (family name, stdlib packages) pairs; node i's family is i % F.
       root: stdlib directory (default: the running interpreter's).
+
+    Raises:
+      ValueError: for ``d_model`` not a multiple of ``num_heads``, a size below 1, a dropout
+        outside [0, 1), or ``max_bytes_per_file`` below two windows.
 
     Example (reads and tokenizes the corpus, so not run as a doctest)::
 
@@ -497,6 +581,12 @@ class TextTask:
         Every parameter is ``fill + std * z`` with its module-declared ``(std, fill)`` and ``z``
         a slice of one standard normal draw from ``key``: the same distribution as building the
         module with ``nnx.Rngs``, but one random-number call to compile instead of one per leaf.
+
+        Args:
+          key: a JAX PRNG key.
+
+        Returns:
+          The parameters.
         """
         specs = self._abstract[2]
         leaves, treedef = jax.tree_util.tree_flatten(specs, is_leaf=_is_spec)
@@ -512,11 +602,32 @@ class TextTask:
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def logical_axes(self, params: PyTree | None = None) -> PyTree:
-        """Logical axis names of every parameter dimension (the structure of ``params``)."""
+        """Logical axis names of every parameter dimension (the structure of ``params``).
+
+        Args:
+          params: unused (the axes follow from the architecture).
+
+        Returns:
+          A tree like the parameters with a tuple of names per leaf.
+        """
         return self._abstract[1]
 
     def apply(self, params: PyTree, inputs: Array, *, train: bool = False, key: Array | None = None) -> Array:
-        """Next-byte logits (B, T, 256) in the params' dtype for int tokens (B, T), T <= context."""
+        """Next-byte logits (B, T, 256) in the params' dtype for int tokens (B, T), T <= context.
+
+        Args:
+          params: the parameters.
+          inputs: (B, T) int tokens.
+          train: training mode (dropout on, when configured).
+          key: the dropout key in training mode.
+
+        Returns:
+          (B, T, 256) logits.
+
+        Raises:
+          ValueError: for more than ``context`` tokens.
+          TypeError: for inputs that are not integers.
+        """
         if inputs.shape[-1] > self.context:
             raise ValueError(f"inputs have {inputs.shape[-1]} tokens, more than context={self.context}")
         if not jnp.issubdtype(inputs.dtype, jnp.integer):
@@ -538,7 +649,16 @@ class TextTask:
         return None if mask is None else jnp.broadcast_to(mask[:, None], shape)
 
     def loss(self, params: PyTree, batch: Batch, key: Array | None = None) -> Array:
-        """Mean next-byte cross entropy in nats (float32) over the tokens of the valid rows."""
+        """Mean next-byte cross entropy in nats (float32) over the tokens of the valid rows.
+
+        Args:
+          params: the parameters.
+          batch: ``{"x", "y"}`` token arrays (a row ``"mask"`` optional).
+          key: the dropout key (training mode when given).
+
+        Returns:
+          A float32 scalar.
+        """
         nll, _ = self._token_losses(params, batch, key)
         return masked_mean(nll, self._token_mask(batch, nll.shape))
 
@@ -548,6 +668,13 @@ class TextTask:
         Math:
           loss = mean over tokens of -log p(y_t | x_<=t); perplexity = exp(loss);
           bits per byte = loss / ln 2.
+
+        Args:
+          params: the parameters.
+          batch: ``{"x", "y"}`` token arrays (a row ``"mask"`` optional).
+
+        Returns:
+          The metrics, float32 scalars.
         """
         rows = batch["x"].shape[0]
         if rows > METRICS_ROWS:
@@ -594,7 +721,14 @@ class TextTask:
         return total[0] / count, total[1] / count
 
     def flip_labels(self, batch: Batch) -> Batch:
-        """Label flipping attack on bytes: y -> 255 - y."""
+        """Label flipping attack on bytes: y -> 255 - y.
+
+        Args:
+          batch: a batch with targets ``"y"``.
+
+        Returns:
+          The batch with flipped targets (same dtype).
+        """
         out = dict(batch)
         out["y"] = (VOCAB_SIZE - 1 - batch["y"]).astype(batch["y"].dtype)
         return out
@@ -602,7 +736,11 @@ class TextTask:
     # ------------------------------------------------------------------ data
 
     def corpus(self) -> tuple[CorpusFile, ...]:
-        """The corpus file list (sizes and roles; no bytes read)."""
+        """The corpus file list (sizes and roles; no bytes read).
+
+        Returns:
+          The files (:func:`list_corpus` with this task's settings, cached).
+        """
         return _cached_corpus(self.root, self.families, self.max_bytes_per_file, self.split_seed)
 
     def splits(
@@ -623,8 +761,10 @@ class TextTask:
             how many processes there are).
           alpha: unused: text is non-IID by construction (by module), not by
             a Dirichlet draw; accepted for the common Task signature.
-          process_index, process_count: this process reads the private files
-            of its hosted nodes (:func:`hosted_nodes`) only.
+          process_index: this process's index; it reads the private files of its hosted
+            nodes (:func:`hosted_nodes`) only.
+          process_count: the number of processes.
+
         Returns:
           TaskData with batches ``{"x": (.., context) int32, "y": (.., context) int32}``;
           groups are module families. ``meta`` holds ``example_ids``
