@@ -13,7 +13,8 @@ formula, the scale kept). In PEFT's torch layout ``lora_A`` is ``a^T`` and ``lor
   ``a = combine_i(sign(c_i) sqrt|c_i| a_i)``, ``b = combine_i(sqrt|c_i| b_i)`` with the
   combination PEFT's ``merge_utils`` names (a weighted sum; TIES' magnitude trim, sign election
   and disjoint mean; DARE's random drop rescaled by 1/density). Approximate, rank r: PEFT's own
-  docstring calls ``linear`` "a very rough approximation".
+  docstring calls ``linear`` "a very rough approximation"; ``info["approximation_error"]`` says
+  how rough (from the factors, :func:`consensus.lora.methods.approximation_error`).
 
 DARE's drop here is drawn from a ``jax.random`` key, not torch's generator: equal to PEFT's in
 distribution, not bit for bit.
@@ -28,7 +29,14 @@ import jax
 import numpy as np
 
 from consensus.lora._core import AdapterError, AdapterMerge, finish, host
-from consensus.lora.methods import AdapterMethod, Stacked, _info, _rank_of, stacked_factors
+from consensus.lora.methods import (
+    AdapterMethod,
+    Stacked,
+    _info,
+    _rank_of,
+    approximation_error,
+    stacked_factors,
+)
 from consensus.specs import ADAPTER_METHODS
 
 SIGN_METHODS = ("total", "frequency")
@@ -119,7 +127,8 @@ def _factorwise(name: str, combine_factor: FactorCombine, randomized: bool = Fal
                 "b": combine_factor(host(f["b"]), cb, keys[1]),
             }
         adapter, _ = finish(out, stacked)
-        return AdapterMerge(adapter, 1.0, None, _info(name, False, w, _rank_of(adapter)))
+        error = approximation_error(stacked, s, w, out, 1.0)
+        return AdapterMerge(adapter, 1.0, None, _info(name, False, w, _rank_of(adapter), **error))
 
     return AdapterMethod(name, combine)
 
