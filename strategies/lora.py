@@ -57,7 +57,14 @@ class LoraError(ValueError):
 
 
 def path_name(path: Sequence[Any]) -> str:
-    """The '/'-joined name of a ``jax.tree_util`` key path (``block_0/attn/query``)."""
+    """The '/'-joined name of a ``jax.tree_util`` key path (``block_0/attn/query``).
+
+    Args:
+      path: a key path (dict keys, sequence indices, attribute names).
+
+    Returns:
+      The name.
+    """
     parts = []
     for k in path:
         for attr in ("key", "idx", "name"):
@@ -70,7 +77,14 @@ def path_name(path: Sequence[Any]) -> str:
 
 
 def kernel_paths(params: PyTree) -> dict[str, tuple[int, ...]]:
-    """Every leaf of ``params`` with at least 2 dimensions: ``{path: shape}`` (the possible targets)."""
+    """Every leaf of ``params`` with at least 2 dimensions: ``{path: shape}`` (the possible targets).
+
+    Args:
+      params: a parameter tree.
+
+    Returns:
+      The shapes by '/'-joined path.
+    """
     return {
         path_name(p): tuple(int(d) for d in np.shape(x))
         for p, x in jax.tree_util.tree_leaves_with_path(params)
@@ -79,12 +93,26 @@ def kernel_paths(params: PyTree) -> dict[str, tuple[int, ...]]:
 
 
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
-    """``(in, out)`` of a kernel of ``shape`` viewed as a matrix: ``(shape[0], prod(shape[1:]))``."""
+    """``(in, out)`` of a kernel of ``shape`` viewed as a matrix: ``(shape[0], prod(shape[1:]))``.
+
+    Args:
+      shape: the kernel's shape (2 or more dimensions).
+
+    Returns:
+      ``(in, out)``.
+    """
     return int(shape[0]), int(math.prod(shape[1:]))
 
 
 def select_targets(params: PyTree, patterns: Sequence[str]) -> dict[str, tuple[int, ...]]:
     """The kernels whose path matches one of ``patterns`` (``re.search``): ``{path: shape}``.
+
+    Args:
+      params: the model's parameters.
+      patterns: regular expressions over '/'-joined paths.
+
+    Returns:
+      The matched kernels' shapes by path, sorted.
 
     Raises:
       LoraError: a pattern that is not a regular expression, or matches no kernel (the message
@@ -111,7 +139,11 @@ def select_targets(params: PyTree, patterns: Sequence[str]) -> dict[str, tuple[i
 
 
 def check_rank(rank: Any, targets: Mapping[str, tuple[int, ...]]) -> None:
-    """A rank that is an integer >= 1 and below every target's ``min(in, out)``.
+    """Check that ``rank`` is an integer >= 1 and below every target's ``min(in, out)``.
+
+    Args:
+      rank: the adapters' rank.
+      targets: the target kernels' shapes by path.
 
     Raises:
       LoraError: otherwise, naming the smallest target.
@@ -134,6 +166,14 @@ def init_adapter(
 
     Target j draws its ``a`` from ``split(key, len(targets))[j]`` in sorted path order, so the
     same key gives every node the same ``a`` (FFA-LoRA's shared frozen factor).
+
+    Args:
+      key: a JAX PRNG key.
+      targets: the target kernels' shapes by path.
+      rank: r.
+
+    Returns:
+      ``{path: {"a": (in, r), "b": (r, out)}}``, float32.
     """
     keys = jax.random.split(key, max(len(targets), 1))
     out = {}
@@ -151,6 +191,14 @@ def merge_adapter(base: PyTree, adapter: Mapping[str, Mapping[str, Array]], scal
     """``base`` with every target kernel ``W`` replaced by ``W + scale * (a @ b).reshape(W.shape)``.
 
     Computed in the base's dtype; ``base`` is not changed (a new tree is returned).
+
+    Args:
+      base: the base params.
+      adapter: ``{path: {"a", "b"}}`` of the targets.
+      scale: the LoRA scale ``alpha / rank``.
+
+    Returns:
+      The merged params.
     """
 
     def leaf(path: Any, w: Array) -> Array:
@@ -165,7 +213,15 @@ def merge_adapter(base: PyTree, adapter: Mapping[str, Mapping[str, Array]], scal
 
 
 def add_base_delta(base: PyTree, delta: Mapping[str, Array] | None) -> PyTree:
-    """``base`` plus a dense ``{path: (in, out)}`` update (a merge method's ``base_delta``)."""
+    """``base`` plus a dense ``{path: (in, out)}`` update (a merge method's ``base_delta``).
+
+    Args:
+      base: the base params.
+      delta: the update by target path, or None.
+
+    Returns:
+      The updated params (``base`` itself without an update).
+    """
     if not delta:
         return base
 
@@ -177,12 +233,26 @@ def add_base_delta(base: PyTree, delta: Mapping[str, Array] | None) -> PyTree:
 
 
 def tree_bytes(tree: PyTree) -> int:
-    """Bytes of every array leaf of ``tree`` (what it costs on the wire, uncompressed)."""
+    """Bytes of every array leaf of ``tree`` (what it costs on the wire, uncompressed).
+
+    Args:
+      tree: a tree of arrays.
+
+    Returns:
+      The byte count.
+    """
     return int(sum(np.dtype(x.dtype).itemsize * math.prod(np.shape(x)) for x in jax.tree.leaves(tree)))
 
 
 def tree_size(tree: PyTree) -> int:
-    """Number of scalars in ``tree``."""
+    """Number of scalars in ``tree``.
+
+    Args:
+      tree: a tree of arrays.
+
+    Returns:
+      The count.
+    """
     return int(sum(math.prod(np.shape(x)) for x in jax.tree.leaves(tree)))
 
 
@@ -214,7 +284,11 @@ class LoraSettings:
         return float(self.alpha) / float(self.rank)
 
     def check(self) -> None:
-        """The values alone (the targets are checked against a model by :class:`LoraTask`)."""
+        """Check the values alone (the targets are checked against a model by :class:`LoraTask`).
+
+        Raises:
+          LoraError: for a rank, alpha, dropout, ``pretrain_steps`` or targets out of range.
+        """
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise LoraError(f"rank must be an integer >= 1, got {self.rank!r}")
         if not isinstance(self.alpha, int | float) or not math.isfinite(self.alpha) or self.alpha <= 0:
@@ -243,6 +317,10 @@ class LoraTask:
       settings: the LoRA settings.
       base: the base params (the pretrained model).
       key: the key of ``a`` (FFA-LoRA's shared ``a``, and the adapter of :meth:`init`).
+
+    Raises:
+      LoraError: for settings out of range, a target that matches no kernel, or a rank not
+        below a target's ``min(in, out)``.
     """
 
     base_task: Task
@@ -269,7 +347,14 @@ class LoraTask:
     # ------------------------------------------------------------------ trees
 
     def fresh_adapter(self, key: Array | None = None) -> dict[str, dict[str, Array]]:
-        """A full adapter tree (``a`` and ``b``) from ``key`` (default the task's key)."""
+        """A full adapter tree (``a`` and ``b``) from ``key`` (default the task's key).
+
+        Args:
+          key: a JAX PRNG key.
+
+        Returns:
+          ``{path: {"a", "b"}}`` (:func:`init_adapter`).
+        """
         return init_adapter(self.key if key is None else key, self.targets, self.settings.rank)
 
     def initial_frozen(self, base: PyTree | None = None, key: Array | None = None) -> dict[str, Any]:
@@ -278,6 +363,9 @@ class LoraTask:
         Args:
           base: the base params (default the task's).
           key: the key of the shared ``a`` under ``freeze_a`` (default the task's).
+
+        Returns:
+          The frozen part.
         """
         base = self.base if base is None else base
         if not self.settings.freeze_a:
@@ -285,7 +373,14 @@ class LoraTask:
         return {"base": base, "a": {p: {"a": v["a"]} for p, v in self.fresh_adapter(key).items()}}
 
     def trainable(self, adapter: Mapping[str, Mapping[str, Array]]) -> dict[str, dict[str, Array]]:
-        """The part of a full adapter tree the nodes train (``b`` only under ``freeze_a``)."""
+        """The part of a full adapter tree the nodes train (``b`` only under ``freeze_a``).
+
+        Args:
+          adapter: a full adapter tree.
+
+        Returns:
+          ``{path: {"a", "b"}}``, or ``{path: {"b"}}`` under ``freeze_a``.
+        """
         if self.settings.freeze_a:
             return {p: {"b": v["b"]} for p, v in adapter.items()}
         return {p: {"a": v["a"], "b": v["b"]} for p, v in adapter.items()}
@@ -294,6 +389,13 @@ class LoraTask:
         """Trainable params plus the frozen ``a`` (FFA): a full ``{path: {"a", "b"}}`` tree.
 
         Works on single and stacked trees (the frozen ``a`` is broadcast over a node axis).
+
+        Args:
+          params: the trainable params.
+          frozen: the frozen part (its ``"a"`` under ``freeze_a``).
+
+        Returns:
+          The full adapter tree.
         """
         fixed = frozen.get("a") or {}
         out = {}
@@ -309,11 +411,27 @@ class LoraTask:
         return out
 
     def init(self, key: Array) -> dict[str, dict[str, Array]]:
-        """Trainable params of a fresh adapter from ``key`` (``b = 0``: the model is the base)."""
+        """Trainable params of a fresh adapter from ``key`` (``b = 0``: the model is the base).
+
+        Args:
+          key: a JAX PRNG key.
+
+        Returns:
+          The trainable params.
+        """
         return self.trainable(self.fresh_adapter(key))
 
     def model_params(self, params: PyTree, frozen: Mapping[str, Any] | None = None, key: Array | None = None):
-        """The full model's params: the base with the adapters merged in (dropout when ``key``)."""
+        """The full model's params: the base with the adapters merged in (dropout when ``key``).
+
+        Args:
+          params: the trainable params.
+          frozen: the frozen part (default: the task's own).
+          key: the key of the adapter dropout (None: no dropout).
+
+        Returns:
+          The merged params.
+        """
         frozen = self.initial_frozen() if frozen is None else frozen
         adapter = self.full_adapter(params, frozen)
         rate = float(self.settings.dropout)
@@ -336,7 +454,18 @@ class LoraTask:
         key: Array | None = None,
         frozen: Mapping[str, Any] | None = None,
     ) -> Array:
-        """The base task's ``apply`` on the merged model."""
+        """The base task's ``apply`` on the merged model.
+
+        Args:
+          params: the trainable params.
+          inputs: a batch of inputs.
+          train: training mode (adapter and model dropout).
+          key: the dropout key in training mode.
+          frozen: the frozen part (default: the task's own).
+
+        Returns:
+          The base task's outputs.
+        """
         k_lora, k_model = jax.random.split(key) if key is not None else (None, None)
         full = self.model_params(params, frozen, k_lora if train else None)
         return self.base_task.apply(full, inputs, train=train, key=k_model)
@@ -349,23 +478,56 @@ class LoraTask:
         *,
         frozen: Mapping[str, Any] | None = None,
     ) -> Array:
-        """The base task's loss of the merged model (adapter dropout from ``key``)."""
+        """The base task's loss of the merged model (adapter dropout from ``key``).
+
+        Args:
+          params: the trainable params.
+          batch: a training batch.
+          key: the dropout key (adapter and model).
+          frozen: the frozen part (default: the task's own).
+
+        Returns:
+          A float32 scalar.
+        """
         k_lora, k_model = jax.random.split(key) if key is not None else (None, None)
         return self.base_task.loss(self.model_params(params, frozen, k_lora), batch, k_model)
 
     def metrics(
         self, params: PyTree, batch: Batch, *, frozen: Mapping[str, Any] | None = None
     ) -> dict[str, Array]:
-        """The base task's metrics of the merged model."""
+        """The base task's metrics of the merged model.
+
+        Args:
+          params: the trainable params.
+          batch: an evaluation batch.
+          frozen: the frozen part (default: the task's own).
+
+        Returns:
+          The metrics.
+        """
         return self.base_task.metrics(self.model_params(params, frozen), batch)
 
     def logical_axes(self, params: PyTree | None = None) -> PyTree:
-        """No logical axes: adapters are small and replicated."""
+        """No logical axes: adapters are small and replicated.
+
+        Args:
+          params: the trainable params (default: a fresh adapter's).
+
+        Returns:
+          A tree of all-None tuples, one entry per leaf dimension.
+        """
         example = self.init(self.key) if params is None else params
         return jax.tree.map(lambda x: (None,) * np.ndim(x), example)
 
     def flip_labels(self, batch: Batch) -> Batch:
-        """The base task's label flipping."""
+        """The base task's label flipping.
+
+        Args:
+          batch: a training batch.
+
+        Returns:
+          The batch with corrupted targets.
+        """
         return self.base_task.flip_labels(batch)
 
     def splits(
@@ -377,7 +539,18 @@ class LoraTask:
         process_index: int = 0,
         process_count: int = 1,
     ) -> TaskData:
-        """The base task's data."""
+        """The base task's data.
+
+        Args:
+          num_nodes: the number of nodes over all processes.
+          seed: the data seed.
+          alpha: the Dirichlet concentration.
+          process_index: this process's index.
+          process_count: the number of processes.
+
+        Returns:
+          The base task's splits.
+        """
         return self.base_task.splits(
             num_nodes, seed=seed, alpha=alpha, process_index=process_index, process_count=process_count
         )
@@ -391,7 +564,11 @@ class LoraTask:
     # ------------------------------------------------------------------ sizes
 
     def sizes(self) -> dict[str, int]:
-        """Scalars and float32 bytes: the model, the full adapter, and what a node trains and sends."""
+        """Scalars and float32 bytes: the model, the full adapter, and what a node trains and sends.
+
+        Returns:
+          Counts by name (``model_params``, ``model_bytes``, ``adapter_params``, ...).
+        """
         full = self.fresh_adapter()
         sent = self.trainable(full)
         return {
@@ -410,7 +587,20 @@ def _drop_rows(a: Array, rate: float, key: Array) -> Array:
 
 
 def lora_task(base_task: Task, settings: LoraSettings, base: PyTree, key: Array) -> LoraTask:
-    """A :class:`LoraTask` (a one-line :class:`LoraError` when the targets or rank do not fit)."""
+    """A :class:`LoraTask` (a one-line :class:`LoraError` when the targets or rank do not fit).
+
+    Args:
+      base_task: the task of the full model.
+      settings: the LoRA settings.
+      base: the base params.
+      key: the key of ``a``.
+
+    Returns:
+      The task.
+
+    Raises:
+      LoraError: when the settings, targets or rank do not fit.
+    """
     return LoraTask(base_task, settings, base, key)
 
 
@@ -475,6 +665,7 @@ def merge_round(
       start: the trainable params the nodes started the round from; with ``measure``, the
         deviation is then relative to the size of the round's update (mean product minus the
         starting product) rather than to the mean product.
+
     Returns:
       A :class:`RoundMerge`.
     """
@@ -538,8 +729,11 @@ def _deviation(
     weights: Any,
     origin: Mapping[str, Mapping[str, Array]] | None,
 ) -> float:
-    """L2 distance of the merged update from ``sum_i w_i s a_i b_i`` over all targets, relative to
-    the norm of that mean (minus the starting product ``s a_0 b_0`` when ``origin`` is given)."""
+    """L2 distance of the merged update from ``sum_i w_i s a_i b_i`` over all targets, relative.
+
+    Relative to the norm of that mean (minus the starting product ``s a_0 b_0`` when ``origin``
+    is given).
+    """
     n = int(next(iter(full.values()))["a"].shape[0])
     w = np.full((n,), 1.0 / n) if weights is None else np.asarray(weights, np.float64)
     num = den = 0.0

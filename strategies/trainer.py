@@ -234,6 +234,10 @@ class NodeTrainer:
         the loss keeping only matmul outputs).
       unroll: ``lax.scan`` unroll factor over the steps of one fit call.
 
+    Raises:
+      ValueError: for ``batch_size`` or ``grad_accum`` below 1, a ``compute_dtype`` other than
+        float32 or bfloat16, hyperparams without ``learning_rate``, or a mesh with other axes.
+
     Example (trains four models, so not run as a doctest)::
 
         task = DigitsTask()
@@ -323,6 +327,12 @@ class NodeTrainer:
         In a multi-process run, ``data`` holds the hosted nodes only (as
         returned by ``TaskData`` of ``splits(process_index=...)``). Placing once
         and reusing the result avoids a host-to-device copy per fit call.
+
+        Args:
+          data: the NodeData (host arrays).
+
+        Returns:
+          The same NodeData with its arrays on the devices.
         """
         pool_sh = self._rep_sh() if data.shared else self._node_sh()
         pool = {k: self._put(v, pool_sh, per_node=not data.shared) for k, v in data.pool.items()}
@@ -339,7 +349,14 @@ class NodeTrainer:
         return NodeData(pool, index, count, data.shared, data.name, data.identity)
 
     def shardings(self, stacked_params: PyTree) -> TrainState | None:
-        """NamedShardings of a TrainState for stacked params (arrays or ShapeDtypeStructs), or None."""
+        """NamedShardings of a TrainState for stacked params (arrays or ShapeDtypeStructs), or None.
+
+        Args:
+          stacked_params: the stacked params (or their shapes).
+
+        Returns:
+          A TrainState of shardings, or None without a mesh.
+        """
         mesh = self._mesh
         if mesh is None:
             return None
@@ -361,8 +378,14 @@ class NodeTrainer:
             ``split(key, n)[i]`` and its training stream is derived from it.
           params: one params tree, copied to every node, or None.
           num_nodes: n over all processes (a multiple of the mesh's "node" size).
+
         Returns:
           TrainState with float32 params and ``step == 0``, sharded on the mesh.
+
+        Raises:
+          ValueError: for a ``num_nodes`` that is not a positive int (or not a multiple of the
+            mesh's "node" size).
+          TypeError: for a params leaf that is not floating-point.
         """
         if not isinstance(num_nodes, int | np.integer) or num_nodes < 1:
             raise ValueError(f"num_nodes must be a positive int, got {num_nodes!r}")
@@ -459,8 +482,18 @@ class NodeTrainer:
             unstacked tree every node's loss reads as ``task.loss(params, batch, key,
             frozen=frozen)``: no gradient, no optimizer state, not copied per node. None: the
             task's loss of ``params`` alone.
+
         Returns:
           ``(state, log)`` with a :class:`FitLog`.
+
+        Raises:
+          TypeError: for ``data`` that is not a NodeData or a non-empty sequence of them, both
+            ``flip_labels`` and ``poisoned``, a ``data_attack`` that is not callable, or ``dp``
+            that is not an :class:`~strategies.dpsgd.ExampleDP`.
+          ValueError: for ``steps`` that is not a positive int, data whose node count is not
+            the state's, a schedule of the wrong shape or with unknown levels, negative proximal
+            options, or invalid DP settings (several processes, a clip norm or noise
+            multiplier out of range, a bad pad).
         """
         levels = (data,) if isinstance(data, NodeData) else tuple(data)
         if not levels or not all(isinstance(d, NodeData) for d in levels):
@@ -731,7 +764,10 @@ class NodeTrainer:
     ) -> dict[str, np.ndarray]:
         """Per-node metrics of every node on one shared batch, in one vmapped call.
 
-        ``frozen``: the frozen part of the model (see :meth:`fit`), shared by every node.
+        Args:
+          stacked_params: the nodes' stacked params.
+          batch: one batch, evaluated by every node.
+          frozen: the frozen part of the model (see :meth:`fit`), shared by every node.
 
         Returns:
           ``{metric: (n,) float64 numpy}`` gathered on the host (every process).
