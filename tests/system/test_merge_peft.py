@@ -171,6 +171,23 @@ def test_a_coordinatewise_rule_on_the_factors_and_on_the_products(tmp_path, thre
     assert report["info"]["relative_truncation_error"] > 0
 
 
+def test_a_toml_plan_names_the_space_and_the_adapter_method(tmp_path, three):
+    folders, _, _ = three
+    plan = tmp_path / "merge.toml"
+    inputs = ", ".join(json.dumps(str(f)) for f in folders)
+    out = json.dumps(str(tmp_path / "out"))
+    plan.write_text(
+        f'method = "median"\nspace = "factors"\nadapter_method = "fedit"\ninputs = [{inputs}]\nout = {out}\n'
+    )
+    assert main(["merge", "--config", str(plan), "--quiet"]) == 0
+    report = json.loads((tmp_path / "out" / "merge_report.json").read_text())
+    assert (report["space"], report["adapter_method"], report["rule"]["method"]) == (
+        "factors",
+        "fedit",
+        "median",
+    )
+
+
 def write_base(folder, modules, transposed, seed=9):
     """A Hugging Face-style model folder: config.json and one float32 weight per module (+ one other)."""
     rng = np.random.default_rng(seed)
