@@ -26,6 +26,8 @@ def source_of(script: Path, stored: Path) -> tuple[nbformat.NotebookNode, bool]:
       The notebook and whether it carries stored outputs.
     """
     nb = jupytext.read(script, fmt="py:percent")
+    for i, cell in enumerate(nb.cells):  # nbformat draws random ids: fixed ones keep the page unchanged
+        cell["id"] = f"cell-{i}"
     if stored.is_file():
         executed = nbformat.read(stored, as_version=4)
         if _same_cells(nb, executed):
