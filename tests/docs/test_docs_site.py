@@ -65,6 +65,8 @@ def test_site_builds_and_renders_in_chromium(tmp_path):
         pytest.skip("chromium is not installed (Debian: apt-get install chromium; CI installs it)")
     fetch = subprocess.run([str(ROOT / "docs" / "fetch_mathjax.sh")], capture_output=True, text=True)
     assert fetch.returncode == 0, fetch.stderr
+    # Offline, math renders only with the MathJax served beside the site (npm's mathjax package).
+    assert (ROOT / "build" / "mathjax" / "tex-chtml.js").is_file(), fetch.stderr
     sphinx = shutil.which("sphinx-build", path=str(Path(sys.executable).parent))
     assert sphinx, "sphinx-build is not installed (pip install -e '.[docs]')"
     build = subprocess.run(
