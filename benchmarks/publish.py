@@ -304,6 +304,20 @@ def headline_checkpoints(d: Mapping[str, Any]) -> str:
     )
 
 
+def headline_lora(d: Mapping[str, Any]) -> str:
+    s, summary, lora = d["settings"], d["summary"], d["sizes"]["lora"]
+    best = d["winner_clean"]
+    full = summary["full fine-tuning, FedAvg"]
+    return (
+        f"**LoRA**: {s['nodes']} nodes fine-tune rank-{s['rank']} adapters "
+        f"({100 * lora['adapter_params'] / lora['model_params']:.1f}% of the parameters); merged by "
+        f"`{best}`, they reach test perplexity {summary[best]['perplexity_mean']:.2f} against "
+        f"{full['perplexity_mean']:.2f} for full fine-tuning with FedAvg, uploading "
+        f"{summary[best]['bytes_up'] / 1024:.0f} KB instead of {full['bytes_up'] / 1024:.0f} KB "
+        "per node and round"
+    )
+
+
 # The README's headline results: the result file each reads and how it says it.
 HEADLINES: tuple[tuple[str, Callable[[Mapping[str, Any]], str]], ...] = (
     ("robustness", headline_robustness),
@@ -311,6 +325,7 @@ HEADLINES: tuple[tuple[str, Callable[[Mapping[str, Any]], str]], ...] = (
     ("privacy_quality", headline_privacy),
     ("flower_side_by_side", headline_flower),
     ("merge_methods_hf", headline_checkpoints),
+    ("lora", headline_lora),
 )
 
 
