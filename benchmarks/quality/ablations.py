@@ -615,6 +615,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="skip the merge-pipeline runs (strategy rows and baselines only)",
     )
     parser.add_argument(
+        "--alphas", default=None, help="comma-separated Dirichlet alphas (default: the task's)"
+    )
+    parser.add_argument(
+        "--threats",
+        default=None,
+        help=f"comma-separated threats of the strategy rows (default: {list(THREATS)})",
+    )
+    parser.add_argument(
         "--combine",
         nargs="+",
         type=Path,
@@ -647,6 +655,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if unknown:
             parser.error(f"--mixes: unknown {unknown}; valid: {list(MIXES)}")
     alphas = list(budget_cfg["alphas"] if not args.quick or text else QUICK_ALPHAS)
+    threats = dict(THREATS)
+    try:
+        if args.alphas:
+            alphas = [float(a) for a in args.alphas.split(",")]
+    except ValueError:
+        parser.error(f"--alphas must be comma-separated numbers, got {args.alphas!r}")
+    if args.threats:
+        threats = {t: THREATS[t] for t in args.threats.split(",") if t in THREATS}
+        if len(threats) != len(args.threats.split(",")):
+            parser.error(f"--threats: choose from {list(THREATS)}, got {args.threats!r}")
     base = build_config(args.task, budget, 0, [])
     merges = [
         m for m in MERGES if not (text and m in CLASSIFICATION_ONLY) and (not args.quick or m in QUICK_MERGES)
@@ -671,7 +689,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "weights": f"{base.weights.objective}, max_weight = {base.weights.max_weight}",
         "mixes": mixes,
         "public_warm_start_steps": public_steps(base),
-        "threats": list(THREATS),
+        "threats": list(threats),
         "merges": [] if args.no_merges else merges + (list(EXAMPLE_DP) if example else []),
         "honest_under_attack": honest(base).tolist(),
         "overrides": {"task": TASKS[args.task], "common": COMMON, "threats": THREATS, "merges": MERGES},
@@ -688,7 +706,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         for alpha in alphas:
             for mix in mixes:
-                for threat, tov in THREATS.items():
+                for threat, tov in threats.items():
                     extra = [f"task.alpha={alpha}", *strategy_overrides(mix, base), *tov]
                     r = system_run(
                         build_config(args.task, budget, seed, extra),

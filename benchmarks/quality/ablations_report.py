@@ -409,6 +409,8 @@ def plot(res: Result) -> str:
     x = np.arange(len(st["alphas"]))
     for mix in st["mixes"]:
         for threat, style in (("clean", "-"), ("attack", "--")):
+            if threat not in st["threats"]:
+                continue
             m = [
                 sm["strategies"][f"{mix} | alpha={a:g} | {threat}"]["consensus_accuracy"][0]
                 for a in st["alphas"]
