@@ -43,6 +43,8 @@ def listed(package: str) -> list[str]:
         prefix = f"{module}." if module and module != package else ""
         entries = [line.strip() for line in block.splitlines()]
         names += [prefix + e for e in entries if e and not e.startswith(":")]
+    # Constants whose type's docstring would stand in for theirs are listed as py:data.
+    names += re.findall(r"^\.\. py:data:: ([\w.]+)$", text, flags=re.MULTILINE)
     return names
 
 
