@@ -35,6 +35,21 @@ def source_of(script: Path, stored: Path) -> tuple[nbformat.NotebookNode, bool]:
     return nb, False
 
 
+def _note(script: Path, executed: bool) -> nbformat.NotebookNode:
+    """A line under the title: where the outputs come from and how to run the notebook."""
+    run = f"`python notebooks/{script.name}`"
+    if executed:
+        text = (
+            "*The outputs on this page are from the test suite's small run (`META_CONSENSUS_SMALL=1`); "
+            f"{run} runs the full settings.*"
+        )
+    else:
+        text = f"*This page shows the notebook's source; {run} runs it.*"
+    cell = nbformat.v4.new_markdown_cell(text)
+    cell["id"] = "docs-note"
+    return cell
+
+
 def prepare(notebooks: Path, out: Path, stored: Path) -> dict[str, bool]:
     """Write ``out/<stem>.ipynb`` for every ``notebooks/[0-9]*.py``; stem -> rendered with outputs."""
     out.mkdir(parents=True, exist_ok=True)
@@ -42,6 +57,7 @@ def prepare(notebooks: Path, out: Path, stored: Path) -> dict[str, bool]:
     stems = set()
     for script in sorted(notebooks.glob("[0-9]*.py")):
         nb, executed = source_of(script, stored / f"{script.stem}.ipynb")
+        nb.cells.insert(1, _note(script, executed))
         target = out / f"{script.stem}.ipynb"
         text = nbformat.writes(nb)
         if not target.is_file() or target.read_text(encoding="utf-8") != text:
