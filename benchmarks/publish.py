@@ -216,8 +216,9 @@ def index(pages: Sequence[Page]) -> str:
             continue
         lines += [f"## {purpose.capitalize()}", ""]
         for p in group:
-            note = "" if p.rendered else " (tables as the run wrote them)"
-            lines.append(f"- [{p.stem}]({p.stem}.md){note}")
+            note = "" if p.rendered else "; tables as the run wrote them"
+            title = p.text.splitlines()[0].removeprefix("# ")
+            lines.append(f"- [{title}]({p.stem}.md) (`{p.stem}`{note})")
         lines.append("")
     hidden = "\n".join(p.stem for p in pages)
     lines += ["```{toctree}", ":hidden:", "", hidden, "```", ""]
