@@ -308,14 +308,14 @@ def headline_checkpoints(d: Mapping[str, Any]) -> str:
 def headline_lora(d: Mapping[str, Any]) -> str:
     s, summary, lora = d["settings"], d["summary"], d["sizes"]["lora"]
     best = d["winner_clean"]
-    full = summary["full fine-tuning, FedAvg"]
+    full, won = summary["full fine-tuning, FedAvg"], summary[best]
     return (
         f"**LoRA**: {s['nodes']} nodes fine-tune rank-{s['rank']} adapters "
         f"({100 * lora['adapter_params'] / lora['model_params']:.1f}% of the parameters); merged by "
-        f"`{best}`, they reach test perplexity {summary[best]['perplexity_mean']:.2f} against "
-        f"{full['perplexity_mean']:.2f} for full fine-tuning with FedAvg, uploading "
-        f"{summary[best]['bytes_up'] / 1024:.0f} KB instead of {full['bytes_up'] / 1024:.0f} KB "
-        "per node and round"
+        f"`{best}`, they reach test perplexity {won['perplexity_mean']:.2f} against "
+        f"{full['perplexity_mean']:.2f} for full fine-tuning with FedAvg, moving "
+        f"{won['bytes_up'] / 1024:.0f} KB up and {won['bytes_down'] / 1024:.0f} KB down per node and "
+        f"round instead of {full['bytes_up'] / 1024:.0f} KB each way"
     )
 
 
