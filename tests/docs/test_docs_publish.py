@@ -54,7 +54,7 @@ def test_new_result_files_are_picked_up(tmp_path):
     assert page.text.startswith("# A new benchmark\n")
     assert "- **Date:** 2030-01-01" in page.text and "| 1 |" in page.text
     assert not page.rendered  # no renderer: the run's own tables, said so on the page
-    assert "[brand_new_bench](brand_new_bench.md)" in publish.index([page])
+    assert "[A new benchmark](brand_new_bench.md)" in publish.index([page])
 
 
 def test_headline_numbers_are_the_json_numbers():
