@@ -260,7 +260,12 @@ def merge_pipeline(res: Result) -> list[str]:
     """Every merge variant at the default mix: accuracy clean and attacked, byz weight, epsilon."""
     st, sm = res["settings"], res["summary"]
     if not st["merges"]:
-        return []
+        return [
+            "## Merge pipeline",
+            "",
+            "Not run here (`--no-merges`): this file holds the node-strategy rows and the baselines only.",
+            "",
+        ]
     metric = _metric(res)
     lines = [
         "## Merge pipeline (default strategy mix"
