@@ -97,7 +97,14 @@ def test_splits_follow_the_node_protocol(idx_dir):
     np.testing.assert_array_equal(np.bincount(data.heldout["y"], minlength=10), np.full(10, 10))
     ids = data.meta["example_ids"]
     own = np.concatenate([ids[i, : data.train_count[i]] for i in range(4)])
-    assert len(own) == len(np.unique(own)) == 500 and own.max() < 600
+    # A stratified tenth of the training rows is the public pool; the nodes share the rest.
+    public = data.meta["general_ids"]
+    assert data.general_pool == "public" and np.intersect1d(public, own).size == 0
+    np.testing.assert_array_equal(
+        np.bincount(y[public], minlength=10),
+        np.round(0.1 * np.bincount(y[np.concatenate([own, public])], minlength=10)),
+    )
+    assert len(own) == len(np.unique(own)) == 500 - len(public) and own.max() < 600
     held_ids = {bytes(r) for r in data.heldout["x"].reshape(100, -1)}
     assert not held_ids & {bytes(x[i].reshape(-1)) for i in own}
     for i in range(4):
