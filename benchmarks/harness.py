@@ -41,7 +41,7 @@ import optax
 
 from strategies import NodeData, NodeTrainer, TaskData
 from strategies.tasks import Task, pad_index_table
-from strategies.tasks.base import dominant_groups, pad_stack
+from strategies.tasks.base import dominant_groups, pad_stack, with_public_pool
 from strategies.tasks.digits import NUM_CLASSES, DigitsTask
 
 PyTree = Any
@@ -308,9 +308,10 @@ def make_task(**options: Any) -> Task:
     """The selected task with the script's model options (``hidden`` = the MLP's hidden widths)."""
     from strategies.registry import resolve_task
 
-    if _task_name == "digits":
-        return DigitsTask(**options)
-    return resolve_task(_task_name, options)
+    task = DigitsTask(**options) if _task_name == "digits" else resolve_task(_task_name, options)
+    # These scripts read the general pool as the whole training split and cut their own nodes
+    # from it: no public pool apart, the general pool every training row.
+    return with_public_pool(task, 0.0, "union")
 
 
 # ----------------------------------------------------------------------------- data
@@ -448,8 +449,9 @@ def single_logits(task: Task):
 
 @dataclasses.dataclass(frozen=True)
 class ManyClientDigits(DigitsTask):
-    """Digits cut into ``num_nodes`` disjoint IID random shards of the training split (about
-    1257 / n examples each, at least one; ``seed`` draws the shards)."""
+    """Digits cut into ``num_nodes`` disjoint IID random shards of the private training rows
+    (about 1131 / n examples each, at least one; ``seed`` draws the shards); the general pool is
+    the task's public pool, apart from every shard."""
 
     name: str = "digits_many_clients"
 
@@ -466,7 +468,8 @@ class ManyClientDigits(DigitsTask):
         if process_count != 1:
             raise ValueError("ManyClientDigits runs in one process")
         whole = DigitsTask.splits(self, 1, seed=seed)
-        x, y = whole.general["x"], whole.general["y"]
+        rows = int(whole.train_count[0])  # one node: every private training row
+        x, y = whole.train["x"][0, :rows], whole.train["y"][0, :rows]
         if num_nodes > len(y):
             raise ValueError(f"{num_nodes} clients but only {len(y)} training examples")
         parts = np.array_split(np.random.default_rng(seed).permutation(len(y)), num_nodes)

@@ -41,11 +41,13 @@ LEARNING_RATES = np.array([1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1], np.f
 # %% [markdown]
 # ## Pre-train, then fine-tune with eight learning rates
 #
-# Every ingredient draws from the whole training pool (`data.everything()`). The same compiled
-# step serves the pre-training and the fine-tunes: only the hyperparameter values change.
+# Every ingredient draws from the whole training pool (`data.everything()`: with
+# `general_pool="union"` and no public pool apart, the general pool is every training row). The
+# same compiled step serves the pre-training and the fine-tunes: only the hyperparameter values
+# change.
 
 # %%
-task = DigitsTask(hidden=HIDDEN)
+task = DigitsTask(hidden=HIDDEN, public_fraction=0.0, general_pool="union")
 data = task.splits(NUM_INGREDIENTS, seed=0)
 pool = data.everything()
 trainer = NodeTrainer(task, optax.adamw, {"learning_rate": 1e-3, "weight_decay": 1e-4}, batch_size=32)

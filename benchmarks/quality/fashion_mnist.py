@@ -12,6 +12,7 @@ official 10,000 test images. Needs the IDX files (``make data``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Any
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(p, argv)
     rounds, local_steps, batch = (4, 20, 64) if args.quick else (40, 100, 64)
     task = resolve_task("fashion_mnist", {"model": args.model, "limit": 10000 if args.quick else None})
+    # Centralised training reads the general pool as the whole training split: no public pool apart.
+    task = dataclasses.replace(task, public_fraction=0.0, general_pool="union")
     data = task.splits(args.nodes, seed=0, alpha=args.alpha)
     opt = optax.adam(1e-3)
     train = _local_train(task, opt, local_steps, batch)

@@ -96,7 +96,8 @@ def finetune(
     batch_size: int = 32,
 ) -> Ingredients:
     """Pretrain one model on the general pool, then fine-tune k copies with random hyperparameters."""
-    task = DigitsTask(hidden=hidden)
+    # The whole training split is the general pool here (no public pool apart): every row pretrains.
+    task = DigitsTask(hidden=hidden, public_fraction=0.0, general_pool="union")
     data = task.splits(1, seed=seed)
     k_pre, k_ft = jax.random.split(jax.random.key(seed))
     base = pretrain(task, data.everything(), k_pre, pretrain_steps, 1e-3, batch_size)
