@@ -4,15 +4,17 @@ All n nodes live in one stacked :class:`~strategies.trainer.TrainState` and trai
 together in the node trainer's vmapped step, whatever their strategy:
 
 * ``local``: Adam on the node's own shard;
-* ``hierarchical``: a curriculum inside the round, the general pool, then the
-  general rows of the node's own groups, then its own shard
-  (:mod:`strategies.hierarchical`, one ``(n, T)`` schedule for all nodes);
+* ``hierarchical``: a curriculum inside the round, the general pool (the task's
+  public pool, apart from every node's shard), then the general rows of the
+  node's own groups, then its own shard (:mod:`strategies.hierarchical`, one
+  ``(n, T)`` schedule for all nodes);
 * ``convexity``: proximal pull towards the last consensus (and an optional L2
   ball around it) after every step, which keeps the node mergeable
   (:mod:`strategies.convexity`);
 * ``soup``: the round's training is cut into ``soup_snapshots`` segments; the
-  node submits the greedy soup of its snapshots on held-out accuracy
-  (:func:`strategies.soup.greedy_soup`);
+  node submits the greedy soup of its snapshots, from the latest, on a held-out
+  split of its own shard that it never trains on (:func:`strategies.soup.greedy_soup`;
+  ``Fleet.soup_log`` records each round's latest-snapshot and soup metrics);
 * Byzantine nodes train like the others (on batches the configured data
   attack rewrote: label flipping, or a plug-in's) and submit the model attack
   of :mod:`strategies.byzantine`.
@@ -51,16 +53,22 @@ from strategies.hierarchical import Level, plan
 from strategies.node import LEVELS
 from strategies.registry import check_task, resolve_task
 from strategies.tasks import TaskData
-from strategies.tasks.base import NodeData, Task
+from strategies.tasks.base import NodeData, Task, with_public_pool
 from strategies.tasks.checks import check_task_data
 from strategies.trainer import NodeTrainer, Proximal, Schedule, TrainState
 
 PyTree = Any
 
 
-def make_task(cfg: Config) -> Task:
-    """The task of a config: a registered name or a ``package.module:factory`` import path."""
-    return resolve_task(cfg.task.name, cfg.task.options)
+def make_task(cfg: Config, task: Task | None = None) -> Task:
+    """The task of a config (a registered name or a ``package.module:factory`` import path, or
+    ``task`` when given) with the config's public pool settings (``task.public_fraction``,
+    ``task.general_pool``)."""
+    task = resolve_task(cfg.task.name, cfg.task.options) if task is None else task
+    try:
+        return with_public_pool(task, cfg.task.public_fraction, cfg.task.general_pool)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +108,9 @@ class Fleet:
             # The n clients' state is one host's (gathered and scattered per round); a sample
             # spread over processes would need every process to hold the rows it trains.
             raise ConfigError("nodes.sampling: client sampling runs in one process (no jax.distributed)")
-        self.task = make_task(cfg) if task is None else check_task(task, "the task object")
+        self.task = make_task(cfg, None if task is None else check_task(task, "the task object"))
+        self.strategies = cfg.nodes.build_strategies()
+        self.settings = [s.settings(cfg.nodes.local_steps, cfg.nodes.learning_rate) for s in self.strategies]
         self.data: TaskData = self.task.splits(
             n,
             seed=cfg.task.data_seed,
@@ -108,6 +118,17 @@ class Fleet:
             process_index=process_index,
             process_count=process_count,
         )
+        own_heldout = np.asarray([st.own_heldout for st in self.settings], np.float64)
+        if own_heldout.any():
+            if process_count > 1:
+                raise ConfigError(
+                    "a held-out split of the node's own shard (soup heldout = 'own') runs in one process; "
+                    "set nodes.options.soup.heldout = 'shared'"
+                )
+            # Rows a node scores its snapshots on: kept out of every level of its training.
+            self.data = self.data.hold_out_own(own_heldout[self.data.node_ids], cfg.task.data_seed)
+        # Per round, each soup node's metrics on its held-out split: latest snapshot and soup.
+        self.soup_log: list[dict[int, dict[str, Any]]] = []
         # Finite features, labels the model's logits can predict, a forward pass that fits the input.
         check_task_data(self.task, self.data, f"task {getattr(self.task, 'name', cfg.task.name)!r}")
         mesh = (
@@ -120,8 +141,6 @@ class Fleet:
             mesh,
             cfg.nodes.optimizer,
         )
-        self.strategies = cfg.nodes.build_strategies()
-        self.settings = [s.settings(cfg.nodes.local_steps, cfg.nodes.learning_rate) for s in self.strategies]
         self.byzantine = byz_lib.Byzantine(
             mask=np.isin(np.arange(n), np.asarray(cfg.byzantine.nodes, np.int64)),
             attack=cfg.byzantine.attack,
@@ -153,6 +172,13 @@ class Fleet:
         level_steps = np.asarray([st.level_steps for st in self.settings], np.int64)
         if not level_steps[:, :2].any():
             return None  # every node trains on its own shard only: one data level
+        if len(self.data.general_groups) == 0:
+            pairs = zip(self.strategies, self.settings, strict=True)
+            names = sorted({s.name for s, st in pairs if any(st.level_steps[:2])})
+            raise ConfigError(
+                f"nodes.strategies {names} train on the task's public pool, and it is empty: "
+                "set task.public_fraction > 0"
+            )
         level_lr = np.asarray([st.level_lr for st in self.settings], np.float32)
         levels = [Level(name, level_steps[:, j], level_lr[:, j]) for j, name in enumerate(LEVELS)]
         return plan(levels, self.data)
@@ -382,26 +408,46 @@ class Fleet:
     def _soups(self, stacked: PyTree, snapshots: list[PyTree], rows: np.ndarray | None = None) -> PyTree:
         """Each node that took snapshots submits what its strategy's submit hook makes of them.
 
-        ``rows``: the nodes of the stacked rows (a sampled chunk); None: row i is node i.
+        A node scores trees on its own held-out split when its settings keep one (and it holds
+        rows there), else on the coordinator's held-out split. ``rows``: the nodes of the
+        stacked rows (a sampled chunk); None: row i is node i.
         """
         local = self.snapshot_nodes if rows is None else np.flatnonzero(np.isin(rows, self.snapshot_nodes))
         if not local.size:
             return stacked
         held = self.data.heldout
-        # One batched evaluation of every snapshot of every node, then each hook picks its own.
-        scores = np.stack([self.trainer.evaluate(s, held)["accuracy"] for s in snapshots], 0)
+        shared_scores: np.ndarray | None = None
         out = stacked
+        log: dict[int, dict[str, Any]] = {}
         for i in local:
             node = int(i) if rows is None else int(rows[i])
             ingredients = [jax.tree.map(functools.partial(_row, i=int(i)), s) for s in snapshots]
             final = jax.tree.map(functools.partial(_row, i=int(i)), stacked)
-            submitted = self.strategies[node].submit(
-                final,
-                ingredients,
-                lambda p: float(self._metrics(p, held)["accuracy"]),
-                scores=scores[:, i].tolist(),
-            )
+            pos = np.flatnonzero(self.data.node_ids == node)
+            own = self.data.own_heldout_batch(int(pos[0])) if pos.size else None
+            split = "own" if own is not None else "shared"
+            batch: Mapping[str, Any] = held if own is None else own
+
+            def evaluate(p: PyTree, batch: Any = batch) -> dict[str, float]:
+                return {k: float(v) for k, v in mesh_lib.to_host(self._metrics(p, batch)).items()}
+
+            if split == "shared":
+                if shared_scores is None:
+                    # One batched evaluation of every snapshot of every node on the shared split.
+                    shared_scores = np.stack(
+                        [
+                            np.stack([self.trainer.evaluate(s, held)[m] for m in ("accuracy", "loss")], -1)
+                            for s in snapshots
+                        ],
+                        0,
+                    )
+                scores = [{"accuracy": float(a), "loss": float(b)} for a, b in shared_scores[:, i]]
+            else:
+                scores = [evaluate(s) for s in ingredients]
+            submitted = self.strategies[node].submit(final, ingredients, evaluate, scores=scores)
+            log[node] = {"split": split, "latest": scores[-1], "soup": evaluate(submitted)}
             out = jax.tree.map(lambda x, s, i=int(i): x.at[i].set(s.astype(x.dtype)), out, submitted)
+        self.soup_log.append(log)
         return out
 
     # ------------------------------------------------------------------ evaluation

@@ -29,12 +29,21 @@ class TaskConfig:
       alpha: Dirichlet concentration of the non-IID split over the nodes (small: skewed).
       data_seed: seed of the node split (the train / held-out / test split is fixed per task).
       options: keyword arguments of the task's factory (digits: ``hidden``, the MLP's widths).
+      public_fraction: the stratified share of the training rows reserved as the public pool,
+        apart from every node's shard: the general data of hierarchical nodes (None: the
+        task's own, 0.1 for digits, Fashion-MNIST and array tasks; text's public pool is
+        fixed by its file roles).
+      general_pool: ``"public"`` (the public pool) or ``"union"`` (the public pool and every
+        node's shard: centralised data, an upper bound for comparisons, refused with
+        example-level DP); None: the task's own (``"public"``).
     """
 
     name: str = "digits"
     alpha: float = 0.5
     data_seed: int = 0
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    public_fraction: float | None = None
+    general_pool: Literal["public", "union"] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -249,6 +249,10 @@ def validate(cfg: Config) -> None:
                 f"valid options: {list(spec.params)}"
             )
     _check(t.alpha > 0, "task.alpha", t.alpha, "need > 0")
+    if t.public_fraction is not None:
+        _check(0.0 <= t.public_fraction < 1.0, "task.public_fraction", t.public_fraction, "need [0, 1)")
+    if t.general_pool is not None:
+        _choices("task.general_pool", t.general_pool, ("public", "union"))
     # nodes
     _check(n >= 2, "nodes.count", n, "need at least 2 nodes")
     strategies = cfg.nodes.strategy_of()
