@@ -3,7 +3,8 @@
 One checkpoint per saved round, ``<run>/checkpoints/<round>/``, with two items:
 
 * ``arrays`` (orbax StandardSave): the consensus, the nodes' TrainState
-  (params, optimizer states, key data, step counts) and the FedAvg baseline's.
+  (params, optimizer states, key data, step counts), the FedAvg baseline's and, in a
+  LoRA run, the frozen part (the base, which base deltas change, and FFA-LoRA's shared a).
   Restored against the shapes, dtypes and shardings of a freshly initialized
   state, so a sharded run restores sharded arrays, collectively on every process.
 * ``meta`` (JSON): the round counter, the root key, the aggregator state (small
@@ -254,6 +255,7 @@ class RunCheckpoints:
             "nodes": _nodes_dict(state.nodes),
             "fedavg": state.fedavg,
             "fedavg_nodes": _nodes_dict(state.fedavg_nodes),
+            "frozen": state.frozen,  # a LoRA run's base (and shared a): it changes with base deltas
         }
         arrays = {k: v for k, v in arrays.items() if v is not None}
         agg_leaves = jax.tree.leaves(state.aggregator)
@@ -312,6 +314,7 @@ class RunCheckpoints:
             "nodes": _nodes_dict(template.nodes),
             "fedavg": template.fedavg,
             "fedavg_nodes": _nodes_dict(template.fedavg_nodes),
+            "frozen": template.frozen,
         }
         target = {k: v for k, v in target.items() if v is not None}
         arrays = self.manager.restore(
@@ -353,6 +356,7 @@ class RunCheckpoints:
             fedavg_nodes=nodes(arrays.get("fedavg_nodes"), template.fedavg_nodes),
             ledger=None if meta["ledger"] is None else PrivacyLedger.from_dict(meta["ledger"]),
             key=jnp.asarray(_decode(meta["key"])),
+            frozen=arrays.get("frozen"),
         )
         history = [RoundInfo.from_json(h) for h in meta["history"]]
         return state, history

@@ -113,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
         "--preset",
         choices=_preset_names(),
         help="a config shipped with the package: robust (16 nodes, DnC, quadratic weights), "
-        "private (example-level DP-SGD)",
+        "private (example-level DP-SGD), lora (adapters of a frozen base)",
     )
     run.add_argument(
         "--set",

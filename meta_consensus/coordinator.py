@@ -36,6 +36,7 @@ from consensus.base import ByzantineToleranceError
 from consensus.mesh import to_host
 from consensus.privacy import PrivacyLedger, calibrate_noise, pld_epsilon, rdp_epsilon
 from meta_consensus import example_level_dp, sampling
+from meta_consensus import lora as lora_run
 from meta_consensus.config import Config, ConfigError
 from meta_consensus.fleet import Fleet
 from meta_consensus.pipeline import MergePipeline, MergeReport, RoundFailure
@@ -68,6 +69,9 @@ class CoordinatorState(NamedTuple):
       fedavg_nodes: the baseline's nodes (None when disabled).
       ledger: the privacy ledger (None without DP); never mutated, copied when spent.
       key: the root key (raw uint32 data).
+      frozen: LoRA runs: the frozen part of the model, ``{"base": the base params, "a": the
+        shared a of FFA-LoRA or {}}`` (``consensus`` and the nodes' params are then adapter
+        trees, see :mod:`meta_consensus.lora`); None otherwise.
     """
 
     round: int
@@ -78,6 +82,7 @@ class CoordinatorState(NamedTuple):
     fedavg_nodes: TrainState | None
     ledger: PrivacyLedger | None
     key: jax.Array
+    frozen: PyTree | None = None
 
 
 @dataclasses.dataclass
@@ -116,6 +121,15 @@ class RoundInfo:
     # Client sampling: the nodes sampled this round (empty under full participation); the
     # per-node lists above hold the sampled nodes' values and False / NaN / 0 for the others.
     sampled: list[int] = dataclasses.field(default_factory=list)
+    # Bytes on the wire per node this round: what a node sends (its params, or its adapter in a
+    # LoRA run) and what it receives (the consensus, or the adapter plus any base delta).
+    bytes_up: int = 0
+    bytes_down: int = 0
+    # Scalars a node trains (the adapter in a LoRA run) and of the whole model.
+    trainable_params: int = 0
+    model_params: int = 0
+    # LoRA runs: the adapter merge's method, exactness and ranks (consensus.lora's info).
+    adapter: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -169,6 +183,8 @@ class Coordinator:
     ):
         self.cfg = cfg
         self.fleet = Fleet(cfg, task=task, process_index=process_index, process_count=process_count)
+        # LoRA runs: the nodes train adapters of the task's model (meta_consensus.lora).
+        self.lora = lora_run.attach(self.fleet) if lora_run.enabled(cfg) else None
         self.server = self._server_reference(process_count)
         self.example = self._example_accountant()
         self.noise_multiplier = self._noise_multiplier()
@@ -180,6 +196,8 @@ class Coordinator:
         self.aggregator = self.pipeline.aggregator
         self._eval_jit: Callable[..., Any] | None = None  # built on the first evaluated round
         self.dp = cfg.dp.enabled and self.example is None  # node-level DP (the ledger)
+        # LoRA runs: the adapter merge replaces the vote, the weights and node-level DP.
+        self._baseline_frozen: PyTree | None = None  # the FedAvg baseline's frozen part (LoRA)
 
     def _server_reference(self, process_count: int) -> ServerReference | None:
         """Server-guided rules: split the root set off the held-out data (before anything reads it)."""
@@ -277,6 +295,11 @@ class Coordinator:
             params = fresh
         else:
             tree.check_same_structure([params], reference=fresh)
+        frozen = None
+        if self.lora is not None:  # params is the base model; the nodes train its adapters
+            params = self.lora.pretrain(self.fleet.data, params, k_params)
+            params, frozen = self.lora.start(params, k_params)
+            self._baseline_frozen = frozen
         nodes = self.fleet.init(k_nodes, params)
         agg_state = self.pipeline.init(params)
         baseline = self.cfg.baseline_fedavg
@@ -292,6 +315,7 @@ class Coordinator:
             fedavg_nodes=nodes if baseline else None,
             ledger=ledger,
             key=jax.random.key_data(key),
+            frozen=frozen,
         )
 
     # ------------------------------------------------------------------ the round
@@ -323,6 +347,8 @@ class Coordinator:
                 raise PrivacyBudgetStop(f"round {state.round}: {why}")
 
         # 1-2. broadcast + node fit (each node with its strategy; Byzantine nodes attack)
+        if self.lora is not None:
+            self.lora.frozen = state.frozen  # the base every fit and evaluation reads
         out = self.fleet.fit(state.nodes, state.consensus, k_fit, sample)
         secs["fit"] = out.seconds
 
@@ -344,59 +370,80 @@ class Coordinator:
         secs["validate"] = time.perf_counter() - t
 
         info = self._info(state, attempt, n, out, valid, errors, node_test, secs)
+        self._wire_info(info, state)
         if self.example is not None:
             self._example_epsilons(info, self.example_steps(state), pld=False)
         why = too_few_answers(self.cfg, valid, asked)
         if why:
             return state, self._fail(info, why)
 
-        # 4-6. vote -> weights -> DP
-        t = time.perf_counter()
-        # A fresh noise key for every (round, attempt): a retry never reuses noise.
-        agg_state = self.pipeline.with_key(state.aggregator, k_dp)
-        ledger = state.ledger
-        event = self.pipeline.privacy_event(agg_state)
-        if event is not None:
-            assert ledger is not None  # an event means node-level DP, for which init made the ledger
-            if not ledger.can_spend(event):
-                raise PrivacyBudgetStop(
-                    f"round {state.round}: epsilon would reach {ledger.epsilon_after(event):.3g}, "
-                    f"over the budget {ledger.budget}"
+        # 4-6. vote -> weights -> DP (a LoRA run: the adapter merge, meta_consensus.lora)
+        frozen = state.frozen
+        if self.lora is not None:
+            t = time.perf_counter()
+            assert state.frozen is not None  # a LoRA run's init made it
+            try:
+                lm = self.lora.merge(state.frozen, out.submitted, valid, k_dp, state.consensus)
+            except (ValueError, ByzantineToleranceError) as e:
+                # Adapters the method refuses, or too few valid nodes for the rule: nothing released.
+                secs["merge"] = time.perf_counter() - t
+                return state, self._fail(info, str(e))
+            secs.update(vote=time.perf_counter() - t, weights=0.0, dp=0.0)
+            merged, frozen, new_agg, ledger = lm.params, lm.frozen, state.aggregator, state.ledger
+            self._lora_info(info, lm, valid)
+        else:
+            t = time.perf_counter()
+            # A fresh noise key for every (round, attempt): a retry never reuses noise.
+            agg_state = self.pipeline.with_key(state.aggregator, k_dp)
+            ledger = state.ledger
+            event = self.pipeline.privacy_event(agg_state)
+            if event is not None:
+                assert ledger is not None  # an event means node-level DP, for which init made the ledger
+                if not ledger.can_spend(event):
+                    raise PrivacyBudgetStop(
+                        f"round {state.round}: epsilon would reach {ledger.epsilon_after(event):.3g}, "
+                        f"over the budget {ledger.budget}"
+                    )
+            try:
+                extra = round_extra(self.round_needs, self.server, state.consensus, key)
+                # vote.server_step's update is the round's, not the vote's, unless a rule asks for it.
+                g = extra[SERVER_UPDATE] if self.cfg.vote.server_step > 0 else None
+                if SERVER_UPDATE not in self.vote_needs:
+                    extra.pop(SERVER_UPDATE, None)
+                # The nodes' Fisher / input Grams when the vote needs them (meta_consensus.statistics).
+                extra.update(
+                    round_statistics(self.round_needs, self.fleet.task, self.fleet.data, out.submitted)
                 )
-        try:
-            extra = round_extra(self.round_needs, self.server, state.consensus, key)
-            # vote.server_step's update is the round's, not the vote's, unless a rule asks for it.
-            g = extra[SERVER_UPDATE] if self.cfg.vote.server_step > 0 else None
-            if SERVER_UPDATE not in self.vote_needs:
-                extra.pop(SERVER_UPDATE, None)
-            # The nodes' Fisher / input Grams when the vote needs them (meta_consensus.statistics).
-            extra.update(round_statistics(self.round_needs, self.fleet.task, self.fleet.data, out.submitted))
-            merged, new_agg = self.pipeline.update(out.submitted, agg_state, state.consensus, valid, **extra)
-            if g is not None:  # after the vote, the weights and the DP release (post-processing)
-                merged = server_step(merged, g, float(self.cfg.vote.server_step))
-        except (RoundFailure, ByzantineToleranceError) as e:
-            # Solver failure, or too few valid nodes left for the rule's precondition (Krum needs
-            # m > 2f + 2 of the nodes that answered). The pipeline stopped before the noise was
-            # drawn: nothing was released, nothing is charged.
-            secs["merge"] = time.perf_counter() - t
-            return state, self._fail(info, str(e))
-        if event is not None:
-            # The DP release happened: it is charged even if the round is rejected below.
-            assert ledger is not None  # checked before the merge
-            ledger = copy.deepcopy(ledger)
-            ledger.spend(event)
-        merge = time.perf_counter() - t
-        report = self.pipeline.report(new_agg)
-        vote = report.seconds.get("vote", merge)
-        weights = report.seconds.get("weights", 0.0)
-        secs.update(vote=vote, weights=weights, dp=max(merge - vote - weights, 0.0))
-        self._merge_info(info, report, ledger, second_accountant=self.second_accountant_due(state.round))
+                merged, new_agg = self.pipeline.update(
+                    out.submitted, agg_state, state.consensus, valid, **extra
+                )
+                if g is not None:  # after the vote, the weights and the DP release (post-processing)
+                    merged = server_step(merged, g, float(self.cfg.vote.server_step))
+            except (RoundFailure, ByzantineToleranceError) as e:
+                # Solver failure, or too few valid nodes left for the rule's precondition (Krum needs
+                # m > 2f + 2 of the nodes that answered). The pipeline stopped before the noise was
+                # drawn: nothing was released, nothing is charged.
+                secs["merge"] = time.perf_counter() - t
+                return state, self._fail(info, str(e))
+            if event is not None:
+                # The DP release happened: it is charged even if the round is rejected below.
+                assert ledger is not None  # checked before the merge
+                ledger = copy.deepcopy(ledger)
+                ledger.spend(event)
+            merge = time.perf_counter() - t
+            report = self.pipeline.report(new_agg)
+            vote = report.seconds.get("vote", merge)
+            weights = report.seconds.get("weights", 0.0)
+            secs.update(vote=vote, weights=weights, dp=max(merge - vote - weights, 0.0))
+            self._merge_info(info, report, ledger, second_accountant=self.second_accountant_due(state.round))
 
         accepted = np.asarray(info.accepted, bool)
         why = too_few_accepted(self.cfg, accepted, asked)
         if why:
             return state._replace(ledger=ledger), self._fail(info, why)
-        if not bool(to_host(tree.is_finite(merged))):
+        if not bool(to_host(tree.is_finite(merged))) or (
+            frozen is not None and frozen is not state.frozen and not bool(to_host(tree.is_finite(frozen)))
+        ):
             return state._replace(ledger=ledger), self._fail(info, "the new consensus is not finite")
 
         # 7. the plain FedAvg baseline (same nodes, same keys, uniform mean of the valid answers)
@@ -404,7 +451,11 @@ class Coordinator:
         if fedavg is not None:
             t = time.perf_counter()
             assert fedavg_nodes is not None  # the baseline's params and nodes are set together
+            if self.lora is not None:
+                self.lora.frozen = self._baseline_frozen  # FedIT's mean on the first base
             b = self.fleet.fit(fedavg_nodes, fedavg, k_fit, sample)
+            if self.lora is not None:
+                self.lora.frozen = state.frozen
             ok = b.answered & np.asarray(to_host(tree.finite_mask(b.submitted)), bool)
             if ok.any():
                 fedavg = tree.weighted_sum(b.submitted, jnp.asarray(ok / ok.sum(), jnp.float32))
@@ -415,7 +466,7 @@ class Coordinator:
         # 8. evaluate
         if evaluate:
             t = time.perf_counter()
-            ev = self._evaluate_consensus(merged, fedavg)
+            ev = self._evaluate_consensus(merged, fedavg, frozen)
             info.consensus_accuracy, info.consensus_loss = ev["test"]["accuracy"], ev["test"]["loss"]
             info.heldout_accuracy = ev["heldout"]["accuracy"]
             if fedavg is not None:
@@ -423,7 +474,7 @@ class Coordinator:
             secs["evaluate"] = time.perf_counter() - t
         merged = jax.tree.map(lambda a, p: a.astype(p.dtype), merged, state.consensus)
         new_state = CoordinatorState(
-            state.round + 1, merged, out.state, new_agg, fedavg, fedavg_nodes, ledger, state.key
+            state.round + 1, merged, out.state, new_agg, fedavg, fedavg_nodes, ledger, state.key, frozen
         )
         if self.example is not None:
             due = self.second_accountant_due(state.round)
@@ -442,15 +493,25 @@ class Coordinator:
         r, every = round_index + 1, self.cfg.checkpoint_every
         return r >= self.cfg.rounds or (every > 0 and r % every == 0)
 
-    def _evaluate_consensus(self, merged: PyTree, fedavg: PyTree | None) -> dict[str, dict[str, float]]:
-        """The consensus on test and held-out data and FedAvg on test: one jitted call, one transfer."""
-        if self._eval_jit is None:
-            metrics = self.fleet.task.metrics
+    def _evaluate_consensus(
+        self, merged: PyTree, fedavg: PyTree | None, frozen: PyTree | None = None
+    ) -> dict[str, dict[str, float]]:
+        """The consensus on test and held-out data and FedAvg on test: one jitted call, one transfer.
 
-            def evaluate(merged, fedavg, test, heldout):
-                out = {"test": metrics(merged, test), "heldout": metrics(merged, heldout)}
+        ``frozen``: a LoRA run's frozen part of the consensus (the baseline's is its first one).
+        """
+        if self._eval_jit is None:
+            task = self.fleet.task
+
+            def evaluate(merged, fedavg, test, heldout, frozen, baseline_frozen):
+                def metrics(p, batch, fz):
+                    if fz is None:
+                        return task.metrics(p, batch)
+                    return task.metrics(p, batch, frozen=fz)  # a LoraTask
+
+                out = {"test": metrics(merged, test, frozen), "heldout": metrics(merged, heldout, frozen)}
                 if fedavg is not None:
-                    out["fedavg"] = metrics(fedavg, test)
+                    out["fedavg"] = metrics(fedavg, test, baseline_frozen)
                 return out
 
             self._eval_jit = jax.jit(evaluate)
@@ -458,7 +519,7 @@ class Coordinator:
             # Without a mesh, the evaluation data moves to the device once, not every round (on a
             # mesh the jitted call places the host arrays next to the sharded consensus).
             self._eval_data = jax.device_put(data) if self.fleet.trainer.mesh is None else data
-        out = to_host(self._eval_jit(merged, fedavg, *self._eval_data))
+        out = to_host(self._eval_jit(merged, fedavg, *self._eval_data, frozen, self._baseline_frozen))
         return {k: {m: float(v) for m, v in d.items()} for k, d in out.items()}
 
     def skip(self, state: CoordinatorState) -> CoordinatorState:
@@ -532,6 +593,53 @@ class Coordinator:
                     info.epsilon_pld = _pld(z, q, rounds, delta, info.epsilon)
                 else:
                     info.epsilon_rdp = rdp_epsilon(z, q, rounds, delta)
+
+    def _wire_info(self, info: RoundInfo, state: CoordinatorState) -> None:
+        """Parameter counts, and the bytes of a whole-model round (a LoRA merge sets its own)."""
+        from strategies.lora import tree_bytes, tree_size
+
+        if state.frozen is not None:
+            info.trainable_params = tree_size(state.consensus)
+            info.model_params = tree_size(state.frozen["base"])
+            return
+        info.trainable_params = info.model_params = tree_size(state.consensus)
+        info.bytes_up = info.bytes_down = tree_bytes(state.consensus)
+
+    def _lora_info(self, info: RoundInfo, lm: Any, valid: np.ndarray) -> None:
+        """A LoRA round's vote and wire: accepted nodes, weights, bytes, parameter counts, exactness."""
+        n, rows = self.cfg.nodes.count, np.flatnonzero(valid)
+        accepted = np.zeros((n,), bool)
+        accepted[rows] = True
+        selected = lm.info.get("selected")
+        if selected is not None:  # a robust rule's choice among the valid nodes
+            sel = np.asarray(selected)
+            keep = np.zeros((len(rows),), bool)
+            if sel.dtype == bool:
+                keep = sel.reshape(-1)[: len(rows)]
+            else:
+                keep[sel.astype(np.int64)] = True
+            accepted[:] = False
+            accepted[rows[keep]] = True
+        weights = np.zeros((n,), np.float64)
+        w = lm.info.get("weights")
+        if w is not None and len(w) == len(rows):
+            weights[rows] = np.asarray(w, np.float64)
+        else:
+            weights[accepted] = 1.0 / max(int(accepted.sum()), 1)
+        info.accepted, info.weights = _bools(accepted), _floats(weights)
+        info.bytes_up, info.bytes_down = int(lm.info["bytes_up"]), int(lm.info["bytes_down"])
+        keys = (
+            "method",
+            "exactness",
+            "rank",
+            "rank_out",
+            "space",
+            "relative_truncation_error",
+            "relative_approximation_error",
+        )
+        info.adapter = {
+            k: lm.info[k] for k in keys if k in lm.info and isinstance(lm.info[k], str | int | float)
+        }
 
     @staticmethod
     def _fail(info: RoundInfo, reason: str) -> RoundInfo:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from meta_consensus.config.validation import validate
 from strategies import node as node_lib
 from strategies import registry as node_registry
+from strategies.lora import LoraSettings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +74,10 @@ class NodesConfig:
       chunk: sampled nodes per vmapped fit call (0: all the round's nodes in one call); a
         Poisson sample is padded to a multiple of it (padding rows are missing answers), so
         the fit compiles once and the vote once per bucket of that size.
+      lora: ``[nodes.lora]``: the nodes train LoRA adapters on a frozen base
+        (:class:`strategies.lora.LoraSettings`: ``rank``, ``alpha``, ``targets`` (regular
+        expressions over '/'-joined parameter paths), ``dropout``, ``freeze_a``); None (no
+        table): the nodes train the whole model. See :mod:`meta_consensus.lora`, docs/lora.md.
     """
 
     count: int = 8
@@ -86,6 +91,7 @@ class NodesConfig:
     sampling_rate: float | None = None
     chunk: int = 0
     optimizer: Literal["adam", "sgd"] = "adam"
+    lora: LoraSettings | None = None
 
     @property
     def sampled(self) -> bool:
@@ -192,6 +198,12 @@ class VoteConfig:
         for the server-guided rules; needs the root set, with any rule). 0 (the default):
         off. The root set's data then enters the model: it assumes the coordinator's data
         is clean and like the nodes' task, as FLTrust does.
+      adapter_method: LoRA runs (``[nodes.lora]``): how the nodes' adapters are merged, a name
+        of ``consensus.lora.ADAPTER_METHODS`` ("fedit", "ffa" with ``nodes.lora.freeze_a``,
+        "stack", "svd", "exact_residual", ...); ``rule`` is applied robustly before it unless
+        it is "mean".
+      adapter_space: LoRA runs: where the robust ``rule`` acts, "products" (the nodes' updates
+        ``s a b``, exact) or "factors" (the flattened factors, cheap).
     """
 
     rule: str = "multi_krum"
@@ -207,6 +219,8 @@ class VoteConfig:
     root_size: int | float = 100
     server_steps: int | None = None
     server_step: float = 0.0
+    adapter_method: str = "fedit"
+    adapter_space: Literal["products", "factors"] = "products"
 
     def f(self, answered: int) -> int:
         """f of a flat vote when ``answered`` nodes answered with a valid candidate."""

@@ -180,6 +180,18 @@ def _check_sampling(cfg: Config) -> None:
     )
 
 
+def _check_lora(cfg: Config) -> None:
+    """LoRA runs: the settings, the adapter method and space, what they do not combine with, and
+    (for a registered task) the targets and rank against the model's shapes."""
+    from meta_consensus import lora
+
+    lora.check_config(cfg)
+    if lora.enabled(cfg) and ":" not in cfg.task.name:
+        assert cfg.nodes.lora is not None
+        task = node_registry.resolve_task(cfg.task.name, cfg.task.options)
+        lora.check_targets(cfg.nodes.lora, task)
+
+
 _entry_points_loaded = False
 
 
@@ -325,6 +337,7 @@ def validate(cfg: Config) -> None:
             _check(d.budget > 0, "dp.budget", d.budget, "need > 0")
         _check(0 < d.target_quantile < 1, "dp.target_quantile", d.target_quantile, "need (0, 1)")
         _check(d.adaptive_lr > 0, "dp.adaptive_lr", d.adaptive_lr, "need > 0")
+    _check_lora(cfg)
     # faults
     f = cfg.faults
     _check(0.0 <= f.drop_rate < 1.0, "faults.drop_rate", f.drop_rate, "need [0, 1)")

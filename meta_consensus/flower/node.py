@@ -18,6 +18,15 @@ Between rounds the node keeps its optimizer state, key stream and step count in 
 ``context.state`` (a RecordDict the SuperNode keeps for the run), under the key
 ``"meta-consensus.node"``: nothing else survives between two calls of a ClientApp.
 
+LoRA runs (``[nodes.lora]``, :mod:`meta_consensus.lora`): the messages carry the adapter's
+trainable arrays only, down and up, and, in the round after a merge method produced one, the
+dense base delta (``"base_delta"``, with the config's ``base-version``). Each node builds the
+shared base itself, once, from the config (the task's init from the seed or ``init_from``, then
+``nodes.lora.pretrain_steps`` on the general pool), keeps it in its process, applies every base
+delta once, and checks the server's SHA-256 of the base (``base-digest``) before it trains: a node
+whose base differs is an error reply, never a silent drift. A SuperNode restarted mid-run rebuilds
+the first base and cannot follow later deltas: its answers are then missing.
+
 Not supported on this path (refused with a clear error): example-level DP-SGD, configured
 Byzantine nodes (the package's model attacks are omniscient, they read every node's
 candidate) and simulated faults (on Flower, faults are real: a node that dies is a
@@ -39,10 +48,12 @@ from flwr.clientapp import ClientApp
 
 from consensus.mesh import to_host
 from meta_consensus import config as config_lib
+from meta_consensus import lora as lora_run
 from meta_consensus.config import Config, ConfigError
 from meta_consensus.fleet import _trainer, make_task
 from meta_consensus.flower.arrays import from_array_record, to_array_record
 from strategies.hierarchical import Level, plan
+from strategies.lora import add_base_delta, matrix_shape
 from strategies.node import LEVELS
 from strategies.registry import check_task
 from strategies.tasks.base import NodeData, Task
@@ -54,6 +65,9 @@ CONFIG_KEY = "meta-consensus.config"  # the run's config (TOML text) in the trai
 ROUND_KEY = "server-round"  # Flower's own key for the round in the ConfigRecord
 STATE_KEY = "meta-consensus.node"  # the node's TrainState (params aside) in context.state
 PARTITION_KEY = "partition-id"  # node_config key (Flower's convention) and reply metric
+BASE_VERSION_KEY = "base-version"  # LoRA: how many base deltas the server has applied
+BASE_DIGEST_KEY = "base-digest"  # LoRA: SHA-256 of the server's frozen part (meta_consensus.lora.base_digest)
+BASE_DELTA = "base_delta"  # LoRA: the RecordDict key of the last merge's dense base delta
 EXAMPLES_KEY = "num-examples"  # Flower's weight key for metric aggregation
 
 
@@ -102,15 +116,25 @@ class FlowerNode:
             raise ValueError(f"partition-id must be an int in [0, {n}), got {index!r}")
         self.index = int(index)
         self.task = make_task(cfg) if task is None else check_task(task, "the task object")
+        # LoRA runs: the node trains adapters; the frozen base is built once and kept here.
+        self.lora: lora_run.LoraRound | None = None
+        self.frozen: PyTree | None = None
+        self.base_version = 0
+        if cfg.nodes.lora is not None:
+            self.base_task = self.task
+            self.lora = lora_run.LoraRound(cfg, lora_run.wrap_task(cfg, self.task))
+            self.task = self.lora.task  # type: ignore[assignment]  # a LoraTask is a Task
         self.data = self.task.splits(
             n, seed=cfg.task.data_seed, alpha=cfg.task.alpha, process_index=self.index, process_count=n
         )
-        self.trainer = _trainer(
+        self.trainer: Any = _trainer(
             self.task,  # type: ignore[arg-type]  # tasks are hashable; the Task protocol does not say so
             cfg.nodes.learning_rate,
             cfg.nodes.batch_size,
             None,
         )
+        if self.lora is not None:
+            self.trainer = lora_run.FrozenTrainer(self.trainer, self)
         strategies = cfg.nodes.build_strategies()
         self.strategy = strategies[self.index]
         settings = [s.settings(cfg.nodes.local_steps, cfg.nodes.learning_rate) for s in strategies]
@@ -135,12 +159,56 @@ class FlowerNode:
         if len(snaps) > 1:
             raise ValueError(f"nodes take different numbers of snapshots {sorted(snaps)}; use one number")
         self._segments = np.array_split(np.arange(cfg.nodes.local_steps), snaps.pop() if snaps else 1)
-        self._metrics = jax.jit(self.task.metrics)
+        self._metrics: Any = jax.jit(self.task.metrics)
+        if self.lora is not None:
+            lora_metrics = lora_run.lora_metrics(self.lora.task)
+            self._metrics = lambda p, batch: lora_metrics(p, batch, self.frozen)
         self.template = jax.eval_shape(self.task.init, jax.random.key(0))
 
     @property
     def num_examples(self) -> int:
         return int(self.data.train_count[0])
+
+    # ------------------------------------------------------------------ LoRA base
+
+    def sync_base(self, msg: Message) -> None:
+        """LoRA runs: build the base once, apply the message's base delta, check the server's digest.
+
+        Raises:
+          ValueError: a base delta this node cannot place (a version it skipped) or a base whose
+            digest differs from the server's (the reply is then an error: a missing answer).
+        """
+        if self.lora is None:
+            return
+        cfg_record: ConfigRecord = msg.content["config"]  # type: ignore[assignment]
+        if self.frozen is None:
+            k_params, _ = jax.random.split(jax.random.key(self.cfg.seed))
+            base = self.base_task.init(k_params)
+            if self.cfg.init_from is not None:
+                from meta_consensus.run import load_initial_params
+
+                base = load_initial_params(self.cfg.init_from, base)
+            base = self.lora.pretrain(self.data, base, k_params)
+            _, self.frozen = self.lora.start(base, k_params)
+        version = int(cfg_record.get(BASE_VERSION_KEY, 0))  # type: ignore[arg-type]
+        if version == self.base_version + 1 and BASE_DELTA in msg.content:
+            got = msg.content[BASE_DELTA]
+            like = {
+                p: jax.ShapeDtypeStruct(matrix_shape(shape), np.float32)
+                for p, shape in self.lora.task.targets.items()
+                if p in set(got.keys())
+            }
+            delta = from_array_record(got, like, "the base delta")
+            self.frozen = {"base": add_base_delta(self.frozen["base"], delta), "a": self.frozen["a"]}
+            self.base_version = version
+        if version != self.base_version:
+            raise ValueError(
+                f"base version {version} from the server, this node holds version {self.base_version}: "
+                "it missed a base delta (a restarted SuperNode cannot follow a run whose base changed)"
+            )
+        digest = str(cfg_record.get(BASE_DIGEST_KEY, ""))
+        if digest and digest != lora_run.base_digest(self.frozen):
+            raise ValueError("this node's base differs from the server's (base-digest mismatch)")
 
     # ------------------------------------------------------------------ state
 
@@ -268,6 +336,7 @@ def _node_of(msg: Message, context: Context, task: Task | None) -> tuple[FlowerN
 def train_reply(msg: Message, context: Context, task: Task | None = None) -> Message:
     """Train this node for one round from the consensus in ``msg``; reply with its candidate."""
     node, server_round = _node_of(msg, context, task)
+    node.sync_base(msg)
     anchor = from_array_record(msg.content["arrays"], node.template, "the broadcast consensus")
     saved = context.state.array_records.get(STATE_KEY) if STATE_KEY in context.state else None
     state = node.init_state(anchor) if saved is None else node.state_from_record(saved, anchor)
@@ -287,6 +356,7 @@ def train_reply(msg: Message, context: Context, task: Task | None = None) -> Mes
 def evaluate_reply(msg: Message, context: Context, task: Task | None = None) -> Message:
     """Evaluate the consensus in ``msg`` on this node's own shard."""
     node, server_round = _node_of(msg, context, task)
+    node.sync_base(msg)
     params = from_array_record(msg.content["arrays"], node.template, "the broadcast consensus")
     out = node.evaluate(params)
     metrics = MetricRecord(

@@ -42,6 +42,13 @@ reasons and per-node errors, which a MetricRecord cannot hold, are in :attr:`his
 Evaluation replies are aggregated as Flower's FedAvg does (means weighted by
 ``num-examples``).
 
+LoRA runs (``[nodes.lora]``): the strategy holds the frozen base and the adapter; the messages
+carry the adapter's trainable arrays (and, after a merge that produced one, the dense base delta
+with the base's version and SHA-256; see :mod:`meta_consensus.flower.node`), and the merge is
+:meth:`meta_consensus.lora.LoraRound.merge` (``vote.adapter_method``, ``vote.rule`` robustly in
+``vote.adapter_space``). Every round records the bytes of the arrays each node received and
+sent (:attr:`FlowerRound.bytes_down`, :attr:`FlowerRound.bytes_up`: the mean over the nodes).
+
 This module lives in the system layer (``meta_consensus.flower``), not in ``consensus``:
 it needs the system's config and pipeline, and the library never imports the system.
 """
@@ -69,11 +76,15 @@ from consensus.base import ByzantineToleranceError
 from consensus.mesh import to_host
 from consensus.privacy import PrivacyLedger, calibrate_noise
 from meta_consensus import config as config_lib
+from meta_consensus import lora as lora_run
 from meta_consensus.config import Config
 from meta_consensus.coordinator import round_key, too_few_accepted, too_few_answers
 from meta_consensus.fleet import make_task
 from meta_consensus.flower.arrays import ArrayRecordMismatch, from_array_record, to_array_record
 from meta_consensus.flower.node import (
+    BASE_DELTA,
+    BASE_DIGEST_KEY,
+    BASE_VERSION_KEY,
     CONFIG_KEY,
     EXAMPLES_KEY,
     PARTITION_KEY,
@@ -106,6 +117,9 @@ class FlowerRound:
     consensus_accuracy: float = math.nan
     heldout_accuracy: float = math.nan
     seconds: float = 0.0
+    # Bytes of the arrays in the round's messages, mean per node: received (train) and sent.
+    bytes_down: float = 0.0
+    bytes_up: float = 0.0
 
 
 class ConsensusStrategy(Strategy):
@@ -161,6 +175,16 @@ class ConsensusStrategy(Strategy):
             initial_params = fresh
         else:
             tree.check_same_structure([initial_params], reference=fresh)
+        # LoRA runs: initial_params is the base; the consensus is the adapter's trainable part.
+        self.lora: lora_run.LoraRound | None = None
+        self.frozen: PyTree | None = None
+        self.base_version = 0
+        self._base_delta: dict[str, Any] | None = None  # the last merge's, sent with the next messages
+        if lora_run.enabled(cfg):
+            self.lora = lora_run.LoraRound(cfg, lora_run.wrap_task(cfg, self.task))
+            base = self.lora.pretrain(data, initial_params, k_params)
+            initial_params, self.frozen = self.lora.start(base, k_params)
+            self._digest = lora_run.base_digest(self.frozen)
         self.consensus = jax.tree.map(jnp.asarray, initial_params)
         self.agg_state = self.pipeline.init(self.consensus)
         self.ledger = PrivacyLedger(d.delta, d.budget, d.accountant) if d.enabled else None
@@ -175,8 +199,18 @@ class ConsensusStrategy(Strategy):
         self._dst_of: dict[str, int] = {}  # message id -> destination node id (RoundGrid fills it)
         self.poll_s = float(poll_s)
         self._timeout = 3600.0  # the round timeout start() was given
-        self._metrics = jax.jit(self.task.metrics)
-        self._node_metrics = jax.jit(jax.vmap(self.task.metrics, in_axes=(0, None)))
+        self._metrics: Any = jax.jit(self.task.metrics)
+        self._node_metrics: Any = jax.jit(jax.vmap(self.task.metrics, in_axes=(0, None)))
+        if self.lora is not None:
+            metrics = lora_run.lora_metrics(self.lora.task)
+            node_metrics = jax.jit(
+                jax.vmap(
+                    lambda p, b, fz: self.lora.task.metrics(p, b, frozen=fz),  # type: ignore[union-attr]
+                    in_axes=(0, None, None),
+                )
+            )
+            self._metrics = lambda p, b: metrics(p, b, self.frozen)
+            self._node_metrics = lambda p, b: node_metrics(p, b, self.frozen)
 
     # ------------------------------------------------------------------ Flower's interface
 
@@ -226,10 +260,18 @@ class ConsensusStrategy(Strategy):
         config = ConfigRecord(dict(config))
         config[ROUND_KEY] = server_round
         config[CONFIG_KEY] = self.config_text
-        content = RecordDict({"arrays": to_array_record(self.consensus), "config": config})
+        records: dict[str, Any] = {"arrays": to_array_record(self.consensus), "config": config}
+        if self.lora is not None:
+            config[BASE_VERSION_KEY] = self.base_version
+            config[BASE_DIGEST_KEY] = self._digest
+            if self._base_delta is not None:
+                records[BASE_DELTA] = to_array_record(self._base_delta)
+        content = RecordDict(records)
         ids = self._node_ids(grid, first=server_round == 1 and kind == MessageType.TRAIN)
         self._learn_partitions(server_round, grid, ids)
         self._sent = [Message(content, dst, kind, group_id=str(server_round)) for dst in ids]
+        if kind == MessageType.TRAIN:
+            self._bytes_down = record_bytes(content)
         return self._sent
 
     def _learn_partitions(self, server_round: int, grid: Grid, ids: list[int]) -> None:
@@ -289,6 +331,7 @@ class ConsensusStrategy(Strategy):
         errors: dict[str, str] = {}
         failed: dict[str, str] = {}  # error replies by partition (or node id), filed after the answers
         records = []
+        up: list[int] = []
         for msg in replies:
             src = msg.metadata.src_node_id
             if msg.has_error():
@@ -325,6 +368,8 @@ class ConsensusStrategy(Strategy):
                 errors[str(pid)] = str(e)
                 continue
             records.append(msg.content)
+            up.append(record_bytes(msg.content))
+        self._bytes_up = float(np.mean(up)) if up else 0.0
         answered = np.array([c is not None for c in candidates], bool)
         for key, why in failed.items():
             if not (key.isdigit() and answered[int(key)]):  # another node of that partition answered
@@ -351,6 +396,33 @@ class ConsensusStrategy(Strategy):
             valid &= ~low
         return stacked, answered, valid, errors, records
 
+    def _merge_adapters(
+        self, stacked: PyTree, valid: np.ndarray, info: FlowerRound, key: jax.Array
+    ) -> tuple[PyTree | None, str]:
+        """A LoRA round's merge (as the coordinator's); the new base waits for the next messages."""
+        assert self.lora is not None and self.frozen is not None
+        try:
+            lm = self.lora.merge(self.frozen, stacked, valid, key, self.consensus)
+        except (ValueError, ByzantineToleranceError) as e:
+            return None, str(e)
+        rows = np.flatnonzero(valid)
+        accepted = np.zeros((self.n,), bool)
+        accepted[rows] = True
+        info.accepted = accepted.tolist()
+        info.weights = [1.0 / len(rows) if a else 0.0 for a in accepted]
+        why = too_few_accepted(self.cfg, accepted)
+        if why:
+            return None, why
+        finite = tree.finite_mask(tree.stack([lm.params]))
+        if not bool(np.all(to_host(finite))) or not bool(to_host(tree.is_finite(lm.frozen))):
+            return None, "the new consensus is not finite"
+        self.frozen = lm.frozen
+        self._base_delta = lm.base_delta
+        if lm.base_delta is not None:
+            self.base_version += 1
+            self._digest = lora_run.base_digest(self.frozen)
+        return lm.params, ""
+
     def _destination(self, message_id: str, default: int) -> int:
         """The node a sent message went to (``default`` for an unknown id)."""
         if not message_id:
@@ -371,6 +443,7 @@ class ConsensusStrategy(Strategy):
         info = FlowerRound(
             server_round, True, "", answered.tolist(), valid.tolist(), [False] * n, [0.0] * n, errors, eps
         )
+        info.bytes_down, info.bytes_up = float(getattr(self, "_bytes_down", 0)), self._bytes_up
         if errors:
             log.warning(
                 "round %d: %d of %d valid answers; %s",
@@ -401,6 +474,8 @@ class ConsensusStrategy(Strategy):
     def _merge(self, stacked: PyTree, valid: np.ndarray, info: FlowerRound) -> tuple[PyTree | None, str]:
         """Vote -> weights -> DP as the coordinator runs it; (new consensus, "") or (None, why)."""
         _, k_dp = jax.random.split(round_key(self.key_data, self.rounds_done, 0))
+        if self.lora is not None:
+            return self._merge_adapters(stacked, valid, info, k_dp)
         agg_state = self.pipeline.with_key(self.agg_state, k_dp)
         event = self.pipeline.privacy_event(agg_state)
         if event is not None:
@@ -471,3 +546,13 @@ def node_weighted_mean(contents: list[RecordDict]) -> MetricRecord:
             )
         )
     return aggregate_metricrecords(keep, EXAMPLES_KEY)
+
+
+def record_bytes(content: RecordDict) -> int:
+    """Bytes of the arrays a message carries: every ArrayRecord's arrays, shape times item size
+    (the payload; each array's ``.npy`` header adds about a hundred bytes on the wire)."""
+    total = 0
+    for rec in content.values():
+        if isinstance(rec, ArrayRecord):
+            total += sum(math.prod(arr.shape) * np.dtype(arr.dtype).itemsize for arr in rec.values())
+    return total

@@ -1,0 +1,308 @@
+"""LoRA runs: the nodes train adapters on a frozen base, the coordinator merges the adapters.
+
+A config with a ``[nodes.lora]`` table (:class:`strategies.lora.LoraSettings`: ``rank``,
+``alpha``, ``targets``, ``dropout``, ``freeze_a``) turns a run into a LoRA run:
+
+* the task becomes a :class:`strategies.lora.LoraTask` over the configured task's model: the
+  params the nodes train, stack, send and checkpoint are the adapter tree (``b`` alone under
+  FFA-LoRA), and the frozen part (the base, the shared ``a``) is one tree the coordinator keeps
+  (``CoordinatorState.frozen``);
+* the initial params of the run (the task's init, ``init_from`` or ``train(initial_params=...)``)
+  are the *base* model; the adapter starts at ``b = 0``;
+* each round the valid nodes' adapters are merged by :func:`strategies.lora.merge_round`
+  (``consensus.lora.merge_adapters`` with ``vote.adapter_method``, and ``vote.rule`` applied
+  robustly in ``vote.adapter_space`` unless it is ``"mean"``), a ``base_delta`` is added to the
+  base, and the new adapter (and base delta) is what every node receives;
+* every round logs the bytes each node sent and received and the parameter counts.
+
+What a LoRA run does not combine with is refused when the config is checked
+(:func:`check_config`): node-level DP (the example-level DP-SGD of the nodes works on the
+adapter gradients), client sampling, grouped votes, pre-aggregators, server-guided rules,
+convex weights other than uniform, and meshes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from meta_consensus.config.errors import ConfigError
+from strategies.lora import LoraError, LoraSettings, LoraTask, merge_round, tree_bytes, tree_size
+
+if TYPE_CHECKING:
+    from meta_consensus.config.schema import Config
+
+PyTree = Any
+
+#: vote.rule values that mean "no robust rule": the adapter method's own (weighted) combination.
+PLAIN_RULES = ("mean",)
+
+
+def enabled(cfg: Config) -> bool:
+    """Whether ``cfg`` is a LoRA run (it has a ``[nodes.lora]`` table)."""
+    return cfg.nodes.lora is not None
+
+
+def check_targets(settings: LoraSettings, task: Any) -> None:
+    """The targets and rank fit the task's model (checked on abstract shapes, nothing is computed).
+
+    Raises:
+      ConfigError: one line naming the target that matches nothing (with some valid paths) or
+        the rank that does not fit.
+    """
+    abstract = jax.eval_shape(task.init, jax.random.key(0))
+    try:
+        LoraTask(task, settings, abstract, jax.random.key(0))
+    except LoraError as e:
+        raise ConfigError(f"nodes.lora: {e}") from None
+
+
+def check_config(cfg: Config) -> None:
+    """The LoRA keys and what a LoRA run does not combine with (ConfigError naming the key).
+
+    The targets are checked against the model when the task is built (:func:`wrap_task`).
+    """
+    from consensus.lora import ADAPTER_METHODS, SPACES
+    from consensus.registry import RULES
+
+    v = cfg.vote
+    if not enabled(cfg):
+        return
+    settings = cfg.nodes.lora
+    assert settings is not None
+    try:
+        settings.check()
+    except LoraError as e:
+        raise ConfigError(f"nodes.lora: {e}") from None
+    if v.adapter_method not in ADAPTER_METHODS.names():
+        raise ConfigError(
+            f"vote.adapter_method = {v.adapter_method!r} is not valid; "
+            f"choose one of {ADAPTER_METHODS.names()}"
+        )
+    if v.adapter_space not in SPACES:
+        raise ConfigError(
+            f"vote.adapter_space = {v.adapter_space!r} is not valid; choose one of {list(SPACES)}"
+        )
+    if (v.adapter_method == "ffa") != bool(settings.freeze_a):
+        raise ConfigError(
+            f"vote.adapter_method = {v.adapter_method!r} with nodes.lora.freeze_a = {settings.freeze_a}: "
+            "FFA-LoRA is the method and the frozen a together (set both, or neither)"
+        )
+    refusals = (
+        (cfg.dp.enabled and cfg.dp.level == "node", "dp.level", cfg.dp.level, 'use dp.level = "example"'),
+        (cfg.nodes.sampled, "nodes.sampling", cfg.nodes.sampling, 'use "full"'),
+        (v.groups > 1, "vote.groups", v.groups, "use 0"),
+        (bool(v.pre), "vote.pre", list(v.pre), "use []"),
+        (v.server_step > 0, "vote.server_step", v.server_step, "use 0"),
+        (cfg.weights.objective != "uniform", "weights.objective", cfg.weights.objective, 'use "uniform"'),
+        (cfg.mesh.enabled, "mesh", cfg.mesh, "use no mesh"),
+    )
+    for refused, key, value, fix in refusals:
+        if refused:
+            raise ConfigError(
+                f"{key} = {value!r} does not combine with nodes.lora (the adapters are merged by "
+                f"vote.adapter_method with vote.rule); {fix}"
+            )
+    needs = set(RULES[v.rule].needs) - {"params", "key"}
+    if v.rule not in PLAIN_RULES and needs:
+        raise ConfigError(
+            f"vote.rule = {v.rule!r} needs {sorted(needs)}, which a LoRA run does not provide; "
+            "choose a rule of the nodes' updates alone (median, krum, multi_krum, trimmed_mean, ...)"
+        )
+
+
+def wrap_task(cfg: Config, task: Any) -> LoraTask:
+    """The LoRA task of a config over ``task``'s model (its base given per call as ``frozen``).
+
+    Raises:
+      ConfigError: a target that matches nothing, or a rank that does not fit.
+    """
+    settings = cfg.nodes.lora
+    assert settings is not None
+    abstract = jax.eval_shape(task.init, jax.random.key(0))
+    try:
+        return LoraTask(task, settings, abstract, jax.random.key(cfg.seed))
+    except LoraError as e:
+        raise ConfigError(f"nodes.lora: {e}") from None
+
+
+@dataclasses.dataclass
+class LoraRound:
+    """The coordinator's side of a LoRA run: the first adapter, the merge and what it reports.
+
+    Attributes:
+      cfg: the run config.
+      task: the run's LoRA task.
+      frozen: the frozen part the fleet's next fit or evaluation reads (the coordinator sets it).
+    """
+
+    cfg: Config
+    task: LoraTask
+    frozen: Any = None
+
+    def start(self, base: PyTree, key: jax.Array) -> tuple[PyTree, dict[str, Any]]:
+        """The first round's trainable params (``b = 0``) and frozen part, from the base model."""
+        k_a, k_init = jax.random.split(jax.random.fold_in(key, 0x10A))
+        frozen = self.task.initial_frozen(base, k_a)
+        params = self.task.init(k_init)
+        if self.task.settings.freeze_a:  # the shared a of the frozen part, b = 0
+            params = self.task.trainable(self.task.full_adapter(params, frozen))
+        return params, frozen
+
+    def pretrain(self, data: Any, base: PyTree, key: jax.Array) -> PyTree:
+        """The base after ``nodes.lora.pretrain_steps`` Adam steps on the task's general pool.
+
+        ``data``: the task's data (any process's: every one holds the general pool).
+
+        One model (learning rate 3e-3, the run's batch size) on the public pool that no node
+        owns, from the run's key: a resumed run pretrains the same base (and then restores the
+        checkpoint's). Nothing is cached outside the run.
+        """
+        from strategies.tasks.base import NodeData
+
+        steps = self.task.settings.pretrain_steps
+        if steps <= 0:
+            return base
+        general = data.everything()
+        if int(general.count[0]) < 1 or len(data.general_groups) == 0:
+            raise ConfigError("nodes.lora.pretrain_steps needs the task's general pool; it is empty")
+        one = NodeData(general.pool, general.index[:1], general.count[:1], True, "general")
+        # The fleet's cache of trainers: every process (and node) compiles the pretraining once.
+        from meta_consensus.fleet import _trainer
+
+        batch = self.cfg.nodes.batch_size
+        trainer = _trainer(self.task.base_task, 3e-3, batch, None, "adam")  # type: ignore[arg-type]
+        state = trainer.init(jax.random.fold_in(key, 0xBA5E), base, 1)
+        state, _ = trainer.fit(state, one, steps)
+        return jax.tree.map(lambda x: x[0], state.params)
+
+    def rule(self, answered: int) -> Any:
+        """The robust rule on ``answered`` valid nodes, or None for the method's plain combination."""
+        from consensus import registry
+
+        v = self.cfg.vote
+        if v.rule in PLAIN_RULES:
+            return None
+        return registry.make(v.rule, v.f(answered), **v.options)
+
+    def merge(
+        self,
+        frozen: Mapping[str, Any],
+        submitted: PyTree,
+        valid: np.ndarray,
+        key: jax.Array,
+        start: PyTree,
+    ) -> Any:
+        """The round's :class:`strategies.lora.RoundMerge` of the valid nodes' adapters."""
+        rows = np.flatnonzero(valid)
+        stacked = jax.tree.map(lambda x: x[rows], submitted)
+        v = self.cfg.vote
+        return merge_round(
+            self.task,
+            frozen,
+            stacked,
+            method=v.adapter_method,
+            rule=self.rule(len(rows)),
+            space=v.adapter_space,
+            key=key,
+            start=start,
+        )
+
+    def sizes(self, frozen: Mapping[str, Any], params: PyTree) -> dict[str, int]:
+        """Parameter counts and bytes: the model, and what a node trains and sends."""
+        return {
+            "model_params": tree_size(frozen["base"]),
+            "model_bytes": tree_bytes(frozen["base"]),
+            "trainable_params": tree_size(params),
+            "trainable_bytes": tree_bytes(params),
+        }
+
+
+class FrozenTrainer:
+    """A node trainer whose every fit and evaluation reads the current frozen part of ``holder``.
+
+    The fleet's code calls ``trainer.fit(...)`` and ``trainer.evaluate(stacked, batch)`` as in
+    any run; this hands them ``frozen=holder.frozen`` (the base set for the call).
+
+    Args:
+      trainer: the :class:`strategies.trainer.NodeTrainer` of the LoRA task.
+      holder: any object whose ``frozen`` attribute is the frozen part (a :class:`LoraRound`, a
+        Flower node).
+    """
+
+    def __init__(self, trainer: Any, holder: Any):
+        self._trainer = trainer
+        self._holder = holder
+
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        """``NodeTrainer.fit`` with the holder's frozen part."""
+        return self._trainer.fit(*args, frozen=self._holder.frozen, **kwargs)
+
+    def evaluate(self, stacked: PyTree, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """``NodeTrainer.evaluate`` with the holder's frozen part."""
+        return self._trainer.evaluate(stacked, batch, self._holder.frozen)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._trainer, name)
+
+
+def attach(fleet: Any) -> LoraRound:
+    """Turn a fleet into a LoRA fleet: its task, trainer and metrics work on adapters.
+
+    The fleet's own code is unchanged: its trainer becomes a :class:`FrozenTrainer` and its
+    metrics read the returned round's ``frozen`` (the base the coordinator sets before every
+    fit and evaluation), and ``fleet.initial_params`` gives the base model (the run's initial
+    params).
+
+    Args:
+      fleet: the :class:`meta_consensus.fleet.Fleet` (its task already checked against its data).
+
+    Returns:
+      The run's :class:`LoraRound`.
+    """
+    from meta_consensus.fleet import _trainer
+
+    nd = fleet.cfg.nodes
+    base_task = fleet.task
+    run = LoraRound(fleet.cfg, wrap_task(fleet.cfg, base_task))
+    fleet.task = run.task
+    trainer = _trainer(run.task, nd.learning_rate, nd.batch_size, None, nd.optimizer)
+    fleet.trainer = FrozenTrainer(trainer, run)
+    metrics = lora_metrics(run.task)
+    fleet._metrics = lambda params, batch: metrics(params, batch, run.frozen)
+    fleet.initial_params = base_task.init
+    return run
+
+
+def base_digest(frozen: Mapping[str, Any]) -> str:
+    """SHA-256 of the frozen part's bytes (dotted keys in order): two sides hold the same base.
+
+    Args:
+      frozen: the frozen part (``{"base", "a"}``).
+
+    Returns:
+      The hex digest.
+    """
+    import hashlib
+
+    from consensus.io.keys import flatten
+
+    h = hashlib.sha256()
+    for key, leaf in sorted(flatten(dict(frozen)).items()):
+        h.update(key.encode())
+        h.update(np.ascontiguousarray(np.asarray(jax.device_get(leaf))).tobytes())
+    return h.hexdigest()
+
+
+_METRICS: dict[int, Any] = {}
+
+
+def lora_metrics(task: LoraTask) -> Any:
+    """One jitted ``metrics(params, batch, frozen)`` per LoRA task."""
+    if id(task) not in _METRICS:
+        _METRICS[id(task)] = jax.jit(lambda p, batch, frozen: task.metrics(p, batch, frozen=frozen))
+    return _METRICS[id(task)]
