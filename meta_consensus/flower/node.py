@@ -139,6 +139,10 @@ class FlowerNode:
         self.strategy = strategies[self.index]
         settings = [s.settings(cfg.nodes.local_steps, cfg.nodes.learning_rate) for s in strategies]
         self.settings = settings[self.index]
+        if self.settings.own_heldout > 0:
+            # The same rows the in-process fleet holds out for this node (drawn from its id).
+            own_heldout = np.asarray([st.own_heldout for st in settings], np.float64)
+            self.data = self.data.hold_out_own(own_heldout[self.data.node_ids], cfg.task.data_seed)
         row = slice(self.index, self.index + 1)
         level_steps = np.asarray([st.level_steps for st in settings], np.int64)
         self._levels: tuple[tuple[NodeData, ...], np.ndarray, np.ndarray] | None
@@ -265,14 +269,15 @@ class FlowerNode:
         loss = float(np.concatenate(losses, 0).mean(0)[0])
         final = jax.tree.map(lambda x: x[0], state.params)
         if self.settings.snapshots:
-            held = self.data.heldout
-            scores = [float(self.trainer.evaluate(s, held)["accuracy"][0]) for s in snapshots]
-            final = self.strategy.submit(
-                final,
-                [jax.tree.map(lambda x: x[0], s) for s in snapshots],
-                lambda p: float(self._metrics(p, held)["accuracy"]),
-                scores=scores,
-            )
+            own = self.data.own_heldout_batch(0)
+            held = self.data.heldout if own is None else own
+
+            def evaluate(p: PyTree) -> dict[str, float]:
+                return {k: float(v) for k, v in to_host(self._metrics(p, held)).items()}
+
+            ingredients = [jax.tree.map(lambda x: x[0], s) for s in snapshots]
+            scores = [evaluate(s) for s in ingredients]
+            final = self.strategy.submit(final, ingredients, evaluate, scores=scores)
         final = jax.tree.map(lambda c, a: jnp.asarray(c).astype(a.dtype), final, anchor)
         return state, jax.block_until_ready(final), loss
 
