@@ -27,6 +27,7 @@ from benchmarks.quality import convex_quality, privacy_quality, soups  # noqa: E
 from consensus.dp import effective_sampling_rate  # noqa: E402
 from consensus.privacy import PrivacyBudgetExceeded, rdp_epsilon  # noqa: E402
 from strategies import DigitsTask  # noqa: E402
+from strategies.tasks.base import with_public_pool  # noqa: E402
 
 # ----------------------------------------------------------------------------- numpy references
 
@@ -145,7 +146,8 @@ def test_soups_summary_counts_seeds_where_greedy_meets_the_best_ingredient():
 @pytest.mark.slow
 def test_convex_quality_rows_respect_caps_and_each_objective_beats_its_feasible_competitors():
     n, cap_factor = 4, 2.0
-    task = DigitsTask(hidden=(16,))
+    # convex_quality cuts its nodes from the whole training split (harness.make_task: the union pool)
+    task = with_public_pool(DigitsTask(hidden=(16,)), 0.0, "union")
     data, stacked, sizes = convex_quality.train_nodes(
         task, n, 0.5, 0, warm_steps=10, local_steps=10, public=50
     )
