@@ -119,8 +119,8 @@ def test_fltrust_run_root_set_disjoint_from_node_data_and_the_rule_applied(tmp_p
         X = np.stack([flat(jax.tree.map(lambda a, i=i: a[i], out.submitted)) for i in range(cfg.nodes.count)])
         want = fltrust_reference(X, flat(prev), flat(g), np.ones(cfg.nodes.count, bool))
         np.testing.assert_allclose(flat(new.consensus), want, rtol=1e-4, atol=1e-5)
-        # The sign-flipping node points away from the honest ones: FLTrust trusts it least.
-        assert info.weights[3] < min(info.weights[:3]) and max(info.weights[:3]) > 0
+        # The sign-flipping node points away from the honest ones: trusted < half the top node.
+        assert info.weights[3] < 0.5 * max(info.weights[:3])
         state = new
     assert np.isfinite(info.consensus_accuracy)
 
