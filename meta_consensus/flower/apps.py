@@ -43,7 +43,17 @@ HISTORY_FILE = "flower_rounds.jsonl"
 
 
 def config_from_run_config(run_config: dict[str, Any]) -> Config:
-    """The package config that a Flower run config names (``config`` path, ``overrides``, ``plugins``)."""
+    """The package config that a Flower run config names (``config`` path, ``overrides``, ``plugins``).
+
+    Args:
+      run_config: Flower's run config (``[tool.flwr.app.config]``, see the module docstring).
+
+    Returns:
+      The validated config.
+
+    Raises:
+      ConfigError: a config file, override or plug-in that does not load or validate.
+    """
     path = str(run_config.get("config", "") or "") or None
     overrides = [o.strip() for o in str(run_config.get("overrides", "") or "").split(";") if o.strip()]
     plugins = [m.strip() for m in str(run_config.get("plugins", "") or "").split(";") if m.strip()]
@@ -53,8 +63,14 @@ def config_from_run_config(run_config: dict[str, Any]) -> Config:
 def run_strategy(strategy: ConsensusStrategy, grid: Grid, *, timeout: float = 600.0) -> Result:
     """All the config's rounds on ``grid``; writes the consensus and the round history to the run dir.
 
-    Returns Flower's :class:`~flwr.serverapp.strategy.Result` (the aggregated metrics of every
-    round); the strategy's :attr:`~ConsensusStrategy.history` has the rounds' reasons and errors.
+    Args:
+      strategy: the strategy, with the config whose ``rounds`` and ``run_dir`` are used.
+      grid: the Grid to run on (Flower's, or :class:`~meta_consensus.flower.local.InProcessGrid`).
+      timeout: seconds each round waits for its replies.
+
+    Returns:
+      Flower's :class:`~flwr.serverapp.strategy.Result` (the aggregated metrics of every round);
+      the strategy's :attr:`~ConsensusStrategy.history` has the rounds' reasons and errors.
     """
     from meta_consensus.run import save_consensus
 
@@ -73,6 +89,12 @@ server_app = ServerApp()
 
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
+    """The ServerApp: the run config's strategy for all its rounds (see the module docstring).
+
+    Args:
+      grid: the Grid Flower gives the ServerApp.
+      context: the ServerApp's context, whose ``run_config`` names the config and the settings.
+    """
     rc = dict(context.run_config)
     strategy = ConsensusStrategy(
         config_from_run_config(rc),

@@ -32,6 +32,7 @@ class ArrayRecordMismatch(ValueError):
 
 
 def _encode(value: Any) -> Array:
+    """One leaf as a Flower Array (ml_dtypes as raw unsigned bytes under their real dtype's name)."""
     x = np.ascontiguousarray(np.asarray(jax.device_get(value)))
     if x.dtype.kind == "V" or x.dtype.type.__module__.startswith("ml_dtypes"):
         # .npy cannot name ml_dtypes: ship the bytes as unsigned ints, keep the real dtype's name.
@@ -42,6 +43,7 @@ def _encode(value: Any) -> Array:
 
 
 def _declared_dtype(key: str, arr: Array) -> np.dtype:
+    """The dtype an Array names (ArrayRecordMismatch for a name numpy does not know)."""
     try:
         return np.dtype(arr.dtype)
     except TypeError as e:
@@ -49,6 +51,7 @@ def _declared_dtype(key: str, arr: Array) -> np.dtype:
 
 
 def _decode(key: str, arr: Array) -> np.ndarray:
+    """An Array's bytes as the dtype and shape it declares (ArrayRecordMismatch if they differ)."""
     dtype = _declared_dtype(key, arr)
     try:
         x = arr.numpy()
@@ -64,12 +67,27 @@ def _decode(key: str, arr: Array) -> np.ndarray:
 
 
 def to_array_record(tree: PyTree) -> ArrayRecord:
-    """The tree as an ArrayRecord keyed by dotted paths (host copies of the leaves)."""
+    """The tree as an ArrayRecord keyed by dotted paths (host copies of the leaves).
+
+    Args:
+      tree: a parameter tree (nested dicts of arrays; any dtype, bfloat16 included).
+
+    Returns:
+      The ArrayRecord.
+    """
     return ArrayRecord({key: _encode(leaf) for key, leaf in flatten(tree).items()})
 
 
 def from_array_record(record: Any, like: PyTree, origin: str = "the ArrayRecord") -> PyTree:
     """The tree of ``record`` in the structure of ``like``, after checking keys, shapes and dtypes.
+
+    Args:
+      record: what a message carries (anything: a non-ArrayRecord is refused).
+      like: the template tree (arrays or ``jax.ShapeDtypeStruct`` leaves).
+      origin: what the record is, for the error message.
+
+    Returns:
+      The tree, with numpy leaves of the record's dtypes.
 
     Raises:
       ArrayRecordMismatch: not an ArrayRecord, or keys / shapes / dtypes / bytes that do not

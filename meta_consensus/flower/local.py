@@ -30,7 +30,13 @@ from meta_consensus.flower.node import PARTITION_KEY
 
 
 class InProcessGrid(Grid):
-    """``num_nodes`` nodes of ``client_app`` in this process (see the module docstring)."""
+    """``num_nodes`` nodes of ``client_app`` in this process (see the module docstring).
+
+    Args:
+      client_app: the ClientApp every node runs (:func:`~meta_consensus.flower.node.make_client_app`).
+      num_nodes: how many nodes; node i has ``partition-id = i`` and Flower node id ``1000 + i``.
+      run_config: the run config every node's Context holds (Flower's ``run_config``).
+    """
 
     def __init__(self, client_app: ClientApp, num_nodes: int, run_config: dict | None = None):
         self.client_app = client_app
@@ -59,20 +65,31 @@ class InProcessGrid(Grid):
     # ------------------------------------------------------------------ Grid
 
     def set_run(self, run: Run) -> None:
+        """Keep the run Flower starts (the grid has no SuperLink to register it with)."""
         self._run = run
 
     @property
     def run(self):
+        """The run :meth:`set_run` was given (None before)."""
         return self._run
 
     def create_message(self, content, message_type, dst_node_id, group_id, ttl=None) -> Message:
+        """A Message to node ``dst_node_id``, as Flower's Grid makes it (arguments as Flower's)."""
         return Message(content, dst_node_id, message_type, group_id=group_id, ttl=ttl)
 
     def get_node_ids(self) -> Iterable[int]:
+        """The Flower node ids of the nodes still alive (not :meth:`kill` ed)."""
         return [i for i in self.contexts if i not in self.dead]
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        """Run each message's node now (one after the other); its reply waits for ``pull_messages``."""
+        """Run each message's node now (one after the other); its reply waits for ``pull_messages``.
+
+        Args:
+          messages: the messages; each gets a fresh message id.
+
+        Returns:
+          The message ids, in order (a dead node's message gets one too, and never a reply).
+        """
         ids = []
         for msg in messages:
             mid = uuid.uuid4().hex
@@ -84,12 +101,15 @@ class InProcessGrid(Grid):
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """The replies waiting for ``message_ids`` (each handed out once)."""
         return [self._replies.pop(mid) for mid in message_ids if mid in self._replies]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        """Run each message's node now and return the replies (none for a dead node; no timeout)."""
         return [r for r in (self._answer(msg) for msg in messages) if r is not None]
 
     def _answer(self, msg: Message) -> Message | None:
+        """The node's reply to ``msg``: its ClientApp's, an error reply if it raised, None if dead."""
         dst = msg.metadata.dst_node_id
         if dst in self.dead or dst not in self.contexts:
             return None  # no reply: a missing answer at the strategy

@@ -72,7 +72,18 @@ EXAMPLES_KEY = "num-examples"  # Flower's weight key for metric aggregation
 
 
 def check_flower_config(cfg: Config) -> Config:
-    """Refuse the settings the Flower path does not carry (see the module docstring)."""
+    """Refuse the settings the Flower path does not carry (see the module docstring).
+
+    Args:
+      cfg: the run config.
+
+    Returns:
+      ``cfg`` itself, when Flower can run it.
+
+    Raises:
+      ConfigError: example-level DP, Byzantine nodes, simulated faults, a mesh, client sampling,
+        or a vote rule whose server step needs what only the in-process coordinator provides.
+    """
     from meta_consensus import example_level_dp
 
     if example_level_dp.is_example_level(cfg):
@@ -107,7 +118,18 @@ def check_flower_config(cfg: Config) -> Config:
 
 
 class FlowerNode:
-    """Node ``index`` of a config: its shard, its strategy, its training (see the module docstring)."""
+    """Node ``index`` of a config: its shard, its strategy, its training (see the module docstring).
+
+    Args:
+      cfg: the run config (the one the server sends with every train message).
+      index: the node's partition id, in ``[0, nodes.count)``.
+      task: a Task object instead of the one the config names (it must be the server's task).
+
+    Raises:
+      ConfigError: a setting the Flower path does not carry (:func:`check_flower_config`).
+      ValueError: ``index`` out of range, or nodes whose strategies take different numbers of
+        snapshots.
+    """
 
     def __init__(self, cfg: Config, index: int, *, task: Task | None = None):
         self.cfg = check_flower_config(cfg)
@@ -171,6 +193,7 @@ class FlowerNode:
 
     @property
     def num_examples(self) -> int:
+        """The rows of this node's training shard (Flower's weight for its metrics)."""
         return int(self.data.train_count[0])
 
     # ------------------------------------------------------------------ LoRA base
@@ -231,6 +254,18 @@ class FlowerNode:
         )
 
     def state_from_record(self, record: ArrayRecord, anchor: PyTree) -> TrainState:
+        """The state saved by :meth:`state_to_record`, with ``anchor``'s structure for the params.
+
+        Args:
+          record: the ArrayRecord kept in Flower's ``context.state``.
+          anchor: the round's consensus (the params restart from it).
+
+        Returns:
+          The state with a leading node axis of one, as :meth:`init_state` gives it.
+
+        Raises:
+          ArrayRecordMismatch: a record that does not match this node's optimizer state.
+        """
         like = self.init_state(anchor)
         template = {"opt_state": like.opt_state, "key": jax.random.key_data(like.key), "step": like.step}
         got = from_array_record(record, template, "the node's saved state")
@@ -245,7 +280,16 @@ class FlowerNode:
     # ------------------------------------------------------------------ the round
 
     def fit(self, state: TrainState, anchor: PyTree) -> tuple[TrainState, PyTree, float]:
-        """One round from the consensus ``anchor``: (new state, the candidate, mean training loss)."""
+        """One round from the consensus ``anchor``: (new state, the candidate, mean training loss).
+
+        Args:
+          state: the node's state from the last round (or :meth:`init_state`).
+          anchor: the round's consensus; training starts from it.
+
+        Returns:
+          The new state, the candidate (what the strategy's submit hook makes of the round, in
+          ``anchor``'s dtypes) and the mean training loss over the round's steps.
+        """
         anchor = jax.tree.map(jnp.asarray, anchor)
         state = state._replace(params=jax.tree.map(lambda p: p[None], anchor))
         data: NodeData | tuple[NodeData, ...]
@@ -293,7 +337,17 @@ class FlowerNode:
 
 @functools.lru_cache(maxsize=16)
 def parse_config(text: str) -> Config:
-    """The config the server sent (TOML text), validated."""
+    """The config the server sent (TOML text), validated.
+
+    Args:
+      text: the config as TOML text.
+
+    Returns:
+      The config.
+
+    Raises:
+      ConfigError: an invalid config, or one Flower does not carry.
+    """
     import tomllib
 
     return check_flower_config(config_lib.from_dict(tomllib.loads(text)))
@@ -311,7 +365,18 @@ _NODES: dict[tuple[str, int, Any], FlowerNode] = {}
 
 
 def node_for(cfg: Config, index: int, task: Task | None = None) -> FlowerNode:
-    """Node ``index`` of ``cfg``, built once per process (the in-process grid, ``--isolation process``)."""
+    """Node ``index`` of ``cfg``, built once per process (the in-process grid, ``--isolation process``).
+
+    Nodes are cached by what their training depends on (seed, task, nodes), at most 256.
+
+    Args:
+      cfg: the run config.
+      index: the node's partition id.
+      task: a Task object instead of the one the config names.
+
+    Returns:
+      The node.
+    """
     key = (_node_view(cfg), int(index), task)
     if key not in _NODES:
         if len(_NODES) >= 256:
@@ -321,6 +386,7 @@ def node_for(cfg: Config, index: int, task: Task | None = None) -> FlowerNode:
 
 
 def _partition(context: Context) -> int:
+    """The node config's ``partition-id`` (a ConfigError names the flag when it is missing)."""
     value = context.node_config.get(PARTITION_KEY)
     if value is None:
         raise ConfigError(
@@ -339,7 +405,23 @@ def _node_of(msg: Message, context: Context, task: Task | None) -> tuple[FlowerN
 
 
 def train_reply(msg: Message, context: Context, task: Task | None = None) -> Message:
-    """Train this node for one round from the consensus in ``msg``; reply with its candidate."""
+    """Train this node for one round from the consensus in ``msg``; reply with its candidate.
+
+    Args:
+      msg: the strategy's train message (the consensus, the round, the config text).
+      context: the SuperNode's context: ``partition-id`` in its node config, the node's state
+        across rounds in ``context.state``.
+      task: a Task object instead of the one the config names.
+
+    Returns:
+      The reply: the candidate as an ArrayRecord, and the partition, round, example count and
+      training loss as metrics.
+
+    Raises:
+      ConfigError: a node config without ``partition-id``, or a config Flower does not carry.
+      ValueError: a LoRA base that differs from the server's.
+      ArrayRecordMismatch: a consensus that does not match the task's parameters.
+    """
     node, server_round = _node_of(msg, context, task)
     node.sync_base(msg)
     anchor = from_array_record(msg.content["arrays"], node.template, "the broadcast consensus")
@@ -359,7 +441,20 @@ def train_reply(msg: Message, context: Context, task: Task | None = None) -> Mes
 
 
 def evaluate_reply(msg: Message, context: Context, task: Task | None = None) -> Message:
-    """Evaluate the consensus in ``msg`` on this node's own shard."""
+    """Evaluate the consensus in ``msg`` on this node's own shard.
+
+    Args:
+      msg: the strategy's evaluate message.
+      context: the SuperNode's context (``partition-id`` in its node config).
+      task: a Task object instead of the one the config names.
+
+    Returns:
+      The reply: the task's metrics as ``eval_<name>``, with the partition, round and example count.
+
+    Raises:
+      ConfigError: a node config without ``partition-id``, or a config Flower does not carry.
+      ArrayRecordMismatch: a consensus that does not match the task's parameters.
+    """
     node, server_round = _node_of(msg, context, task)
     node.sync_base(msg)
     params = from_array_record(msg.content["arrays"], node.template, "the broadcast consensus")
@@ -376,8 +471,21 @@ def evaluate_reply(msg: Message, context: Context, task: Task | None = None) -> 
 
 
 def query_reply(msg: Message, context: Context) -> Message:
-    """Which partition this SuperNode serves (its node config's ``partition-id``): the strategy asks
-    once per Flower node id, so that a node that never answers is still filed under its partition."""
+    """Reply with the partition this SuperNode serves (its node config's ``partition-id``).
+
+    The strategy asks once per Flower node id, so that a node that never answers is still filed
+    under its partition.
+
+    Args:
+      msg: the strategy's query message.
+      context: the SuperNode's context.
+
+    Returns:
+      The reply, with ``partition-id`` as its only metric.
+
+    Raises:
+      ConfigError: a node config without ``partition-id``.
+    """
     return Message(RecordDict({"metrics": MetricRecord({PARTITION_KEY: _partition(context)})}), reply_to=msg)
 
 
@@ -386,6 +494,9 @@ def make_client_app(task: Task | None = None) -> ClientApp:
 
     Args:
       task: a Task object instead of the one the config names (it must be the server's task).
+
+    Returns:
+      The ClientApp, answering train, evaluate and query messages.
     """
     app = ClientApp()
 

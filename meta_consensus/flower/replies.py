@@ -72,29 +72,45 @@ class RoundGrid(Grid):
     # ------------------------------------------------------------------ the Grid, delegated
 
     def set_run(self, run: Any) -> None:
+        """Flower's ``set_run``, on the wrapped grid."""
         self.grid.set_run(run)
 
     @property
     def run(self) -> Any:
+        """The wrapped grid's run."""
         return self.grid.run
 
     def create_message(  # noqa: PLR0913 - Flower's signature
         self, content: Any, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None
     ) -> Message:
+        """Flower's ``create_message``, on the wrapped grid."""
         return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
 
     def get_node_ids(self) -> Iterable[int]:
+        """The wrapped grid's node ids (the nodes the SuperLink lists as online)."""
         return self.grid.get_node_ids()
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Flower's ``push_messages``, on the wrapped grid."""
         return self.grid.push_messages(messages)
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """Flower's ``pull_messages``, on the wrapped grid."""
         return self.grid.pull_messages(message_ids)
 
     # ------------------------------------------------------------------ the round
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        """Push ``messages`` and gather one reply for each, giving up on nodes that are gone.
+
+        Args:
+          messages: the round's messages.
+          timeout: seconds to wait for the replies (None: until each has one).
+
+        Returns:
+          Exactly one reply per message: the node's, Flower's error reply, or an error reply of
+          this grid (not sent, node went offline, no reply before the timeout, pull failed).
+        """
         messages = list(messages)
         if not messages:
             return []
@@ -114,6 +130,7 @@ class RoundGrid(Grid):
         stop = threading.Event()
 
         def pull(mid: str) -> None:
+            """Pull ``mid``'s reply every ``poll_s`` until it comes (or fails), then queue it."""
             while not stop.is_set():
                 try:
                     res = list(self.grid.pull_messages([mid]))

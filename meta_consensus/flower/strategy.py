@@ -102,7 +102,26 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class FlowerRound:
-    """What happened in one Flower round (the strategy's :attr:`~ConsensusStrategy.history`)."""
+    """What happened in one Flower round (the strategy's :attr:`~ConsensusStrategy.history`).
+
+    Attributes:
+      server_round: Flower's round number (1-based).
+      ok: whether the round produced a new consensus; False keeps the previous one.
+      reason: why the round failed ("" when ``ok``).
+      answered: per partition, whether its node's reply arrived and decoded as a candidate.
+      valid: per partition, answered with a finite candidate above ``quality_threshold``.
+      accepted: per partition, whether the vote accepted its candidate.
+      weights: per partition, its weight in the consensus (0 for those not accepted).
+      errors: the missing answers' reasons by partition (``"node <id>"`` for a node that
+        never said which partition it serves).
+      epsilon: the privacy ledger's epsilon after the round (0 without DP).
+      noise_std: the DP noise's standard deviation (NaN without DP or when no merge ran).
+      consensus_accuracy: the new consensus's test accuracy (NaN for a failed round).
+      heldout_accuracy: the new consensus's held-out accuracy (NaN for a failed round).
+      seconds: the wall time of the round's aggregation on the server.
+      bytes_down: bytes of the arrays each node received with its train message.
+      bytes_up: bytes of the arrays a node sent back, mean over the replies that arrived.
+    """
 
     server_round: int
     ok: bool
@@ -224,7 +243,20 @@ class ConsensusStrategy(Strategy):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
-        """Flower's rounds on ``grid`` wrapped in :class:`RoundGrid` (no waiting for nodes that are gone)."""
+        """Flower's rounds on ``grid`` wrapped in :class:`RoundGrid` (no waiting for nodes that are gone).
+
+        Args:
+          grid: the Grid Flower gives the ServerApp (wrapped unless it is a RoundGrid already).
+          initial_arrays: the first round's arrays (:meth:`initial_arrays`).
+          num_rounds: how many rounds to run.
+          timeout: seconds each round waits for its replies.
+          train_config: Flower's train config, sent to the nodes with every round.
+          evaluate_config: Flower's evaluate config.
+          evaluate_fn: Flower's server-side evaluation, called after each round.
+
+        Returns:
+          Flower's Result: the aggregated metrics of every round.
+        """
         self._timeout = float(timeout)
         if not isinstance(grid, RoundGrid):
             grid = RoundGrid(grid, poll_s=self.poll_s, dst_of=self._dst_of)
@@ -233,9 +265,11 @@ class ConsensusStrategy(Strategy):
         )
 
     def initial_arrays(self) -> ArrayRecord:
+        """The current consensus as an ArrayRecord (what ``start`` sends in round 1)."""
         return to_array_record(self.consensus)
 
     def summary(self) -> None:
+        """Log one line: the node count, the vote, the weights objective and the DP noise."""
         v = self.cfg.vote
         log.info(
             "ConsensusStrategy: %d nodes, vote %s%s, weights %s, dp %s",
@@ -294,17 +328,54 @@ class ConsensusStrategy(Strategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        """One train message per connected node: the consensus, the round and the config text.
+
+        The first round waits up to ``wait_for_nodes_s`` for all ``nodes.count`` nodes. A LoRA
+        run's messages also carry the base's version and digest, and the last merge's base delta.
+
+        Args:
+          server_round: Flower's round number.
+          arrays: what Flower passes back from the last round; checked against the consensus.
+          config: Flower's train config, sent on with the round and the run config added.
+          grid: the Grid whose node ids get the messages.
+
+        Returns:
+          The messages (none once the strategy has stopped, e.g. on the privacy budget).
+
+        Raises:
+          ValueError: ``arrays`` is not the strategy's own consensus.
+        """
         self._check_arrays(arrays)
         return self._messages(server_round, grid, MessageType.TRAIN, config)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        """One evaluate message per connected node with the consensus (none if ``evaluate`` is off).
+
+        Args:
+          server_round: Flower's round number.
+          arrays: unused: the strategy sends its own consensus.
+          config: Flower's evaluate config, sent on with the round and the run config added.
+          grid: the Grid whose node ids get the messages.
+
+        Returns:
+          The messages.
+        """
         if not self.evaluate:
             return []
         return self._messages(server_round, grid, MessageType.EVALUATE, config)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """The nodes' evaluation metrics averaged as FedAvg does (weighted by ``num-examples``).
+
+        Args:
+          server_round: Flower's round number; replies for another round are left out.
+          replies: the evaluate replies; error replies are left out.
+
+        Returns:
+          The weighted means, or None when no reply is usable.
+        """
         good = [
             m.content
             for m in replies
@@ -325,7 +396,18 @@ class ConsensusStrategy(Strategy):
     # ------------------------------------------------------------------ the round
 
     def collect(self, server_round: int, replies: Iterable[Message]) -> tuple[Any, ...]:
-        """The replies: (stacked candidates, (n,) answered, (n,) valid, errors by partition, records)."""
+        """Sort a round's replies into candidates by partition and reasons for the missing ones.
+
+        Args:
+          server_round: the round the replies must answer (a reply for another is too late).
+          replies: the train replies, error replies included.
+
+        Returns:
+          ``(stacked, answered, valid, errors, records)``: the candidates stacked on a leading
+          ``(n,)`` axis (a missing one holds the consensus), ``(n,)`` bool arrays of those that
+          answered and of those valid for the merge, the reasons by partition, and the
+          contents of the replies that answered.
+        """
         n = self.n
         candidates: list[PyTree | None] = [None] * n
         errors: dict[str, str] = {}
@@ -436,6 +518,20 @@ class ConsensusStrategy(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Run the round's merge on the replies, as the in-process coordinator does.
+
+        A round with too few valid answers, too few accepted, a failed solver, a non-finite
+        consensus or no privacy budget left fails and keeps the previous consensus; the round
+        goes to :attr:`history` either way.
+
+        Args:
+          server_round: Flower's round number.
+          replies: the train replies, error replies included.
+
+        Returns:
+          The consensus after the round as an ArrayRecord, and the round's MetricRecord (see the
+          module docstring).
+        """
         t0 = time.perf_counter()
         n = self.n
         stacked, answered, valid, errors, records = self.collect(server_round, list(replies))
@@ -508,6 +604,7 @@ class ConsensusStrategy(Strategy):
         return jax.tree.map(lambda a, p: a.astype(p.dtype), merged, self.consensus), ""
 
     def _round_metrics(self, info: FlowerRound, records: list[RecordDict]) -> MetricRecord:
+        """The round's info as a MetricRecord, with the node-weighted mean training loss."""
         out: dict[str, Any] = {
             "ok": int(info.ok),
             "answered": int(sum(info.answered)),
@@ -549,8 +646,10 @@ def node_weighted_mean(contents: list[RecordDict]) -> MetricRecord:
 
 
 def record_bytes(content: RecordDict) -> int:
-    """Bytes of the arrays a message carries: every ArrayRecord's arrays, shape times item size
-    (the payload; each array's ``.npy`` header adds about a hundred bytes on the wire)."""
+    """Bytes of the arrays a message carries: every ArrayRecord's arrays, shape times item size.
+
+    This is the payload; each array's ``.npy`` header adds about a hundred bytes on the wire.
+    """
     total = 0
     for rec in content.values():
         if isinstance(rec, ArrayRecord):
