@@ -99,12 +99,20 @@ class NodesConfig:
         return self.sampling != "full"
 
     def _given_per_round(self) -> int:
+        """``per_round``, which a sample without a rate needs (ValueError when it is unset)."""
         if self.per_round is None:
             raise ValueError(f"nodes.sampling = {self.sampling!r} without a rate needs nodes.per_round")
         return self.per_round
 
     def poisson_rate(self) -> float:
-        """q of Poisson sampling (1.0 under full participation or a uniform sample)."""
+        """The inclusion probability q of Poisson sampling (1.0 under full participation or a uniform sample).
+
+        Returns:
+          ``sampling_rate`` if set, else ``per_round / count``.
+
+        Raises:
+          ValueError: Poisson sampling with neither ``sampling_rate`` nor ``per_round``.
+        """
         if self.sampling != "poisson":
             return 1.0
         if self.sampling_rate is not None:
@@ -130,6 +138,7 @@ class NodesConfig:
         return max(int(math.ceil(self.expected_per_round())), 1)
 
     def strategy_of(self) -> tuple[str, ...]:
+        """Each node's strategy name (one name in ``strategies`` stands for every node)."""
         s = self.strategies
         return (s,) * self.count if isinstance(s, str) else tuple(s)
 
@@ -223,13 +232,27 @@ class VoteConfig:
     adapter_space: Literal["products", "factors"] = "products"
 
     def f(self, answered: int) -> int:
-        """f of a flat vote when ``answered`` nodes answered with a valid candidate."""
+        """The Byzantine node count f that a flat vote tolerates among ``answered`` valid candidates.
+
+        Args:
+          answered: how many nodes answered with a valid candidate this round.
+
+        Returns:
+          ``num_byzantine`` if set, else ``floor(fault_tolerance * answered)``.
+        """
         if self.num_byzantine is not None:
             return self.num_byzantine
         return int(math.floor(self.fault_tolerance * answered))
 
     def group_f(self, group_size: int) -> int:
-        """f inside each group of a grouped vote."""
+        """The Byzantine node count f tolerated inside each group of a grouped vote.
+
+        Args:
+          group_size: the nodes in one group.
+
+        Returns:
+          ``num_byzantine`` shared out over the groups if set, else ``floor(fault_tolerance * group_size)``.
+        """
         if self.num_byzantine is not None:
             return self.num_byzantine // max(self.groups, 1)
         return int(math.floor(self.fault_tolerance * group_size))
@@ -322,6 +345,7 @@ class MeshSettings:
 
     @property
     def enabled(self) -> bool:
+        """Whether any axis has more than one device (a mesh is built)."""
         return self.node * self.data * self.model > 1
 
 
@@ -351,6 +375,17 @@ class Config:
       plugins: modules imported before the config is checked (the current directory is
         importable); their declared rules, attacks, node strategies, weight objectives and
         tasks are then valid values (see :mod:`consensus.plugins`).
+      task: the ``[task]`` section.
+      nodes: the ``[nodes]`` section.
+      byzantine: the ``[byzantine]`` section.
+      vote: the ``[vote]`` section.
+      weights: the ``[weights]`` section.
+      dp: the ``[dp]`` section.
+      faults: the ``[faults]`` section.
+      mesh: the ``[mesh]`` section.
+
+    Raises:
+      ConfigError: an invalid value (the message names the key); every Config is checked when made.
     """
 
     name: str = "run"
@@ -383,9 +418,21 @@ class Config:
 
     @property
     def run_dir(self) -> Path:
+        """Where the run writes its outputs: ``<output_dir>/<name>``."""
         return Path(self.output_dir) / self.name
 
     def replace(self, **changes: Any) -> Config:
+        """A copy with ``changes`` (top-level fields), checked again.
+
+        Args:
+          **changes: new values by field name (a section takes a whole section object).
+
+        Returns:
+          The new config.
+
+        Raises:
+          ConfigError: the new config is invalid.
+        """
         return dataclasses.replace(self, **changes)
 
 

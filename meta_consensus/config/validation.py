@@ -83,8 +83,10 @@ def _check_rule(
 
 
 def _check_vote(cfg: Config) -> None:
-    """Every rule of the vote is registered, takes its options, and holds on the full fleet
-    (on the expected sample when only a sample of the nodes takes part in a round)."""
+    """Check that every rule of the vote is registered, takes its options, and holds on the full fleet.
+
+    Where only a sample of the nodes takes part in a round, the rules must hold on the expected sample.
+    """
     v, n = cfg.vote, cfg.nodes.vote_size()
     _check(0.0 <= v.fault_tolerance < 0.5, "vote.fault_tolerance", v.fault_tolerance, "need [0, 0.5)")
     if v.num_byzantine is not None:
@@ -181,8 +183,10 @@ def _check_sampling(cfg: Config) -> None:
 
 
 def _check_lora(cfg: Config) -> None:
-    """LoRA runs: the settings, the adapter method and space, what they do not combine with, and
-    (for a registered task) the targets and rank against the model's shapes."""
+    """Check a LoRA run: its settings, adapter method and space, and what they do not combine with.
+
+    For a registered task, the targets and rank are also checked against the model's shapes.
+    """
     from meta_consensus import lora
 
     lora.check_config(cfg)
