@@ -1,6 +1,7 @@
-"""The merge's arithmetic on one piece (a whole leaf or a column chunk of n stacked inputs):
-compute dtypes, the rules' updates compiled ahead of time, and the vector rules' Gram and
-weighted-sum programs and whole-model weights.
+"""The merge's arithmetic on one piece: a whole leaf or a column chunk of n stacked inputs.
+
+Here are the compute dtypes, the rules' updates compiled ahead of time, and the vector rules'
+Gram and weighted-sum programs and whole-model weights.
 
 jax and the library are imported in the functions that use them: building the CLI parser
 (``meta-consensus --help``, ``run``, ``report``) must not pay for importing jax.
@@ -20,14 +21,29 @@ from meta_consensus.merge.report import leaf_report
 
 
 def is_float(dtype: np.dtype) -> bool:
-    """Whether tensors of ``dtype`` are merged (bfloat16 included); others are copied when equal."""
+    """Whether tensors of ``dtype`` are merged (bfloat16 included); others are copied when equal.
+
+    Args:
+      dtype: A tensor's stored dtype.
+
+    Returns:
+      True for the floating dtypes, bfloat16 included (numpy does not count it as floating).
+    """
     import ml_dtypes
 
     return bool(np.issubdtype(dtype, np.floating)) or np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16)
 
 
 def compute_dtype(dtype: np.dtype) -> np.dtype:
-    """The dtype :func:`as_compute` merges a floating leaf of ``dtype`` in."""
+    """The dtype :func:`as_compute` merges a floating leaf of ``dtype`` in.
+
+    Args:
+      dtype: The leaf's stored floating dtype.
+
+    Returns:
+      float32 or float64 as they are (float64 is float32 without jax's x64 mode); float32 for
+      the narrower floats.
+    """
     import jax
 
     # float32 / float64 are kept (float64 becomes float32 without jax's x64 mode); the
@@ -43,6 +59,12 @@ def as_compute(x: np.ndarray) -> Any:
     buffer (:func:`~meta_consensus.merge.streaming.aligned_empty`) is aliased, not copied: a
     worker of :class:`~meta_consensus.merge.streaming.Pipeline` reuses its buffers for its next
     piece only once this one's output is on the host (and copied where it is a view of them).
+
+    Args:
+      x: A floating host array.
+
+    Returns:
+      The jax array, in :func:`compute_dtype`.
     """
     import jax
     import jax.numpy as jnp
@@ -53,7 +75,15 @@ def as_compute(x: np.ndarray) -> Any:
 
 
 def as_rows(stacked: np.ndarray, base: np.ndarray | None) -> tuple[Any, Any]:
-    """A piece's stack as (n, s) rows and its base as (s,), in the compute dtype (the base may be None)."""
+    """A piece's stack as (n, s) rows and its base as (s,), in the compute dtype.
+
+    Args:
+      stacked: (n, ...) the inputs' piece.
+      base: The base's piece, or None.
+
+    Returns:
+      (rows, base row), the base row None without a base.
+    """
     x = as_compute(stacked).reshape(len(stacked), -1)
     return x, None if base is None else as_compute(base).reshape(-1)
 
@@ -62,9 +92,11 @@ def as_rows(stacked: np.ndarray, base: np.ndarray | None) -> tuple[Any, Any]:
 
 
 def _centre(x: Any, base: Any | None) -> Any:
-    """The vector rules' centre of an (n, s) stack: the base, else the library's own
-    (``robust_centre``: the coordinate-wise median, non-finite entries read as 0, by its sorting
-    network or exact selection, which ``jnp.median``'s full sort is far slower than)."""
+    """The vector rules' centre of an (n, s) stack: the base, else the library's robust centre.
+
+    That is ``robust_centre``: the coordinate-wise median, non-finite entries read as 0, by its
+    sorting network or exact selection, which ``jnp.median``'s full sort is far slower than.
+    """
     from consensus.aggregators._common import robust_centre
 
     return base if base is not None else robust_centre({"x": x})["x"]
@@ -82,6 +114,9 @@ def vector_programs() -> tuple[Any, Any]:
     * combine(x, base, w): ``c + sum_i w_i (x_i - c)`` as ``sum_i w_i x_i + (1 - sum_i w_i) c``
       in the library's one-pass weighted sum (``tensordot`` over the node axis is several times
       slower); 0-weight rows (NaN ones included) contribute nothing.
+
+    Returns:
+      The jitted (stats, combine).
     """
     import jax
     import jax.numpy as jnp
@@ -100,7 +135,16 @@ def vector_programs() -> tuple[Any, Any]:
 
 
 def gram_of(stacked: np.ndarray, base: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """A piece's (finite rows, float64 Gram matrix around the centre), for the first pass."""
+    """A piece's finite rows and Gram matrix around the centre, for a vector rule's first pass.
+
+    Args:
+      stacked: (n, ...) the inputs' piece (a chunk's zero padding adds nothing).
+      base: The base's piece, or None (the centre is then the inputs' robust centre).
+
+    Returns:
+      ((n,) bool, True for the rows without NaN or Inf; (n, n) float64 Gram matrix), which the
+      caller sums over the pieces.
+    """
     finite, gram = vector_programs()[0](*as_rows(stacked, base))
     return np.asarray(finite), np.asarray(gram, np.float64)
 
@@ -108,8 +152,26 @@ def gram_of(stacked: np.ndarray, base: np.ndarray | None) -> tuple[np.ndarray, n
 def vector_weights(
     choice: RuleChoice, gram: np.ndarray, valid: np.ndarray, seed: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Weights and selection of a vector rule run on an n x n embedding with Gram matrix ``gram``;
-    a randomized rule gets ``key(seed)``."""
+    """Run a vector rule on an n x n embedding of the inputs: its whole-model weights and selection.
+
+    The rows of ``U sqrt(Lambda)`` (``gram = U Lambda U^T``) have the inputs' inner products
+    around the centre, hence their distances: a rule that reads the nodes only through those
+    (Krum, the geometric median, ...) gives on the n x n embedding the weights it gives on the
+    whole models, without holding them.
+
+    Args:
+      choice: The vector rule.
+      gram: (n, n) the Gram matrix of the inputs around the centre, summed over the rule's leaves.
+      valid: (n,) bool, False for the inputs with NaN or Inf (their rows and columns are zeroed
+        and the rule's mask leaves them out).
+      seed: A randomized rule gets ``key(seed)``.
+
+    Returns:
+      ((n,) float64 weights, (n,) bool selection).
+
+    Raises:
+      MergeError: If the rule's output is not a weighted combination of the inputs.
+    """
     import jax
     import jax.numpy as jnp
 
@@ -136,8 +198,16 @@ def vector_weights(
 
 
 def trim_density(choice: RuleChoice) -> float | None:
-    """The density of a rule that trims each node's task vector per leaf by magnitude (TIES: its
-    spec's ``traits["trim_density"]`` names the parameter), else None."""
+    """The density of a rule that trims each node's task vector per leaf by magnitude, else None.
+
+    The spec's ``traits["trim_density"]`` names the parameter (TIES' ``density``).
+
+    Args:
+      choice: The rule.
+
+    Returns:
+      The kept fraction, given or the spec's default; None for a rule that does not trim.
+    """
     name = choice.spec.traits.get("trim_density")
     if name is None:
         return None
@@ -145,9 +215,19 @@ def trim_density(choice: RuleChoice) -> float | None:
 
 
 def jitted_update(choice: RuleChoice, has_base: bool, trimmed: bool = False) -> Any:
-    """The rule's update on one stacked leaf ``{"x": x}``, jitted: XLA fuses the rule's passes over
-    the leaf, where eager dispatch would run them one by one. ``trimmed``: the update takes the
-    per-node trim thresholds found over the whole leaf (:mod:`meta_consensus.merge.trim`)."""
+    """The rule's update on one stacked leaf ``{"x": x}``, jitted.
+
+    XLA fuses the rule's passes over the leaf, where eager dispatch would run them one by one.
+
+    Args:
+      choice: The rule.
+      has_base: Whether the update gets the base as ``params`` (the rules over task vectors need it).
+      trimmed: The update takes the per-node trim thresholds found over the whole leaf
+        (:mod:`meta_consensus.merge.trim`).
+
+    Returns:
+      ``update(x, params, key, thresholds=None) -> (merged, state)``, jitted.
+    """
     import jax
 
     keyed = choice.spec.randomized
@@ -176,16 +256,20 @@ def _compile(fn: Any, *args: Any) -> Any:
 
 
 class Compiled:
-    """The plan's leaf updates, compiled ahead of time in a background thread, one per distinct
-    (rule, leaf shape, compute dtype, base given).
+    """The plan's leaf updates, compiled ahead of time in a background thread.
 
-    Compiling is a fixed cost per shape that would otherwise sit on the merge's critical path
-    at the first leaf of every shape; compiled here in the order the leaves come, each one is
-    ready by the time its first leaf is read, and XLA's compiler releases the GIL.
+    One update is compiled per distinct (rule, piece shape, compute dtype, base given,
+    thresholds given). Compiling is a fixed cost per shape that would otherwise sit on the
+    merge's critical path at the first leaf of every shape; compiled here in the order the
+    leaves come, each one is ready by the time its first leaf is read, and XLA's compiler
+    releases the GIL.
+
+    Args:
+      jobs: (rule, stacked shape, compute dtype, base given[, thresholds given]) per piece, in
+        the order the pieces come; repeats are compiled once.
     """
 
     def __init__(self, jobs: Sequence[tuple]):
-        """``jobs``: (rule, stacked shape, compute dtype, base given[, thresholds given])."""
         from concurrent.futures import ThreadPoolExecutor
 
         import jax
@@ -211,10 +295,23 @@ class Compiled:
     def get(
         self, shape: tuple[int, ...], dtype: Any, has_base: bool, choice: RuleChoice, trimmed: bool = False
     ) -> Any:
+        """The compiled update for a piece, once its compile is done.
+
+        Args:
+          shape: The stacked piece's shape.
+          dtype: The compute dtype.
+          has_base: Whether the update gets the base.
+          choice: The rule.
+          trimmed: Whether the update takes trim thresholds.
+
+        Returns:
+          The compiled update; None for a piece no job named (the caller then jits it).
+        """
         future = self.futures.get(_slot(choice, shape, dtype, has_base, trimmed))
         return None if future is None else future.result()
 
     def close(self) -> None:
+        """Stop the compile thread: compiles not yet started are cancelled, a running one is awaited."""
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
@@ -227,8 +324,21 @@ def apply_update(
     compiled: Compiled | None,
     thresholds: np.ndarray | None = None,
 ) -> tuple[Any, Any]:
-    """The rule's (merged leaf or chunk, info) on a float stack; the key is ``fold_in(key(seed), index)``;
-    ``thresholds``: a trimming rule's (n,) per-node thresholds, found over the whole leaf."""
+    """Run a rule's update on a float stack (a whole leaf, or a chunk of an element-wise rule).
+
+    Args:
+      stacked: (n, ...) the inputs' leaf or chunk.
+      base: The base's leaf or chunk, or None.
+      choice: The rule.
+      seed: The plan's seed; a randomized rule's key is ``fold_in(key(seed), index)``.
+      index: The leaf's position among the keys, so each leaf draws its own randomness.
+      compiled: The plan's compiled updates, or None to jit one here.
+      thresholds: A trimming rule's (n,) per-node thresholds, found over the whole leaf; None
+        for the others (and for a whole leaf, where the rule finds them).
+
+    Returns:
+      (merged values in the compute dtype, the rule's :class:`~consensus.base.AggregationInfo`).
+    """
     import jax
 
     from consensus.base import get_info
@@ -259,6 +369,23 @@ def merge_leaf(
 
     A non-float leaf is copied when every input holds the same value; a vector rule's leaf is
     its whole-model weights ``vector`` applied; any other rule runs its update here.
+
+    Args:
+      stacked: (n, ...) the inputs' leaf (or a vector rule's chunk).
+      base_leaf: The base's leaf or chunk, or None.
+      key: The leaf's key, for messages.
+      choice: The leaf's rule.
+      vector: A vector rule's (whole-model weights, selection) from its first pass; None for
+        the other rules.
+      seed: The plan's seed (see :func:`apply_update`).
+      index: The leaf's position among the keys.
+      compiled: The plan's compiled updates, or None.
+
+    Returns:
+      (merged values, the leaf's report entry).
+
+    Raises:
+      MergeError: If a non-float leaf differs between inputs.
     """
     import jax.numpy as jnp
 

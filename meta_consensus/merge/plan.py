@@ -1,7 +1,7 @@
-"""What a merge does: the plan (inputs, rules, overrides, output), read from a TOML file or the
-command line, and the checks that refuse a plan before anything is read or written.
+"""What a merge does: the plan (inputs, rules, overrides, output) and the checks on it.
 
-A rule's precondition, parameters and needs come from its spec in
+The plan is read from a TOML file or the command line; the checks refuse a plan before
+anything is read or written. A rule's precondition, parameters and needs come from its spec in
 :data:`consensus.registry.RULES`; nothing here restates them.
 """
 
@@ -26,11 +26,18 @@ PROVIDED_NEEDS = frozenset({"params", "key", "weights"})
 
 
 def merge_methods() -> list[str]:
-    """The rules ``--method`` offers, read from their specs: those that map n inputs to one and
-    need nothing the merge command cannot provide (pre-aggregators, and rules that need a server
-    update, Fisher information or Gram statistics, are left out). A vector rule is streamed from
-    whole-model weights, so one whose output is no weighted combination of the inputs (its spec's
-    ``traits["linear"]`` is False: Bulyan) is left out too."""
+    """The rules ``--method`` offers, read from their specs.
+
+    Those that map n inputs to one and need nothing the merge command cannot provide
+    (pre-aggregators, and rules that need a server update, Fisher information or Gram
+    statistics, are left out). A vector rule is streamed from whole-model weights, so one whose
+    output is no weighted combination of the inputs (its spec's ``traits["linear"]`` is False:
+    Bulyan) is left out too.
+
+    Returns:
+      The rule names, in :func:`consensus.registry.by_kind`'s order (plug-ins' rules included
+      once their modules are imported).
+    """
     from consensus.registry import RULES, by_kind
 
     del RULES  # importing the registry declares the built-in rules
@@ -44,7 +51,17 @@ def merge_methods() -> list[str]:
 
 
 def parse_weights(text: Any) -> tuple[float, ...] | None:
-    """``"0.5,0.3,0.2"`` (or a list of numbers) -> per-input weights; None stays None."""
+    """Read ``--weights`` (or a config's ``weights``) as per-input weights.
+
+    Args:
+      text: ``"0.5,0.3,0.2"``, a list of numbers, or None.
+
+    Returns:
+      One float per input, in input order; None when ``text`` is None.
+
+    Raises:
+      MergeError: If an item is not a number, or a weight is negative or not finite.
+    """
     if text is None:
         return None
     items = text.split(",") if isinstance(text, str) else list(text)
@@ -61,7 +78,15 @@ def parse_weights(text: Any) -> tuple[float, ...] | None:
 
 @dataclasses.dataclass(frozen=True)
 class RuleChoice:
-    """One rule with its parameters (the default one, or an override's)."""
+    """One rule with its parameters (the plan's default rule, or an override's).
+
+    Attributes:
+      method: The rule's name in :data:`consensus.registry.RULES`.
+      params: The rule's parameters as given (``--set``, a config's ``[params]``, an override's
+        ``PARAM=VALUE``); ``weights`` holds the per-input weights. Defaults are the spec's.
+      num_byzantine: f, for the rules that take one; None otherwise.
+      pattern: The override's regular expression over tensor keys; None for the default rule.
+    """
 
     method: str
     params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -70,6 +95,7 @@ class RuleChoice:
 
     @property
     def spec(self) -> Any:
+        """The rule's :class:`~consensus.specs.Spec` (an unknown method is a RegistryError)."""
         from consensus.registry import RULES
 
         return RULES[self.method]
@@ -80,15 +106,29 @@ class RuleChoice:
         return json.dumps([self.method, self.pattern], default=str)
 
     def label(self) -> str:
+        """The rule as messages name it: the method, and the pattern for an override."""
         return self.method if self.pattern is None else f"{self.method} (override {self.pattern!r})"
 
     def build(self) -> Any:
-        """The rule's Aggregator, with f when it takes one."""
+        """Build the rule's Aggregator from its spec, with f when it takes one.
+
+        Returns:
+          The :class:`~consensus.base.Aggregator`.
+
+        Raises:
+          RegistryError: If a parameter is unknown, or the rule takes f and none was given.
+          TypeError: If the factory refuses the parameters (:func:`check_rule` names the rule).
+          ValueError: If the factory refuses a parameter's value (likewise).
+        """
         spec = self.spec
         return spec.build(self.num_byzantine if spec.takes_f else None, **self.params)
 
     def as_dict(self) -> dict[str, Any]:
-        """The choice as the merge report records it (``pattern`` only for an override)."""
+        """The choice as the merge report records it (``pattern`` only for an override).
+
+        Returns:
+          ``{"pattern"?, "method", "params", "num_byzantine"}``, JSON-ready but for parameter values.
+        """
         out = {} if self.pattern is None else {"pattern": self.pattern}
         params = dict(self.params)
         return {**out, "method": self.method, "params": params, "num_byzantine": self.num_byzantine}
@@ -96,8 +136,28 @@ class RuleChoice:
 
 @dataclasses.dataclass(frozen=True)
 class MergePlan:
-    """What to merge, how, and where (built by :func:`~meta_consensus.merge.cli.plan_from_args`
-    or :func:`plan_from_toml`)."""
+    """What to merge, how, and where.
+
+    Built by :func:`~meta_consensus.merge.cli.plan_from_args`, :func:`plan_from_toml` or
+    :func:`~meta_consensus.merge.mergekit.plan_from_mergekit`; :func:`check_plan` refuses one that
+    cannot run.
+
+    Attributes:
+      inputs: The checkpoints to merge (safetensors files or folders, orbax checkpoints of this
+        package, or PEFT adapter folders), in order: per-input weights and the report follow it.
+      out: The output folder; it must not exist.
+      rule: The default rule, for every key no override matches.
+      overrides: Rules for the keys their patterns match (the first match wins).
+      base: The common base model (``--base``), for the rules that merge task vectors.
+      dtype: The output dtype of float tensors (``--dtype``); None keeps the inputs'.
+      shard_size: Bytes above which the output is sharded; None writes one file.
+      seed: The seed of randomized rules (a leaf's key is ``fold_in(key(seed), leaf index)``).
+      plugins: Modules imported before the rules are checked, so their rules are valid names.
+      merge_into_base: PEFT adapter inputs: the Hugging Face model folder the merged update is
+        added to (a full checkpoint out, instead of an adapter folder).
+      adapter_method: PEFT adapter inputs: the adapter method after a robust rule.
+      space: PEFT adapter inputs: where a robust rule works, ``"products"`` or ``"factors"``.
+    """
 
     inputs: tuple[str, ...]
     out: str
@@ -119,7 +179,14 @@ class MergePlan:
 
 
 def parse_value(text: str) -> Any:
-    """A TOML value (``3``, ``0.5``, ``true``, ``[1, 2]``, ``"s"``) or, failing that, the bare string."""
+    """Read a parameter value as TOML (``3``, ``0.5``, ``true``, ``[1, 2]``, ``"s"``), else as a string.
+
+    Args:
+      text: The value as typed after ``=``.
+
+    Returns:
+      The TOML value, or ``text`` itself when it is no TOML value (``--set method.x=median``).
+    """
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -127,7 +194,17 @@ def parse_value(text: str) -> Any:
 
 
 def parse_sets(items: Sequence[str]) -> dict[str, Any]:
-    """``["method.beta=0.1", ...]`` -> ``{"beta": 0.1}``; the prefix must be ``method.``."""
+    """Read ``--set`` options: ``["method.beta=0.1", ...]`` -> ``{"beta": 0.1}``.
+
+    Args:
+      items: The ``method.PARAM=VALUE`` strings; values are read by :func:`parse_value`.
+
+    Returns:
+      Parameter name -> value (a later item wins over an earlier one of the same name).
+
+    Raises:
+      MergeError: If an item has no ``=``, or its name lacks the ``method.`` prefix.
+    """
     out: dict[str, Any] = {}
     for item in items:
         key, eq, value = item.partition("=")
@@ -138,7 +215,20 @@ def parse_sets(items: Sequence[str]) -> dict[str, Any]:
 
 
 def parse_override(text: str) -> RuleChoice:
-    """``PATTERN=METHOD[,PARAM=VALUE...][,num_byzantine=F]`` -> a RuleChoice for the matching keys."""
+    """Read an ``--override``: ``PATTERN=METHOD[,PARAM=VALUE...][,num_byzantine=F]``.
+
+    The pattern ends at the first ``=``, so it cannot hold one; the method and parameters are
+    checked later, with the plan (:func:`check_rule`).
+
+    Args:
+      text: The option's value.
+
+    Returns:
+      A :class:`RuleChoice` whose ``pattern`` selects the keys it merges.
+
+    Raises:
+      MergeError: If the pattern or method is missing, or a parameter is not ``PARAM=VALUE``.
+    """
     pattern, eq, rest = text.partition("=")  # so a pattern holds no '='
     if not eq or not pattern or not rest:
         raise MergeError(f"--override {text!r}: expected PATTERN=METHOD[,PARAM=VALUE...]")
@@ -154,7 +244,17 @@ def parse_override(text: str) -> RuleChoice:
 
 
 def parse_shard_size(text: Any) -> int | None:
-    """``"2GB"`` -> bytes (None stays None); a malformed size is a :class:`MergeError`."""
+    """Read a shard size (``"2GB"``, ``"500MB"``, a number of bytes) as bytes.
+
+    Args:
+      text: The size, or None.
+
+    Returns:
+      The size in bytes; None when ``text`` is None.
+
+    Raises:
+      MergeError: If the size is malformed.
+    """
     from consensus.io import parse_size
 
     try:
@@ -164,7 +264,7 @@ def parse_shard_size(text: Any) -> int | None:
 
 
 def plan_from_toml(path: str | Path, **overrides: Any) -> MergePlan:
-    """A plan from a TOML file; keyword arguments (from the command line) win over its values.
+    """Read a plan from a TOML file; keyword arguments (from the command line) win over its values.
 
     Keys: ``method``, ``num_byzantine``, ``inputs`` (list), ``out``, ``base``,
     ``dtype``, ``shard_size``, ``seed``, ``weights`` (one per input, as ``--weights``),
@@ -172,6 +272,20 @@ def plan_from_toml(path: str | Path, **overrides: Any) -> MergePlan:
     inputs ``merge_into_base``, ``adapter_method`` and ``space`` (as the options), ``[params]``
     (the method's parameters) and ``[[overrides]]`` tables with ``pattern``, ``method``, ``num_byzantine`` and
     ``params``. The plan's plug-ins are the file's, then the command line's.
+
+    Args:
+      path: The TOML file.
+      **overrides: Values from the command line, under the file's key names (plus ``overrides``,
+        a list of :class:`RuleChoice`, added after the file's); None and empty values are unset
+        and leave the file's. ``params`` are merged into the file's ``[params]``.
+
+    Returns:
+      The plan, not yet checked (:func:`check_plan`).
+
+    Raises:
+      MergeError: If the file cannot be read or is not TOML, holds an unknown key, gives no
+        method, has an ``[[overrides]]`` table without a pattern or a method, lists plug-ins
+        that are not module names, or has malformed weights or shard size.
     """
     path = Path(path)
     try:
@@ -238,8 +352,24 @@ def plan_from_toml(path: str | Path, **overrides: Any) -> MergePlan:
 
 
 def check_plan(plan: MergePlan, *, overwrite: bool = False) -> Any:
-    """Refuse a plan that cannot run, before any input is opened; returns the output dtype of
-    float tensors (None: the inputs')."""
+    """Refuse a plan that cannot run, before any input is opened.
+
+    The plan's plug-ins are imported first, so that their rules are valid names.
+
+    Args:
+      plan: The plan to check.
+      overwrite: Accept an existing output folder (the merge replaces it).
+
+    Returns:
+      The output dtype of float tensors, or None to keep the inputs'.
+
+    Raises:
+      MergeError: If there are no inputs or no output, the output exists, the dtype is no
+        safetensors dtype, an adapter-only option is given for checkpoints, a plug-in cannot be
+        imported, or a rule cannot merge the inputs as given (:func:`check_rule`; its
+        ``ByzantineToleranceError`` becomes a MergeError naming the number of inputs).
+      RegistryError: If a rule is given a parameter it does not take.
+    """
     from consensus.base import ByzantineToleranceError
 
     load_plan_plugins(plan)
@@ -275,8 +405,14 @@ def check_plan(plan: MergePlan, *, overwrite: bool = False) -> Any:
 
 
 def load_plan_plugins(plan: MergePlan) -> None:
-    """Import the plan's plug-in modules (a second import is a no-op), so their rules are valid names;
-    a module that is missing or raises is a one-line MergeError."""
+    """Import the plan's plug-in modules, so their rules are valid names (a second import is a no-op).
+
+    Args:
+      plan: The plan whose ``plugins`` are imported.
+
+    Raises:
+      MergeError: If a module is missing or raises on import (one line, naming it).
+    """
     from consensus.plugins import PluginError, load_plugins
 
     try:
@@ -286,7 +422,17 @@ def load_plan_plugins(plan: MergePlan) -> None:
 
 
 def output_dtype(name: str) -> Any:
-    """The safetensors dtype called ``name`` (``bfloat16``, ``float32``, or a code such as ``BF16``)."""
+    """Look up the safetensors dtype called ``name``.
+
+    Args:
+      name: A dtype name (``bfloat16``, ``float32``) or a safetensors code (``BF16``, ``F32``).
+
+    Returns:
+      The numpy dtype (``ml_dtypes.bfloat16`` for bfloat16).
+
+    Raises:
+      MergeError: If ``name`` is no dtype that safetensors stores.
+    """
     from consensus import io
 
     try:
@@ -301,8 +447,25 @@ def output_dtype(name: str) -> Any:
 
 
 def check_rule(choice: RuleChoice, n: int, has_base: bool) -> None:
-    """Refuse a rule that does not merge n inputs into one as the plan gives it; the rule's
-    precondition on (n, f) is its spec's (``ByzantineToleranceError``)."""
+    """Refuse a rule that does not merge n inputs into one as the plan gives it.
+
+    Everything is read from the rule's spec: its kind, parameters, needs and precondition on
+    (n, f); the rule is then built once, so a parameter value its factory refuses is found here.
+
+    Args:
+      choice: The rule and its parameters.
+      n: The number of inputs.
+      has_base: Whether the plan gives a base model.
+
+    Raises:
+      MergeError: If the method is unknown or is no merge (a pre-aggregator), the weights are
+        not one per input or the rule takes none, a required parameter or f is missing, f is
+        negative, the rule needs more inputs, a vector rule's output is no weighted combination
+        of the inputs, the rule needs a base and none is given, needs what the merge command
+        cannot provide, or its factory refuses the parameters.
+      RegistryError: If a parameter is not one of the rule's.
+      ByzantineToleranceError: If n inputs are too few for f Byzantine ones.
+    """
     from consensus.registry import RULES
 
     if choice.method not in RULES:
@@ -362,7 +525,21 @@ def check_rule(choice: RuleChoice, n: int, has_base: bool) -> None:
 
 
 def assign_rules(keys: Sequence[str], plan: MergePlan) -> dict[str, RuleChoice]:
-    """key -> its rule (the first matching override, else the default); an unused override is an error."""
+    """Give every key its rule: the first override whose pattern matches it, else the default.
+
+    Patterns are regular expressions searched anywhere in the key (``re.search``).
+
+    Args:
+      keys: The inputs' tensor keys.
+      plan: The plan with the default rule and the overrides.
+
+    Returns:
+      Key -> its :class:`RuleChoice`, in ``keys``' order.
+
+    Raises:
+      MergeError: If a pattern is not a regular expression, or matches no key (a typo would
+        otherwise merge those tensors with the default rule unnoticed).
+    """
     compiled = []
     for o in plan.overrides:
         try:
