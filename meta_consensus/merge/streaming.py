@@ -43,7 +43,17 @@ MIN_COLUMNS = 128  # the narrowest chunk: small leaves are padded up to a power 
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """An uninitialized C-contiguous array whose data starts on an ``ALIGN``-byte boundary."""
+    """An uninitialized C-contiguous array whose data starts on an ``ALIGN``-byte boundary.
+
+    jax's CPU client aliases such an array instead of copying it.
+
+    Args:
+      shape: The array's shape.
+      dtype: Its dtype.
+
+    Returns:
+      A view into a slightly larger byte buffer, which it keeps alive.
+    """
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = np.empty(nbytes + ALIGN, np.uint8)
@@ -52,7 +62,16 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
 
 
 def view(raw: np.ndarray, shape: tuple[int, ...], dtype: Any) -> np.ndarray | None:
-    """The first bytes of the aligned byte buffer ``raw`` as an array (None if it is too small)."""
+    """The first bytes of the aligned byte buffer ``raw`` as an array.
+
+    Args:
+      raw: A 1-D uint8 buffer from :func:`aligned_empty`.
+      shape: The array's shape.
+      dtype: Its dtype.
+
+    Returns:
+      The view, or None if ``raw`` is too small.
+    """
     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     return raw[:nbytes].view(dtype).reshape(shape) if nbytes <= raw.size else None
 
@@ -64,7 +83,16 @@ def _array(into: np.ndarray | None, shape: tuple[int, ...], dtype: Any) -> np.nd
 
 
 def stack(readers: Sequence[Any], key: str, into: np.ndarray | None = None) -> np.ndarray:
-    """The n inputs' tensor ``key`` as one (n, ...) array, in ``into`` (raw bytes, reused) if given."""
+    """Read the n inputs' tensor ``key`` as one (n, ...) array, each straight from its file.
+
+    Args:
+      readers: The inputs' readers.
+      key: The tensor.
+      into: Raw bytes to read into when large enough (a worker's reused buffer), or None.
+
+    Returns:
+      The (n, ...) stack, in ``into`` when it fits.
+    """
     shape, dtype = readers[0].specs[key]
     buf = _array(into, (len(readers), *shape), dtype)
     for i, r in enumerate(readers):
@@ -73,7 +101,16 @@ def stack(readers: Sequence[Any], key: str, into: np.ndarray | None = None) -> n
 
 
 def read_one(reader: Any, key: str, into: np.ndarray | None = None) -> np.ndarray:
-    """One reader's tensor ``key``, in ``into`` (raw bytes, reused) if given."""
+    """Read one reader's tensor ``key``.
+
+    Args:
+      reader: The reader (the base's).
+      key: The tensor.
+      into: Raw bytes to read into when large enough, or None.
+
+    Returns:
+      The tensor, in ``into`` when it fits.
+    """
     shape, dtype = reader.specs[key]
     buf = _array(into, shape, dtype)
     reader.read_into(key, buf)
@@ -85,8 +122,15 @@ def read_one(reader: Any, key: str, into: np.ndarray | None = None) -> np.ndarra
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """What one read brings: a whole leaf (``start`` None), or columns ``[start, start + width)``
-    of the flattened leaf, in a buffer of ``padded`` columns whose tail is zeros."""
+    """What one read brings: a whole leaf, or a column chunk of the flattened leaf.
+
+    Attributes:
+      key: The leaf's key.
+      start: The chunk's first column; None for a whole leaf.
+      width: The chunk's columns, ``[start, start + width)``.
+      padded: The columns of the chunk's buffer; those past ``width`` are zeros.
+      last: Whether this is the leaf's last piece.
+    """
 
     key: str
     start: int | None = None
@@ -96,17 +140,35 @@ class Piece:
 
     @property
     def whole(self) -> bool:
+        """Whether the piece is a whole leaf."""
         return self.start is None
 
 
 def chunk_columns(n: int, itemsize: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Columns of a full chunk: n rows of them within ``chunk_bytes``, a power of two >= MIN_COLUMNS."""
+    """The columns of a full chunk: n rows of them within ``chunk_bytes``.
+
+    Args:
+      n: The number of rows (inputs).
+      itemsize: Bytes per stored value; at least 4 are counted, as values are merged in float32.
+      chunk_bytes: The chunk's size budget.
+
+    Returns:
+      A power of two, at least ``MIN_COLUMNS`` (so a tiny budget still makes progress).
+    """
     fit = max(chunk_bytes // (n * max(itemsize, 4)), 1)
     return max(MIN_COLUMNS, 1 << (fit.bit_length() - 1))
 
 
 def can_chunk(readers: Sequence[Any], key: str) -> bool:
-    """Whether every reader can read column ranges of ``key`` (safetensors, not transposed)."""
+    """Whether every reader can read column ranges of ``key`` (safetensors, not transposed).
+
+    Args:
+      readers: The readers; None entries (no base) are skipped.
+      key: The tensor.
+
+    Returns:
+      True when the leaf can be streamed in column chunks.
+    """
     return all(
         hasattr(r, "read_range_into") and not r.mapping.transposes(key) for r in readers if r is not None
     )
@@ -125,6 +187,16 @@ def plan_pieces(
     :func:`chunk_columns` columns (the last one padded with zeros); a leaf smaller than C
     comes as one chunk padded to the next power of two (at least ``MIN_COLUMNS``), so a
     model's many small shapes share a few compiled programs.
+
+    Args:
+      keys: The leaves, in the order they are read.
+      specs: Key -> (shape, stored dtype).
+      chunked: The keys read in column chunks.
+      n: The number of inputs.
+      chunk_bytes: The size of a full chunk of n rows (:func:`chunk_columns`).
+
+    Returns:
+      The pieces, in order; an empty leaf comes whole.
     """
     pieces = []
     for key in keys:
@@ -145,7 +217,16 @@ def plan_pieces(
 
 
 def read_chunk(readers: Sequence[Any], piece: Piece, into: np.ndarray | None = None) -> np.ndarray:
-    """The (len(readers), piece.padded) chunk of ``piece`` (zeros past its width), in ``into`` if given."""
+    """Read the (len(readers), piece.padded) chunk of ``piece``, zeros past its width.
+
+    Args:
+      readers: Readers that read column ranges (:func:`can_chunk`).
+      piece: A chunk (``start`` not None).
+      into: Raw bytes to read into when large enough, or None.
+
+    Returns:
+      The chunk, in ``into`` when it fits.
+    """
     _, dtype = readers[0].specs[piece.key]
     buf = _array(into, (len(readers), piece.padded), dtype)
     for i, r in enumerate(readers):
@@ -156,6 +237,7 @@ def read_chunk(readers: Sequence[Any], piece: Piece, into: np.ndarray | None = N
 
 
 def _nbytes(specs: dict[str, tuple[tuple[int, ...], np.dtype]], piece: Piece, rows: int) -> int:
+    """Bytes of ``rows`` rows of ``piece`` as stored (a chunk's padding included)."""
     shape, dtype = specs[piece.key]
     values = int(np.prod(shape, dtype=np.int64)) if piece.whole else piece.padded
     return rows * values * dtype.itemsize
@@ -173,6 +255,12 @@ class Pipeline:
     At most ``workers + ahead`` pieces are in flight. Two workers, and ``ahead = 2``, were
     chosen with ``python -m benchmarks merge_io`` over one worker, one thread reading ahead
     while the caller merges, and ``ahead = 1``.
+
+    Args:
+      work: ``work(piece, buffers) -> result``, run on the worker threads.
+      pieces: The pieces, in order.
+      workers: The number of worker threads.
+      ahead: How many more pieces than workers may be in flight.
     """
 
     def __init__(self, work: Any, pieces: Sequence[Piece], workers: int = 2, ahead: int = 2):
@@ -203,7 +291,16 @@ class Pipeline:
 
 
 def buffer(buffers: dict[str, np.ndarray], name: str, nbytes: int) -> np.ndarray:
-    """The aligned byte buffer ``name`` of a worker, grown to at least ``nbytes``."""
+    """The aligned byte buffer ``name`` of a worker, grown to at least ``nbytes``.
+
+    Args:
+      buffers: The worker's buffers (the dict :class:`Pipeline` hands it).
+      name: Which buffer.
+      nbytes: The bytes needed.
+
+    Returns:
+      The buffer, reused when large enough (a larger one replaces it otherwise).
+    """
     raw = buffers.get(name)
     if raw is None or raw.size < nbytes:
         raw = buffers[name] = aligned_empty((nbytes,), np.uint8)
@@ -213,7 +310,17 @@ def buffer(buffers: dict[str, np.ndarray], name: str, nbytes: int) -> np.ndarray
 def read_piece(
     readers: Sequence[Any], base: Any | None, piece: Piece, buffers: dict
 ) -> tuple[np.ndarray, Any]:
-    """A piece's (n, ...) stack and its base leaf or chunk (None without a base), in a worker's buffers."""
+    """Read a piece's (n, ...) stack and its base leaf or chunk into a worker's buffers.
+
+    Args:
+      readers: The inputs' readers.
+      base: The base's reader, or None.
+      piece: The piece.
+      buffers: The worker's buffers (:func:`buffer`).
+
+    Returns:
+      (stack, base piece); the base piece is None without a base.
+    """
     n = len(readers)
     specs = readers[0].specs
     if piece.whole:
@@ -234,6 +341,10 @@ class Writer:
     Leaves wait their turn up to ``budget`` bytes in all (at least one leaf): with a single
     leaf in flight the merge waits for the writer (``python -m benchmarks merge_io``), while a
     queue of large leaves would cost their memory.
+
+    Args:
+      writer: A :class:`consensus.io.ShardedWriter` (``write`` and ``write_parts``).
+      budget: The bytes of leaves that may wait to be written.
     """
 
     def __init__(self, writer: Any, budget: int = 64 << 20):
@@ -244,7 +355,15 @@ class Writer:
         self.pending: collections.deque = collections.deque()  # (future, bytes)
 
     def write(self, key: str, array: np.ndarray | list[np.ndarray]) -> None:
-        """Queue ``key``: one array, or a list of consecutive 1-D pieces (``write_parts``)."""
+        """Queue ``key`` for writing, first waiting for earlier writes while over the budget.
+
+        Args:
+          key: The tensor.
+          array: One array, or a list of consecutive 1-D pieces (``write_parts``).
+
+        Raises:
+          OSError: If an earlier write failed (a full disk, ...): its error is raised here.
+        """
         nbytes = sum(a.nbytes for a in array) if isinstance(array, list) else array.nbytes
         while self.pending and sum(b for _, b in self.pending) + nbytes > self.budget:
             self.pending.popleft()[0].result()  # a failed write raises here
@@ -252,10 +371,12 @@ class Writer:
         self.pending.append((self.pool.submit(write, key, array), nbytes))
 
     def wait(self) -> None:
+        """Wait for every queued write; a failed write raises here."""
         while self.pending:
             self.pending.popleft()[0].result()
 
     def close(self) -> None:
+        """Wait for every queued write, then stop the thread; a failed write raises here."""
         try:
             self.wait()
         finally:

@@ -17,6 +17,10 @@ Counting is exact, so t_i is the library's threshold bit for bit and the merged 
 those of the whole-leaf TIES (``tests/system/test_merge_streaming.py``). Memory: a chunk and a
 (n, 65536) count per worker. Each pass reads the leaf once more (from the page cache, after
 the first), so TIES costs three reads of its leaves instead of one.
+
+References:
+  Yadav, Tam, Choshen, Raffel and Bansal 2023, NeurIPS, "TIES-Merging: Resolving Interference
+  When Merging Models".
 """
 
 from __future__ import annotations
@@ -37,7 +41,16 @@ def _row_bits(row: np.ndarray, base: np.ndarray) -> np.ndarray:
 
 
 def high_counts(stacked: np.ndarray, base: np.ndarray, width: int) -> np.ndarray:
-    """(n, 65536) int64: each row's magnitudes in the first ``width`` columns, by high 16 bits."""
+    """Pass 1 on one chunk: count each row's magnitudes by the high 16 bits of their float32 patterns.
+
+    Args:
+      stacked: (n, ...) the inputs' chunk.
+      base: The base's chunk (same columns).
+      width: The chunk's real columns; the zero padding after them is not counted.
+
+    Returns:
+      (n, 65536) int64 counts, summed over the leaf's chunks by :meth:`LeafTrim.add_high`.
+    """
     n = len(stacked)
     rows = stacked.reshape(n, -1)
     b = base.reshape(-1)[:width]
@@ -50,7 +63,17 @@ def high_counts(stacked: np.ndarray, base: np.ndarray, width: int) -> np.ndarray
 
 
 def low_counts(stacked: np.ndarray, base: np.ndarray, width: int, high: np.ndarray) -> np.ndarray:
-    """(n, 65536) int64: row i's magnitudes whose high 16 bits are ``high[i]``, by low 16 bits."""
+    """Pass 2 on one chunk: count row i's magnitudes in bin ``high[i]`` by their low 16 bits.
+
+    Args:
+      stacked: (n, ...) the inputs' chunk.
+      base: The base's chunk (same columns).
+      width: The chunk's real columns; the zero padding after them is not counted.
+      high: (n,) each row's bin from :meth:`LeafTrim.split`; a negative bin skips the row.
+
+    Returns:
+      (n, 65536) int64 counts, summed over the leaf's chunks by :meth:`LeafTrim.add_low`.
+    """
     n = len(stacked)
     rows = stacked.reshape(n, -1)
     b = base.reshape(-1)[:width]
@@ -65,8 +88,10 @@ def low_counts(stacked: np.ndarray, base: np.ndarray, width: int, high: np.ndarr
 
 
 def _bin_of_rank(counts: np.ndarray, rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row: the bin holding the ``rank``-th largest entry (1-based, counts by ascending bin),
-    and that entry's rank inside its bin."""
+    """Per row: the bin holding the ``rank``-th largest entry, and that entry's rank inside its bin.
+
+    ``rank`` is 1-based; ``counts`` are by ascending bin.
+    """
     above = np.cumsum(counts[:, ::-1], axis=1)  # above[:, j]: entries in the top j + 1 bins
     top = np.array([np.searchsorted(above[i], rank[i]) for i in range(len(counts))])  # first >= rank
     bins = BINS - 1 - top
@@ -75,8 +100,20 @@ def _bin_of_rank(counts: np.ndarray, rank: np.ndarray) -> tuple[np.ndarray, np.n
 
 
 class LeafTrim:
-    """One leaf's threshold search: ``add_high`` every chunk's counts, ``split``, ``add_low`` every
-    chunk's counts, then ``thresholds``."""
+    """One leaf's exact TIES thresholds, found from counts over its chunks.
+
+    Call ``add_high`` with every chunk's :func:`high_counts`, then ``split``, ``add_low`` with
+    every chunk's :func:`low_counts`, then ``thresholds``.
+
+    Args:
+      n: The number of nodes (rows).
+      k: How many of each row's magnitudes the trim keeps
+        (:func:`consensus.merging.ties.trim_count`), at least 1.
+
+    References:
+      Yadav, Tam, Choshen, Raffel and Bansal 2023, NeurIPS, "TIES-Merging: Resolving
+      Interference When Merging Models".
+    """
 
     def __init__(self, n: int, k: int):
         self.n, self.k = n, k
@@ -85,19 +122,38 @@ class LeafTrim:
         self.rank: np.ndarray | None = None
 
     def add_high(self, counts: np.ndarray) -> None:
+        """Add one chunk's pass-1 counts.
+
+        Args:
+          counts: (n, 65536) from :func:`high_counts`.
+        """
         self.counts += counts
 
     def split(self) -> np.ndarray:
-        """After pass 1: each row's high 16 bits (the bin of its k-th largest magnitude)."""
+        """End pass 1: find each row's bin, and reset the counts for pass 2.
+
+        Returns:
+          (n,) int64, each row's high 16 bits (the bin of its k-th largest magnitude), for
+          :func:`low_counts`.
+        """
         self.high, self.rank = _bin_of_rank(self.counts, np.full(self.n, self.k, np.int64))
         self.counts[:] = 0
         return self.high
 
     def add_low(self, counts: np.ndarray) -> None:
+        """Add one chunk's pass-2 counts.
+
+        Args:
+          counts: (n, 65536) from :func:`low_counts`.
+        """
         self.counts += counts
 
     def thresholds(self) -> np.ndarray:
-        """After pass 2: (n,) float32, node i keeps ``|d_i| >= t_i`` (t_i its exact k-th largest)."""
+        """End pass 2: the thresholds, the library's bit for bit.
+
+        Returns:
+          (n,) float32: node i keeps ``|d_i| >= t_i``, t_i its exact k-th largest magnitude.
+        """
         assert self.high is not None and self.rank is not None
         low, _ = _bin_of_rank(self.counts, self.rank)
         bits = ((self.high << 16) | low).astype(np.int32)
