@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import tempfile
 import time
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -77,7 +77,8 @@ def run(rule: str, attack: str | None, rounds: int, seed: int, out: str) -> dict
         sets += [f"byzantine.attack={name}", f"byzantine.options={_options(opts)}"]
     cfg = config.load(None, sets)
     t0 = time.perf_counter()
-    result = MetaConsensus(cfg, task=ManyClientDigits(hidden=(32,)), write=False, progress=False).train()
+    task = cast(Any, ManyClientDigits(hidden=(32,)))  # a DigitsTask; its name is a read-only property
+    result = MetaConsensus(cfg, task=task, write=False, progress=False).train()
     is_byz = set(byz)
     f = math.floor(FAULT_TOLERANCE * M)
     in_sample = [sum(i in is_byz for i in h.sampled) for h in result.history]
@@ -92,6 +93,62 @@ def run(rule: str, attack: str | None, rounds: int, seed: int, out: str) -> dict
         "rounds_over_f": float(np.mean([b > f for b in in_sample])),
         "seconds": time.perf_counter() - t0,
     }
+
+
+def markdown(res: dict[str, Any]) -> str:
+    """The results page of a run, rendered from its result dict (as saved in the JSON).
+
+    Args:
+        res: the dict :func:`main` returns and saves: ``settings``, the ``clean`` run and the
+            attacked ``runs``.
+
+    Returns:
+        The markdown: title, the setting, the table of final test accuracies per rule and attack
+        (worst case and drop from clean FedAvg) and the Byzantine share of the samples.
+    """
+    s, clean, runs = res["settings"], res["clean"], res["runs"]
+    rules, attacks, m = s["rules"], s["attacks"], s["m"]
+    f = math.floor(s["fault_tolerance"] * m)
+    every = s.get("byzantine_every")  # recorded since; older runs did not say which clients
+    table = []
+    for rule in rules:
+        mine = {r["attack"]: r for r in runs if r["rule"] == rule}
+        worst = min(mine.values(), key=lambda r: r["test_acc"])
+        table.append(
+            [rule]
+            + [f"{mine[a]['test_acc']:.3f}" + ("" if not mine[a]["failed_rounds"] else "*") for a in attacks]
+            + [
+                f"{worst['test_acc']:.3f} ({worst['attack']})",
+                f"{clean['test_acc'] - worst['test_acc']:+.3f}",
+            ]
+        )
+    over = float(np.mean([r["rounds_over_f"] for r in runs]))
+    byz_mean = float(np.mean([r["byzantine_in_sample_mean"] for r in runs]))
+    byz_max = max(r["byzantine_in_sample_max"] for r in runs)
+    share = f"{1 / every:.0%} Byzantine clients" if every else "Byzantine clients"
+    nth = {1: "", 2: "2nd", 3: "3rd"}.get(every, f"{every}th") if every else ""
+    which = (
+        f"every {nth} Byzantine".replace("every  ", "every ") if every else "a fixed set of them Byzantine"
+    )
+    return "\n".join(
+        [
+            f"# Robustness with client sampling: {share}, m = {m} per round",
+            "",
+            f"N = {s['N']} digits clients (IID shards), {which},",
+            f"m = {m} sampled uniformly per round, f = floor({s['fault_tolerance']} x answered) = {f};",
+            f"{s['rounds']} rounds, seed {clean['seed']}; final test accuracy of the consensus "
+            "(the rule's output).",
+            "'*': some rounds failed (the previous consensus was kept).",
+            "",
+            markdown_table(["rule", *attacks, "worst case (attack)", "drop from clean"], table),
+            "",
+            f"Clean FedAvg (no Byzantine client, same sampling): {clean['test_acc']:.3f}.",
+            f"Byzantine clients per sample: mean {byz_mean:.1f}, max {byz_max}; share of rounds whose sample",
+            f"held more than f: {over:.1%} (the rule's guarantee does not hold in those rounds). The",
+            "sample depends on the seed and round only, so every run of the table sees the same samples.",
+            "",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -109,43 +166,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 runs.append(run(rule, attack, rounds, seed, tmp))
                 r = runs[-1]
                 print(f"{rule} / {attack}: {r['test_acc']:.3f} ({r['failed_rounds']} failed)", flush=True)
-    table = []
-    for rule in rules:
-        mine = {r["attack"]: r for r in runs if r["rule"] == rule}
-        worst = min(mine.values(), key=lambda r: r["test_acc"])
-        table.append(
-            [rule]
-            + [f"{mine[a]['test_acc']:.3f}" + ("" if not mine[a]["failed_rounds"] else "*") for a in attacks]
-            + [
-                f"{worst['test_acc']:.3f} ({worst['attack']})",
-                f"{clean['test_acc'] - worst['test_acc']:+.3f}",
-            ]
-        )
-    over = float(np.mean([r["rounds_over_f"] for r in runs]))
-    byz_mean = float(np.mean([r["byzantine_in_sample_mean"] for r in runs]))
-    byz_max = max(r["byzantine_in_sample_max"] for r in runs)
-    f = math.floor(FAULT_TOLERANCE * M)
-    cmd = "python -m benchmarks robustness_sampled" + (" --quick" if args.quick else "")
-    md = "\n".join(
-        [
-            "# Robustness with client sampling: 25% Byzantine clients, m = 50 per round",
-            "",
-            f"Command: `{cmd}`. Machine shared with other work.",
-            f"N = {N} digits clients (IID shards), every {BYZANTINE_EVERY}th Byzantine,",
-            f"m = {M} sampled uniformly per round, f = floor({FAULT_TOLERANCE} x answered) = {f};",
-            f"{rounds} rounds, seed {seed}; final test accuracy of the consensus (the rule's output).",
-            "'*': some rounds failed (the previous consensus was kept).",
-            "",
-            markdown_table(["rule", *attacks, "worst case (attack)", "drop from clean"], table),
-            "",
-            f"Clean FedAvg (no Byzantine client, same sampling): {clean['test_acc']:.3f}.",
-            f"Byzantine clients per sample: mean {byz_mean:.1f}, max {byz_max}; share of rounds whose sample",
-            f"held more than f: {over:.1%} (the rule's guarantee does not hold in those rounds). The",
-            "sample depends on the seed and round only, so every run of the table sees the same samples.",
-            "",
-        ]
-    )
-    res = {
+    res: dict[str, Any] = {
         "settings": {
             "quick": args.quick,
             "N": N,
@@ -154,10 +175,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "rules": list(rules),
             "attacks": list(attacks),
             "fault_tolerance": FAULT_TOLERANCE,
+            "byzantine_every": BYZANTINE_EVERY,
         },
         "clean": clean,
         "runs": runs,
     }
+    md = markdown(res)
     harness.save("robustness_sampled", args.quick, res, md, settings=res["settings"])
     print(md)
     return res
