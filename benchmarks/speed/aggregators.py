@@ -24,6 +24,8 @@ robust pipelines use it) it stays a lazy view and writes nothing.
 from __future__ import annotations
 
 import gc
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -135,7 +137,7 @@ def bench_one(
     f = byzantine_count(n)
     # The floor is the yardstick of every ratio: measure it with more repeats.
     floor = best_time(lambda: x_np.sum(axis=0), max(7, repeats))
-    base = dict(n=n, d=d, f=f)
+    base: dict[str, Any] = dict(n=n, d=d, f=f)
     rows = [dict(base, rule="floor (numpy sum)", seconds=floor, ratio=1.0)]
     if numpy_baselines:
         for name, fn in [
@@ -190,7 +192,7 @@ def sweep_one(n: int, d: int, repeats: int) -> list[dict]:
     x_np = params_np + 0.01 * rng.standard_normal((n, d), dtype=np.float32)
     f = byzantine_count(n)
     floor = best_time(lambda: x_np.sum(axis=0), max(7, repeats))
-    base = dict(n=n, d=d, f=f)
+    base: dict[str, Any] = dict(n=n, d=d, f=f)
     out = [dict(base, rule="floor (numpy sum)", seconds=floor, eager=1.0)]
     t_med = best_time(lambda: np.median(x_np, axis=0), repeats)
     out.append(dict(base, rule="numpy median", seconds=t_med, eager=t_med / floor))
@@ -242,7 +244,7 @@ def bulyan_second_stage(x_np: np.ndarray, x: jax.Array, f: int, floor: float, re
     theta = n - 2 * f
     rows_np, rows = np.ascontiguousarray(x_np[:theta]), jnp.asarray(x_np[:theta])
     t_part = best_time(lambda: np.partition(rows_np, sorted({f, theta - f - 1}), axis=0), repeats)
-    row = dict(n=n, d=d, f=f, rule="bulyan second stage")
+    row: dict[str, Any] = dict(n=n, d=d, f=f, rule="bulyan second stage")
     jitted = jax.jit(lambda r: sorting.closest_to_median_mean(r, f))
     calls = {"eager": lambda: sorting.closest_to_median_mean(rows, f), "jit": lambda: jitted(rows)}
     for mode, fn in calls.items():
@@ -256,18 +258,21 @@ def n_sweep(args, argv: list[str]) -> dict:
     total = 4_000_000 if args.quick else 64_000_000
     nodes = [int(v) for v in args.nodes.split(",")] if args.nodes else list(SWEEP_NODES)
     repeats = args.repeats or (1 if args.quick else 2)
-    results = []
+    results: list[dict] = []
+    command = "python -m benchmarks aggregators" + (" " + " ".join(argv) if argv else "")
+    name = args.name or ("aggregators_nsweep" + ("_quick" if args.quick else ""))
+    md = ""
     for n in nodes:
         results += sweep_one(n, total // n, repeats)
         print(f"done n={n}", flush=True)
         # Written after every n: the large-n rows take longest, the small-n ones survive an interrupt.
-        md = _write_sweep(args, argv, total, results)
+        md = _write(name, args, command, results)
     print(md)
     return {"results": results}
 
 
-def _write(name: str, args, command: str, results: list[dict], md: str) -> None:
-    """``<name>.json`` / ``.md`` with the machine, its load averages, the command and the settings."""
+def _write(name: str, args, command: str, results: list[dict]) -> str:
+    """``<name>.json`` / ``.md`` (the machine, its load averages, the command, the settings); the markdown."""
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     payload = {
         "machine": machine(),
@@ -276,55 +281,190 @@ def _write(name: str, args, command: str, results: list[dict], md: str) -> None:
         "settings": settings,
         "results": results,
     }
+    md = markdown(payload)
     harness.write_results(name, payload, md)
+    return md
 
 
-def _write_sweep(args, argv: list[str], total: int, results: list[dict]) -> str:
-    headers = [
-        "n",
-        "d",
-        "f",
-        "rule",
-        "eager",
-        "jit",
-        "numpy ref / eager",
-        "numpy ref / jit",
-        "GFLOP/s",
-        "of numpy matmul",
-    ]
-    fmt = lambda v: "" if v is None else v  # noqa: E731
+# ----------------------------------------------------------------------------- the page
+
+
+def _load_note(res: Mapping[str, Any]) -> list[str]:
+    if "load_average" not in res:
+        return []
+    return [f"Load averages when written: {res['load_average']} (1/5/15 min); the machine is shared.", ""]
+
+
+def _blank(v: Any) -> Any:
+    return "" if v is None else v
+
+
+def markdown(res: Mapping[str, Any]) -> str:
+    """The page of one result file: the n-sweep's table, or the (n, d) grid's.
+
+    Args:
+        res: the result file as written (``results``: one dict per row; ``settings`` and
+            ``load_average`` where the run recorded them).
+
+    Returns:
+        The markdown: a title, notes on the method, the table and what it shows against the targets.
+    """
+    rows = res["results"]
+    if (res.get("settings") or {}).get("n_sweep") or any("gflops" in r for r in rows):
+        return _sweep_markdown(res)
+    return _grid_markdown(res)
+
+
+def _sweep_markdown(res: Mapping[str, Any]) -> str:
+    rows = res["results"]
+    nodes = sorted({r["n"] for r in rows})
+    total = max(r["n"] * r["d"] for r in rows)  # d = total // n: exact at an n that divides it
+    headers = ["n", "d", "f", "rule", "eager", "jit", "numpy ref / eager", "numpy ref / jit"]
+    headers += ["GFLOP/s", "of numpy matmul"]
     table = [
         [
             r["n"],
             f"{r['d']:.1e}",
             r["f"],
             r["rule"],
-            fmt(r.get("eager")),
-            fmt(r.get("jit")),
-            fmt(r.get("numpy / eager")),
-            fmt(r.get("numpy / jit")),
-            fmt(r.get("gflops")),
-            fmt(r.get("matmul_fraction")),
+            _blank(r.get("eager")),
+            _blank(r.get("jit")),
+            _blank(r.get("numpy / eager")),
+            _blank(r.get("numpy / jit")),
+            _blank(r.get("gflops")),
+            _blank(r.get("matmul_fraction")),
         ]
-        for r in results
+        for r in rows
     ]
-    command = "python -m benchmarks aggregators" + (" " + " ".join(argv) if argv else "")
-    md = (
-        "# Aggregators from 8 to 1024 nodes at a fixed n * d (time / one numpy pass over the stack)\n\n"
-        f"Command: `{command}`. n * d = {total:.1e}. "
-        f"Machine: {machine()['processor']}, {machine()['cpu_count']} cores, jax {jax.__version__} "
-        f"({jax.default_backend()}), load averages {harness.load_average()} (1/5/15 min) when written. "
-        "eager / jit: time / floor (params given). numpy ref / mode: numpy's time over the rule's "
-        "(np.median for the median, "
-        "np.partition at f and n - f - 1 for trimmed mean and Bulyan, at f and theta - f - 1 of the theta "
-        "= n - 2f rows that Bulyan's second stage reads for that stage alone); above 1 the rule is faster. "
-        "GFLOP/s: the Gram's 2 n^2 d flops over its time; 'of numpy matmul': that over numpy's "
-        "x @ x.T in the same run.\n\n" + markdown_table(headers, table)
-    )
-    name = args.name or ("aggregators_nsweep" + ("_quick" if args.quick else ""))
-    _write(name, args, command, results, md)
-    print(md)
-    return {"results": results}
+    lines = [
+        f"# Aggregators from {nodes[0]} to {nodes[-1]} nodes at a fixed n * d "
+        "(time / one numpy pass over the stack)",
+        "",
+        f"n * d = {total:.1e}. eager / jit: time / floor (params given), the floor being one numpy pass "
+        "that sums the (n, d) float32 stack, measured in the same run. numpy ref / mode: numpy's time over "
+        "the rule's (np.median for the median, np.partition at f and n - f - 1 for trimmed mean and "
+        "Bulyan, at f and theta - f - 1 of the theta = n - 2f rows that Bulyan's second stage reads for "
+        "that stage alone); above 1 the rule is faster. GFLOP/s: the Gram's 2 n^2 d flops over its time; "
+        "'of numpy matmul': that over numpy's x @ x.T in the same run.",
+        "",
+        *_load_note(res),
+        markdown_table(headers, table).rstrip("\n"),
+    ]
+    lines += _sweep_summary(rows, nodes)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _sweep_summary(rows: list[dict], nodes: list[int]) -> list[str]:
+    """Per rule, the n at which it is slowest against the floor (eager), read from the rows."""
+    out = []
+    for name in SWEEP_RULES:
+        mine = sorted((r for r in rows if r["rule"] == name and "eager" in r), key=lambda r: r["n"])
+        if len(mine) < 2:
+            continue
+        lo, hi = mine[0], mine[-1]
+        worst = max(mine, key=lambda r: r["eager"])
+        slowest = "" if worst is hi else f"; slowest at n = {worst['n']} ({_num(worst['eager'])}x)"
+        out.append(
+            f"- {name}: {_num(lo['eager'])}x the floor at n = {lo['n']}, {_num(hi['eager'])}x "
+            f"at n = {hi['n']}{slowest}."
+        )
+    if not out:
+        return []
+    return ["", f"Eager time / floor from n = {nodes[0]} to n = {nodes[-1]}:", "", *out]
+
+
+def _num(v: float) -> str:
+    """A number as ``markdown_table`` prints it (three significant digits below 1000)."""
+    return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+
+
+def _grid_markdown(res: Mapping[str, Any]) -> str:
+    rows = res["results"]
+    modes = any("input" in r for r in rows)  # runs before the jit columns: one eager ratio per rule
+    if modes:
+        headers = ["n", "d", "f", "rule", "input", "eager ms", "eager", "jit", "jit, no params"]
+        headers += ["target (eager)", "target (jit)", "extra mem (x stack)"]
+    else:
+        headers = ["n", "d", "f", "rule", "ms", "x floor", "target", "extra mem (x stack)"]
+    table = []
+    for r in rows:
+        cells = [r["n"], f"{r['d']:.0e}", r["f"], r["rule"]]
+        if modes:
+            cells += [r.get("input", ""), 1e3 * r["seconds"], r["ratio"]]
+            cells += [
+                r.get("jit", ""),
+                r.get("jit, no params", ""),
+                r.get("target", ""),
+                r.get("jit target", ""),
+            ]
+        else:
+            cells += [1e3 * r["seconds"], r["ratio"], r.get("target", "")]
+        cells.append("" if r.get("extra_memory") is None else round(r["extra_memory"], 2))
+        table.append(cells)
+    columns = "Columns eager / jit / jit, no params" if modes else "x floor"
+    lines = [
+        "# Aggregator speed (time / one numpy pass over the stack)",
+        "",
+        f"{columns}: time / floor, the floor being one numpy pass that sums the (n, d) float32 "
+        "stack, measured in the same run. "
+        + (
+            "eager: `agg.update(stacked, state, params)`; jit: the same call inside the user's own "
+            "`jax.jit`; jit, no params: `jax.jit(lambda s, st: agg.update(s, st))`. Inputs: clean (honest "
+            "nodes only) and alie (f rows replaced by one ALIE vector, repeated). "
+            if modes
+            else ""
+        )
+        + "Extra memory: XLA's temporaries plus the output of the jitted update, over the stack's size "
+        "(at the largest d); clip alone writes a clipped copy of the stack, while inside a pipeline "
+        "(clip+mean) it stays a lazy view. Targets are stated for n = 16, d = 1e7 only"
+        + (
+            "; target (jit) bounds both jit columns, and where no bound is set it is 1.1 x the eager ratio."
+            if modes
+            else "."
+        ),
+        "",
+        *_load_note(res),
+        markdown_table(headers, table).rstrip("\n"),
+    ]
+    lines += _target_summary(rows)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _target_summary(rows: list[dict]) -> list[str]:
+    """How many rows meet their targets, and which miss, from the rows' own ratios and targets."""
+    out = []
+    eager = [r for r in rows if "target" in r]
+    if eager:
+        missed = [r for r in eager if r["ratio"] > r["target"]]
+        out.append(
+            f"- eager: {len(eager) - len(missed)} of {len(eager)} rows with a target meet it"
+            + (
+                ""
+                if not missed
+                else "; above it: " + ", ".join(_miss(r, r["ratio"], r["target"]) for r in missed)
+            )
+            + "."
+        )
+    jit = [r for r in rows if "jit target" in r]
+    if jit:
+        worst = {id(r): max(r["jit"], r["jit, no params"]) for r in jit}
+        missed = [r for r in jit if worst[id(r)] > r["jit target"]]
+        out.append(
+            f"- jit (the slower of the two jit columns): {len(jit) - len(missed)} of {len(jit)} rows meet "
+            "their target"
+            + (
+                ""
+                if not missed
+                else "; above it: " + ", ".join(_miss(r, worst[id(r)], r["jit target"]) for r in missed)
+            )
+            + "."
+        )
+    return ["", "Against the targets:", "", *out] if out else []
+
+
+def _miss(r: Mapping[str, Any], value: float, target: float) -> str:
+    where = f"{r['rule']}" + (f" ({r['input']})" if "input" in r else "")
+    return f"{where} {_num(value)}x against {_num(float(target))}x"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -359,36 +499,10 @@ def main(argv: list[str] | None = None) -> dict:
             memory = d == max(sizes)
             results += bench_one(n, d, repeats, with_memory=memory, numpy_baselines=True, only=only)
             print(f"done n={n} d={d:.0e}", flush=True)
-    headers = ["n", "d", "f", "rule", "input", "eager ms", "eager", "jit", "jit, no params"]
-    headers += ["target (eager)", "target (jit)", "extra mem (x stack)"]
-    table = [
-        [
-            r["n"],
-            f"{r['d']:.0e}",
-            r["f"],
-            r["rule"],
-            r.get("input", ""),
-            1e3 * r["seconds"],
-            r["ratio"],
-            r.get("jit", ""),
-            r.get("jit, no params", ""),
-            r.get("target", ""),
-            r.get("jit target", ""),
-            "" if r.get("extra_memory") is None else round(r["extra_memory"], 2),
-        ]
-        for r in results
-    ]
     command = "python -m benchmarks aggregators" + (" " + " ".join(argv) if argv else "")
-    md = (
-        "# Aggregator speed (time / one numpy pass over the stack)\n\n"
-        f"Command: `{command}`. "
-        f"Machine: {machine()['processor']}, {machine()['cpu_count']} cores, jax {jax.__version__} "
-        f"({jax.default_backend()}). Columns eager / jit / jit, no params: time / floor.\n\n"
-        + markdown_table(headers, table)
-    )
     name = args.name or ("aggregators" + ("_quick" if args.quick else ""))
-    _write(name, args, command, results, md)
-    return md
+    print(_write(name, args, command, results))
+    return {"results": results}
 
 
 if __name__ == "__main__":
