@@ -89,7 +89,44 @@ class CoordinatorState(NamedTuple):
 class RoundInfo:
     """What happened in one round (one line of metrics.jsonl).
 
-    Per-node arrays have length n; accuracies are on the shared test set.
+    Per-node lists have length n; accuracies are on the shared test set. Values a round did not
+    compute (no evaluation this round, no DP, a failed round) are NaN.
+
+    Attributes:
+      round: the round's index (0-based; a retried round keeps its index).
+      attempt: the attempt at this round (0 first, then one per retry).
+      ok: whether the round produced a new consensus; False keeps the previous one.
+      reason: why the round failed ("" when ``ok``).
+      answered: per node, whether it answered with a candidate.
+      valid: per node, answered with a finite candidate that passed ``quality_threshold``.
+      accepted: per node, whether the vote accepted its candidate.
+      weights: per node, its weight in the merge (0 for those not accepted).
+      errors: why a node's answer is missing or invalid, by node index (as a string).
+      node_accuracy: per node, its candidate's test accuracy.
+      node_loss: per node, its candidate's test loss.
+      train_loss: per node, its mean training loss over the round.
+      consensus_accuracy: the new consensus's test accuracy.
+      consensus_loss: the new consensus's test loss.
+      heldout_accuracy: the new consensus's accuracy on the server's held-out set.
+      fedavg_accuracy: the plain FedAvg baseline's test accuracy (``baseline_fedavg``).
+      epsilon: the privacy spent so far by the run's accountant (0 without DP; the largest node's
+        under example-level DP).
+      epsilon_rdp: the same under the RDP accountant (a comparison when the run's is PLD; NaN
+        in rounds where that comparison is not due, see :meth:`Coordinator.second_accountant_due`).
+      epsilon_pld: the same under the PLD accountant (as ``epsilon_rdp``, the other way round).
+      clip_norm: the DP clipping norm.
+      noise_std: the DP noise's standard deviation.
+      solve_ms: the weight solver's time in milliseconds (0 without a solver).
+      weight_cap: the per-node weight cap in effect.
+      seconds: the round's wall time by phase (fit, validate, vote, weights, dp, baseline, evaluate).
+      node_epsilon: example-level DP: every node's epsilon (the run's accountant) after this round.
+      sampled: client sampling: the nodes sampled this round (empty under full participation);
+        the per-node lists hold the sampled nodes' values and False / NaN / 0 for the others.
+      bytes_up: bytes a node sends this round (its params, or its adapter in a LoRA run).
+      bytes_down: bytes a node receives (the consensus, or the adapter plus any base delta).
+      trainable_params: scalars a node trains (the adapter in a LoRA run).
+      model_params: scalars of the whole model.
+      adapter: LoRA runs: the adapter merge's method, exactness and ranks (consensus.lora's info).
     """
 
     round: int
@@ -116,27 +153,29 @@ class RoundInfo:
     solve_ms: float
     weight_cap: float
     seconds: dict[str, float]
-    # Example-level DP: every node's epsilon (the run's accountant) after this round.
     node_epsilon: list[float] = dataclasses.field(default_factory=list)
-    # Client sampling: the nodes sampled this round (empty under full participation); the
-    # per-node lists above hold the sampled nodes' values and False / NaN / 0 for the others.
     sampled: list[int] = dataclasses.field(default_factory=list)
-    # Bytes on the wire per node this round: what a node sends (its params, or its adapter in a
-    # LoRA run) and what it receives (the consensus, or the adapter plus any base delta).
     bytes_up: int = 0
     bytes_down: int = 0
-    # Scalars a node trains (the adapter in a LoRA run) and of the whole model.
     trainable_params: int = 0
     model_params: int = 0
-    # LoRA runs: the adapter merge's method, exactness and ranks (consensus.lora's info).
     adapter: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
+        """The info as a JSON-safe dict (non-finite floats as the strings "nan", "inf", "-inf")."""
         d = dataclasses.asdict(self)
         return {k: _json_safe(v) for k, v in d.items()}
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> RoundInfo:
+        """The info that :meth:`to_json` wrote (keys RoundInfo does not know are left out).
+
+        Args:
+          d: one line of metrics.jsonl, parsed.
+
+        Returns:
+          The RoundInfo.
+        """
         names = {f.name for f in dataclasses.fields(RoundInfo)}
         return RoundInfo(**{k: _from_json(v) for k, v in d.items() if k in names})
 
@@ -321,6 +360,7 @@ class Coordinator:
     # ------------------------------------------------------------------ the round
 
     def round_key(self, state: CoordinatorState, attempt: int) -> jax.Array:
+        """The key of ``state``'s round at ``attempt``: ``fold_in(fold_in(key, round), attempt)``."""
         return round_key(state.key, state.round, attempt)
 
     def round(

@@ -61,9 +61,21 @@ PyTree = Any
 
 
 def make_task(cfg: Config, task: Task | None = None) -> Task:
-    """The task of a config (a registered name or a ``package.module:factory`` import path, or
-    ``task`` when given) with the config's public pool settings (``task.public_fraction``,
-    ``task.general_pool``)."""
+    """The task of a config, with the config's public pool settings.
+
+    Args:
+      cfg: the run config; ``task.name`` is a registered name or a ``package.module:factory``
+        import path, and ``task.public_fraction`` and ``task.general_pool`` set the public pool.
+      task: a Task object to use instead of the one ``task.name`` names.
+
+    Returns:
+      The task, wrapped to hold out its public pool when the config asks for one.
+
+    Raises:
+      ConfigError: public pool settings the task cannot meet.
+      RegistryError: an unknown task name, or options its factory does not take.
+      TaskError: the user's task module or factory fails.
+    """
     task = resolve_task(cfg.task.name, cfg.task.options) if task is None else task
     try:
         return with_public_pool(task, cfg.task.public_fraction, cfg.task.general_pool)
@@ -193,6 +205,7 @@ class Fleet:
         return _to_host(state)
 
     def initial_params(self, key: jax.Array) -> PyTree:
+        """The task's freshly initialized params from ``key``."""
         return self.task.init(key)
 
     # ------------------------------------------------------------------ fit
@@ -324,12 +337,12 @@ class Fleet:
         )
 
     def trainer_broadcast(self, params: PyTree, n: int | None = None) -> PyTree:
-        """n copies of ``params`` as a stacked tree (the placeholder of a failed fit)."""
+        """The n copies of ``params`` as a stacked tree (the placeholder of a failed fit)."""
         n = self.n if n is None else n
         return jax.tree.map(lambda p: jnp.broadcast_to(p, (n, *p.shape)), params)
 
     def _broadcast_placed(self, anchor: PyTree, like: PyTree) -> PyTree:
-        """n copies of ``anchor`` placed like the nodes' params (on the mesh's node axis)."""
+        """The n copies of ``anchor`` placed like the nodes' params (on the mesh's node axis)."""
         if self.trainer.mesh is None:
             return self.trainer_broadcast(anchor)
         if self._broadcast_jit is None:
