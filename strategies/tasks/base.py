@@ -78,6 +78,15 @@ class Task(Protocol):
     * ``kind`` (optional, default "classification"): "classification" when
       ``apply`` returns (rows, classes) logits for integer labels ``y``; any other
       value (e.g. "language") turns off the objectives that need per-class logits.
+
+    The methods (:meth:`init`, :meth:`apply`, :meth:`loss`, :meth:`metrics`,
+    :meth:`logical_axes`, :meth:`flip_labels`, :meth:`splits`) are what the trainer, the
+    attacks and the run call; each documents its own arguments.
+
+    Attributes:
+      name: the task's name in logs, reports and error messages (for a built-in task, the
+        name a config gives as ``task.name``).
+      kind: optional class attribute, "classification" when absent (see above).
     """
 
     name: str
