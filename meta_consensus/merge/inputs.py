@@ -1,5 +1,7 @@
-"""The merge's inputs: a reader for each checkpoint (safetensors or this package's orbax), and the
-check that they all hold the same keys, shapes and dtypes.
+"""The merge's inputs: a reader for each checkpoint, and the check that they all agree.
+
+An input is safetensors or this package's orbax; all must hold the same keys, shapes and dtypes
+(up to tied copies and mixed float dtypes, reconciled by :func:`prepare_inputs`).
 
 Both readers expose ``specs`` (key -> (shape, dtype)), ``read_into(key, out)`` and ``close()``;
 a safetensors reader also reads column ranges (``read_range_into``). An orbax checkpoint's
@@ -21,13 +23,25 @@ from meta_consensus.merge.errors import MergeError
 
 
 def open_input(path: str | Path) -> Any:
-    """A reader of one input: :class:`~consensus.io.CheckpointReader` for safetensors, else
-    :class:`~meta_consensus.checkpoint.TreeReader` for an orbax checkpoint of this package.
+    """Open one input: safetensors, or an orbax checkpoint of this package.
 
     A folder holding ``.safetensors`` files is read as safetensors (a run folder's final
     ``consensus.safetensors`` included); a folder without any is read as an orbax step folder,
     ``checkpoints`` folder or run folder (the latest round). Anything else is a
     :class:`MergeError` naming both kinds.
+
+    Args:
+      path: A ``.safetensors`` file, a (sharded) safetensors folder, or an orbax step, checkpoints
+        or run folder.
+
+    Returns:
+      A :class:`~consensus.io.CheckpointReader` for safetensors, else a
+      :class:`~meta_consensus.checkpoint.TreeReader`.
+
+    Raises:
+      MergeError: If the input is a PyTorch pickle (``.bin``, ``.pt``, ...), which is never read
+        (loading one runs arbitrary code), or a folder that is neither kind.
+      CheckpointError: If a safetensors input is missing or unreadable.
     """
     from consensus import io
 
@@ -48,7 +62,16 @@ def open_input(path: str | Path) -> Any:
 
 
 def check_inputs(readers: Sequence[Any], base: Any | None) -> None:
-    """Every input (and the base) holds the first input's keys, with its shapes and dtypes."""
+    """Check that every input (and the base) holds the first input's keys, shapes and dtypes.
+
+    Args:
+      readers: The inputs' readers; the first is the reference.
+      base: The base's reader, or None.
+
+    Raises:
+      MergeError: If a reader lacks a key or has an extra one (both listed, up to five), or a
+        tensor's shape or dtype differs.
+    """
     ref = readers[0]
     for r in [*readers[1:], *([base] if base is not None else [])]:
         missing = [k for k in ref.specs if k not in r.specs]
@@ -99,6 +122,19 @@ def prepare_inputs(
       is not read.
     * float tensors stored in different float dtypes (fp32 and bf16 fine-tunes): accepted when
       ``out_dtype`` (``--dtype``) says what the output is; they are read as float32.
+
+    Args:
+      readers: The inputs' readers; the first one's keys are the output's.
+      base: The base's reader, or None.
+      out_dtype: The output dtype of float tensors (``--dtype``), or None.
+
+    Returns:
+      (the inputs' readers, the base's reader or None), wrapped to read under the first input's
+      keys and with the mixed float dtypes as float32.
+
+    Raises:
+      MergeError: If keys, shapes or dtypes differ in any other way (a float tensor in mixed
+        dtypes without ``out_dtype`` is one: the message asks for ``--dtype``).
     """
     ref = readers[0]
     wrapped = [ref, *readers[1:], *([base] if base is not None else [])]
@@ -138,6 +174,7 @@ MAX_TIED = 8
 
 
 def _is_float(dtype: Any) -> bool:
+    """Whether ``dtype`` is a float dtype, bfloat16 included."""
     return np.dtype(dtype).kind == "f" or np.dtype(dtype).name == "bfloat16"
 
 
@@ -158,8 +195,7 @@ def _tied_source(reader: Any, key: str) -> str | None:
 
 
 class _View:
-    """An input read under the first input's keys (tied copies read from their source) and, for
-    the keys whose dtype differs between inputs, as float32."""
+    """An input read under the first input's keys: tied copies from their source, mixed dtypes as float32."""
 
     def __init__(self, reader: Any, ref: Any, tied: dict[str, str]):
         self.reader = reader
@@ -229,8 +265,19 @@ MODEL_FILES = (
 
 
 def model_folder(plan_inputs: Sequence[str], config_from: str | None) -> Path | None:
-    """The folder whose model files the output gets: ``config_from``, else the first input when it
-    is a folder holding a ``config.json`` (a Hugging Face model folder), else None."""
+    """The folder whose model files (config, tokenizer) the output gets, if any.
+
+    Args:
+      plan_inputs: The plan's inputs.
+      config_from: ``--config-from``, or None.
+
+    Returns:
+      ``config_from``; else the first input when it is a folder holding a ``config.json`` (a
+      Hugging Face model folder); else None.
+
+    Raises:
+      MergeError: If ``config_from`` holds no ``config.json``.
+    """
     if config_from is not None:
         folder = Path(config_from)
         if not (folder / "config.json").is_file():
@@ -241,8 +288,22 @@ def model_folder(plan_inputs: Sequence[str], config_from: str | None) -> Path | 
 
 
 def copy_model_files(folder: Path, out: Path, float_dtype: Any | None) -> list[str]:
-    """Copy :data:`MODEL_FILES` that ``folder`` holds into ``out``; ``config.json`` gets the output's
-    float dtype as ``torch_dtype`` (and ``dtype``, its newer name, when present). Returns the names."""
+    """Copy the :data:`MODEL_FILES` that ``folder`` holds into ``out``, so ``from_pretrained(out)`` works.
+
+    ``config.json`` gets the output's float dtype as ``torch_dtype`` (and ``dtype``, its newer
+    name, when present), so the config describes the weights written.
+
+    Args:
+      folder: A Hugging Face model folder (:func:`model_folder`).
+      out: The output folder.
+      float_dtype: The output's float dtype, or None to copy ``config.json`` as it is.
+
+    Returns:
+      The names of the files copied.
+
+    Raises:
+      MergeError: If ``config.json`` is not JSON.
+    """
     copied = []
     for name in MODEL_FILES:
         src = folder / name
