@@ -1,5 +1,7 @@
-"""The merge itself: :func:`merge_checkpoints` checks a plan, then streams the inputs into the
-output, leaf by leaf or in column chunks, in one pass (two for the vector rules).
+"""The merge itself: :func:`merge_checkpoints` checks a plan, then streams the inputs into the output.
+
+The inputs are read leaf by leaf or in column chunks, in one merge pass, after a Gram pass for
+the vector rules and two counting passes for TIES in chunks.
 
 The design (memory bound, which leaves are chunked, how a vector rule gets whole-model weights
 from a Gram pass) is in docs/merging.md.
@@ -41,14 +43,35 @@ def merge_checkpoints(
     strict: bool = False,
     config_from: str | None = None,
 ) -> dict[str, Any]:
-    """Run a merge plan: check everything, then stream the inputs into ``plan.out``; returns the report.
+    """Run a merge plan: check everything, then stream the inputs into ``plan.out``.
 
-    ``chunk_bytes``: the size of the column chunks that element-wise and vector rules are
-    streamed in (see :mod:`meta_consensus.merge.streaming`; 0 merges every leaf whole, as
-    other rules are). ``strict``: an input with a non-finite value is an error (by default
-    the rules leave it out of that tensor, and the report's ``nonfinite`` names it).
-    ``config_from``: the Hugging Face model folder whose ``config.json``, generation config
-    and tokenizer files the output gets (default: the first input, when it is such a folder).
+    Every check that needs no tensor data runs before anything is written, and the output is
+    written to a temporary folder renamed at the end: on any error ``plan.out`` is left as it was.
+    PEFT adapter folders are merged by :func:`~meta_consensus.merge.adapters.merge_adapter_folders`.
+
+    Args:
+      plan: The plan.
+      progress: Show a progress bar (one step per leaf, and per leaf of a vector rule's pass).
+      overwrite: Replace an existing output folder.
+      chunk_bytes: The size of the column chunks that element-wise and vector rules (and TIES,
+        given the base) are streamed in (see :mod:`meta_consensus.merge.streaming`); 0 merges
+        every leaf whole, as other rules are.
+      strict: An input with a non-finite value is an error; by default the rules leave it out of
+        that tensor, and the report's ``nonfinite`` names it.
+      config_from: The Hugging Face model folder whose ``config.json``, generation config and
+        tokenizer files the output gets (default: the first input, when it is such a folder).
+
+    Returns:
+      The report, as written to ``merge_report.json`` in the output.
+
+    Raises:
+      MergeError: If there is one input, the plan cannot run
+        (:func:`~meta_consensus.merge.plan.check_plan`), the inputs disagree
+        (:func:`~meta_consensus.merge.inputs.prepare_inputs`), an override matches no key, a
+        non-float tensor differs between inputs, a vector rule's output is no weighted
+        combination of the inputs, or, with ``strict``, an input holds NaN or Inf.
+      RegistryError: If a rule is given a parameter it does not take.
+      CheckpointError: If an input is missing or not a readable checkpoint.
     """
     from tqdm.auto import tqdm
 
@@ -183,7 +206,7 @@ class _Run:
         self.nonfinite.setdefault(key, set()).update(int(i) for i in rows)
 
     def nonfinite_report(self) -> dict[str, list[str]]:
-        """input -> the tensors in which it held NaN or Inf (the rules left it out there)."""
+        """Map each input to the tensors in which it held NaN or Inf (the rules left it out there)."""
         out: dict[str, list[str]] = {}
         for key in self.index_of:  # in the checkpoint's order
             for i in sorted(self.nonfinite.get(key, ())):
@@ -193,9 +216,11 @@ class _Run:
     def vector_pass(
         self, group_keys: list[str], pieces: Sequence[stream.Piece], report: dict[str, Any], bar: Any
     ) -> None:
-        """Pass 1 of a vector rule: the Gram matrix of its whole slice, a leaf or a chunk at a time
-        (a chunk's zero padding adds nothing: its rows, base and centre are all 0 there), then the
-        rule's whole-model weights."""
+        """Pass 1 of a vector rule: the Gram matrix of its leaves, then its whole-model weights.
+
+        The Gram matrix is summed a leaf or a chunk at a time (a chunk's zero padding adds
+        nothing: its rows, base and centre are all 0 there).
+        """
         n = len(self.readers)
         gram, finite = np.zeros((n, n)), np.ones(n, bool)
 
@@ -219,8 +244,10 @@ class _Run:
         )
 
     def trim_pass(self, keys: set[str], pieces: Sequence[stream.Piece]) -> None:
-        """Before the merge pass of a trimming rule (TIES) streamed in chunks: each leaf's exact
-        per-node thresholds, in two counting passes over its chunks (:mod:`meta_consensus.merge.trim`)."""
+        """Find each chunked TIES leaf's exact per-node thresholds, before the merge pass.
+
+        Two counting passes over the leaf's chunks (:mod:`meta_consensus.merge.trim`).
+        """
         from consensus.merging.ties import trim_count
 
         n = len(self.readers)
