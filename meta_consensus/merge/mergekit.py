@@ -14,6 +14,11 @@ the key. mergekit's conventions, as in its source: ``linear`` normalizes by defa
 task-vector methods skip the base model when it is listed among the models, ``ties``
 normalizes and the others do not, a missing ``density`` is 1, and ``rescale: true`` of the
 DARE methods keeps each tensor's L1 norm (``rescale="l1"``).
+
+References:
+  Goddard, Siriwardhana, Ehghaghi, Meyers, Karpukhin, Benedict, McQuade and Solawetz 2024,
+  EMNLP Industry Track, "Arcee's MergeKit: A Toolkit for Merging Large Language Models";
+  github.com/arcee-ai/mergekit.
 """
 
 from __future__ import annotations
@@ -64,11 +69,12 @@ REFUSED_TOP = {
 
 
 def _fail(path: Path, key: str, why: str) -> MergeError:
+    """A one-line error naming the file and the configuration key at fault."""
     return MergeError(f"{path}: {key}: {why}")
 
 
 def _setting(path: Path, key: str, setting: Any, tensor: str | None) -> Any:
-    """mergekit's ``evaluate_setting`` for one tensor name (None: no tensor, only unconditional values)."""
+    """Evaluate a setting for one tensor name as mergekit's ``evaluate_setting`` does (None: no tensor)."""
     if setting is None or isinstance(setting, (bool, int, float, str)):
         return setting
     if isinstance(setting, Mapping):  # a single ConditionalParameter
@@ -90,12 +96,14 @@ def _setting(path: Path, key: str, setting: Any, tensor: str | None) -> Any:
 
 
 def _conditional(setting: Any) -> bool:
+    """Whether a setting is per-tensor (a ``{filter, value}`` list or mapping), not one value."""
     return isinstance(setting, (list, Mapping)) and not (
         isinstance(setting, list) and all(isinstance(e, (int, float)) for e in setting)
     )
 
 
 def _models(path: Path, doc: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The configuration's ``models`` as (path, per-model parameters), checked."""
     models = doc.get("models")
     if not isinstance(models, list) or not models:
         raise _fail(path, "models", "give a list of {model: PATH, parameters: {...}}")
@@ -116,8 +124,33 @@ def _models(path: Path, doc: Mapping[str, Any]) -> list[tuple[str, dict[str, Any
 
 
 def plan_from_mergekit(path: str | Path, **values: Any) -> MergePlan:
-    """A plan from a mergekit YAML file; ``values`` are the command line's (``out``, ``seed``,
-    ``dtype``, ``shard_size``; a method, inputs or overrides are refused: the file gives them)."""
+    """Read a plan from a mergekit YAML configuration.
+
+    Settings that differ per tensor (``{filter, value}`` lists) are evaluated for every tensor
+    name of the plan's first input, whose header is read for that; the tensors that share
+    settings get one rule, the largest group the default and the others overrides.
+
+    Args:
+      path: The YAML file.
+      **values: The command line's values under the plan's names: ``out``, ``seed``, ``dtype``
+        (wins over the file's ``out_dtype`` / ``dtype``) and ``shard_size``. A method, inputs,
+        a base, weights, f, parameters or overrides are refused: the file gives them.
+
+    Returns:
+      The plan, not yet checked (:func:`~meta_consensus.merge.plan.check_plan`).
+
+    Raises:
+      MergeError: If the file cannot be read or is not a YAML mapping, uses a key or method this
+        reader does not know or cannot do the same way (slices, gradients over layers, tokenizer
+        settings, per-model densities that differ, ...), lacks what its method needs (a base
+        model, a weight per model, ``t``), or the command line gives what the file gives.
+      CheckpointError: If a per-tensor setting needs the tensor names and the first input is not
+        a readable checkpoint.
+
+    References:
+      Goddard et al. 2024, EMNLP Industry Track, "Arcee's MergeKit: A Toolkit for Merging Large
+      Language Models"; the conventions are those of its source (github.com/arcee-ai/mergekit).
+    """
     import yaml  # type: ignore[import-untyped]
 
     path = Path(path)
