@@ -1,9 +1,9 @@
-"""The ``merge`` subcommand's command line: its arguments, the plan they give, and the command.
+r"""The ``merge`` subcommand's command line: its arguments, the plan they give, and the command.
 
 ::
 
     meta-consensus merge --method trimmed_mean --num-byzantine 1 --out merged/ a.safetensors b/ c/ d/
-    meta-consensus merge --method krum --num-byzantine 1 --override '^head\\.=median' --out merged/ IN...
+    meta-consensus merge --method krum --num-byzantine 1 --override '^head\.=median' --out merged/ IN...
     meta-consensus merge --config merge.toml
 
 Options that change which rules exist (``--plugin``) rather than the plan come after
@@ -30,7 +30,11 @@ from meta_consensus.merge.report import REPORT_NAME
 
 
 def add_parser(sub: Any) -> None:
-    """Register the ``merge`` subcommand on the CLI's subparsers."""
+    """Register the ``merge`` subcommand on the CLI's subparsers.
+
+    Args:
+      sub: The ``argparse`` subparsers action of ``meta-consensus``.
+    """
     p = sub.add_parser(
         "merge",
         help="merge checkpoints (safetensors files or folders, or this package's orbax checkpoints) "
@@ -125,7 +129,19 @@ def add_parser(sub: Any) -> None:
 
 
 def plan_from_args(args: Any) -> MergePlan:
-    """The plan of the parsed arguments (over ``--config``'s when one is given)."""
+    """Build the plan the parsed arguments give (over ``--config``'s or ``--mergekit-config``'s).
+
+    Args:
+      args: The parsed ``merge`` arguments.
+
+    Returns:
+      The plan, not yet checked (:func:`~meta_consensus.merge.plan.check_plan`).
+
+    Raises:
+      MergeError: If no method is given (and no config), ``--mergekit-config`` comes with
+        ``--config``, ``--method`` or inputs, or an option is malformed (``--set``,
+        ``--override``, ``--weights``, ``--shard-size``), or the config file is.
+    """
     overrides = [parse_override(o) for o in args.override]
     values = {
         "method": args.method,
@@ -176,7 +192,14 @@ def plan_from_args(args: Any) -> MergePlan:
 
 
 class Interrupted(Exception):
-    """SIGTERM (or SIGINT) during a merge, raised in the main thread so the partial output is removed."""
+    """SIGTERM (or SIGINT) during a merge, raised in the main thread so the partial output is removed.
+
+    Args:
+      signum: The signal's number.
+
+    Attributes:
+      signum: The signal's number (the command exits 128 + it).
+    """
 
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -188,6 +211,18 @@ def merge_cmd(args: Any) -> int:
 
     SIGINT and SIGTERM stop the merge, remove the partial output (written to a temporary folder
     until the end) and exit 128 + the signal's number; nothing is kept to continue from.
+
+    Args:
+      args: The parsed ``merge`` arguments.
+
+    Returns:
+      The exit status: 0, or 128 + the signal's number when stopped. Inputs that held NaN or
+      Inf are named on stderr as warnings.
+
+    Raises:
+      MergeError: For a user error (and the other types of
+        :func:`~meta_consensus.merge.errors.user_errors`), which the CLI prints as one line and
+        exits 2.
     """
     import signal
     import sys
