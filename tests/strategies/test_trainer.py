@@ -40,6 +40,15 @@ def _dist(stacked, anchor):
     return np.sqrt(total)
 
 
+def _dist_nodes(x, y):
+    """(n,) float64 L2 distance between two stacked trees, node by node."""
+    total = 0.0
+    for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):
+        d = np.asarray(u, np.float64) - np.asarray(v, np.float64)
+        total = total + np.sum(d * d, axis=tuple(range(1, d.ndim)))
+    return np.sqrt(total)
+
+
 @functools.cache
 def _ref_step(make_tx):
     @jax.jit
@@ -208,7 +217,17 @@ def test_bf16_remat_and_evaluate():
     assert _max_diff(a.params, b.params) < 1e-5
     floats = [x for x in jax.tree.leaves((c.params, c.opt_state)) if jnp.issubdtype(x.dtype, jnp.floating)]
     assert all(x.dtype == jnp.float32 for x in floats)
-    assert 0 < _max_diff(a.params, c.params) < 0.15  # bf16 rounding along one trajectory
+    assert _max_diff(a.params, c.params) > 0  # bf16 really computed something else
+    # bf16 follows the f32 trajectory: per node, the gap is a small share of the distance trained.
+    # Not the largest coordinate: Adam scales each coordinate's step to about lr whatever the
+    # gradient's size, so a hidden unit that is rarely active on a node's rows (its ReLU gate
+    # decided by rounding on a batch of 8) walks a different path in bf16, e.g. up to 9 of the
+    # 12 steps on one weight. One whole unit of 16 on another path of the same length is
+    # sqrt((64 + 1 + 10) / 1210) = 0.25 of the norm; the worst node over 7 partition seeds and
+    # public_fraction 0 and 0.1 gave 0.146. A drift is larger: bf16 master weights give 0.33 on
+    # the lr=1e-3 node, a 25% larger step size 0.25-0.32 (three of the four nodes over).
+    gap = _dist_nodes(c.params, a.params) / _dist(a.params, INIT)
+    assert np.all(gap < 0.25), gap
     ev = TRAINER.evaluate(c.params, DATA.test)
     for i in range(N):
         m = TASK.metrics(_node(c.params, i), DATA.test)
