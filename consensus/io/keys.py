@@ -162,6 +162,13 @@ class KeyMapping:
             rename=[(r"^fc(\d+)\.", lambda m: f"dense_{int(m[1]) - 1}."), (r"\.weight$", ".kernel")],
             transpose=[r"\.kernel$"],
         )
+
+    Attributes:
+      rename: ``(pattern, replacement)`` pairs, applied in order with :func:`re.sub`.
+      transpose: patterns searched in the renamed key; a matching array has its axes reversed.
+
+    Raises:
+      ValueError: a pattern that is not a valid regular expression.
     """
 
     rename: tuple[Rename, ...] = ()

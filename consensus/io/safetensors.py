@@ -229,6 +229,12 @@ class DirectFile:
     buffer and written in aligned blocks; :meth:`close` writes the padded last block and
     truncates the file to its true length. Where the file system refuses ``O_DIRECT``
     (tmpfs, some network file systems), the file is written the ordinary way.
+
+    Args:
+      path: the file to create (truncated if it exists).
+
+    Raises:
+      OSError: the file cannot be created.
     """
 
     BLOCK = 4096
