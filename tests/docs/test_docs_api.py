@@ -13,6 +13,7 @@ its page fails here, and so does a page entry that is no longer public.
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 import sys
 from pathlib import Path
@@ -97,3 +98,66 @@ def test_every_public_name_has_a_docstring():
         if not (getattr(importlib.import_module(package), name).__doc__ or "").strip()
     ]
     assert not bare, bare
+
+
+# A Google-style section that names the arguments (napoleon renders it as a parameter list).
+ARGS_SECTION = re.compile(r"^(Args|Attributes):[ \t]*$", flags=re.MULTILINE)
+
+
+def public_callables() -> dict[str, object]:
+    """Every public function and class of the packages and their listed submodules, once each."""
+    found: dict[str, object] = {}
+    seen: set[int] = set()
+    for package in PACKAGES:
+        for module_name in (package, *SUBMODULES[package]):
+            module = importlib.import_module(module_name)
+            for name in public(module_name):
+                obj = getattr(module, name)
+                # jax.jit wraps a function; unwrap reaches it. Type aliases (GenericAlias) are not API.
+                if not (inspect.isclass(obj) or inspect.isfunction(inspect.unwrap(obj))):
+                    continue
+                if id(obj) not in seen:
+                    seen.add(id(obj))
+                    found[f"{module_name}.{name}"] = obj
+    return found
+
+
+def arguments(obj: object) -> list[str] | None:
+    """The parameter names of ``obj``'s signature less self/cls; None where it cannot be read."""
+    try:
+        signature = inspect.signature(obj)  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # e.g. an exception class without its own __init__
+        return None
+    return [p for p in signature.parameters if p not in ("self", "cls")]
+
+
+def test_the_section_pattern_tells_documented_from_bare():
+    def documented(x: int) -> int:
+        """Double.
+
+        Args:
+          x: a number.
+        """
+        return 2 * x
+
+    def bare(x: int) -> int:
+        """Double ``x`` (Args: in the text is not a section)."""
+        return 2 * x
+
+    assert ARGS_SECTION.search(inspect.getdoc(documented) or "")
+    assert not ARGS_SECTION.search(inspect.getdoc(bare) or "")
+    assert arguments(documented) == ["x"] and arguments(ValueError) is None
+
+
+def test_every_public_callable_documents_its_arguments():
+    # The API reference is built from the docstrings with napoleon: a public function or class
+    # that takes arguments names them in an Args: section (Attributes: for dataclasses and
+    # protocols), or its page says nothing about what to pass.
+    found = public_callables()
+    assert len(found) > 100, "too few public names found: the walk over __all__ is broken"
+    bare = sorted(
+        name
+        for name, obj in found.items()
+        if arguments(obj) and not ARGS_SECTION.search(inspect.getdoc(obj) or "")
+    )
+    assert not bare, f"public names whose docstring has no Args:/Attributes: section: {bare}"
