@@ -36,14 +36,14 @@ import functools
 import math
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from benchmarks.harness import header, markdown_table, mean_std, parse, parser, pm, save
+from benchmarks.harness import markdown_table, mean_std, parse, parser, pm, save
 from consensus import registry
 from strategies import byzantine as byz_lib
 from strategies.lora import LoraSettings, LoraTask, merge_round, tree_bytes
@@ -184,7 +184,8 @@ def lora_tasks(task: TextTask, base: Any, s: Settings) -> tuple[LoraTask, LoraTa
         k = (id(task), freeze_a)
         if k not in _LORA:
             settings = LoraSettings(rank=s.rank, alpha=s.alpha, freeze_a=freeze_a)
-            _LORA[k] = LoraTask(task, settings, base, jax.random.key(0))
+            # (cast: TextTask's name is a read-only property where the Task protocol has a field.)
+            _LORA[k] = LoraTask(cast(Any, task), settings, base, jax.random.key(0))
         out.append(_LORA[k])
     return out[0], out[1]
 
@@ -372,8 +373,9 @@ def _col(runs: Sequence[dict[str, Any]], key: str) -> list[float]:
     return [float(r[key]) for r in runs if key in r]
 
 
-def report(s: Settings, per_seed: list[dict[str, dict[str, Any]]], quick: bool) -> tuple[dict, str]:
-    """The JSON payload and the markdown report."""
+def summarize(per_seed: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Every configuration's perplexity over the seeds (values, mean, std) and its other measures
+    (bytes, exactness, deviation, rank, epsilon, seconds: the largest over the seeds)."""
     names = [k for k in per_seed[0] if not k.startswith("_")]
     summary: dict[str, dict[str, Any]] = {}
     for k in names:
@@ -386,45 +388,89 @@ def report(s: Settings, per_seed: list[dict[str, dict[str, Any]]], quick: bool) 
                 vals = [r[extra] for r in runs]
                 row[extra] = vals[0] if isinstance(vals[0], str) else float(np.max(vals))
         summary[k] = row
+    return summary
+
+
+def findings(summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The winners and ratios the report states, computed from the summary.
+
+    Returns:
+        ``winner_clean`` (the adapter method of lowest perplexity), ``winner_dp`` (FedIT or
+        FFA-LoRA under DP-SGD), ``best_robust`` (the attacked robust configuration of lowest
+        perplexity, None without one) and its ratios to clean FedIT over all nodes
+        (``robust_ratio``), over the honest nodes (``robust_ratio_honest``) and to the same rule
+        without attackers (``robust_ratio_same_rule``).
+    """
     clean = summary["fedit"]["perplexity_mean"]
     attacked = {k: v for k, v in summary.items() if "attacked" in k and not k.endswith(", mean")}
     best = min(attacked, key=lambda k: attacked[k]["perplexity_mean"]) if attacked else None
-    ratio = attacked[best]["perplexity_mean"] / clean if best else math.nan
-    # Each node holds its own kind of text: a rule that drops the 2 attackers drops their kinds,
-    # so the reference it can reach is FedIT over the honest nodes (no attack), not over all 8.
+    at_best = attacked[best]["perplexity_mean"] if best else math.nan
+    # Each node holds its own kind of text: a rule that drops the attackers drops their kinds,
+    # so the reference it can reach is FedIT over the honest nodes (no attack), not over all.
     honest_ref = summary["fedit, honest nodes only"]["perplexity_mean"]
-    ratio_honest = attacked[best]["perplexity_mean"] / honest_ref if best else math.nan
     same_rule = summary["fedit, clean, multi_krum on products"]["perplexity_mean"]
-    ratio_rule = attacked[best]["perplexity_mean"] / same_rule if best else math.nan
-    method_rows = {k: summary[k]["perplexity_mean"] for k in METHODS}
-    winner = min(method_rows, key=lambda k: method_rows[k])
-    dp_winner = min(("fedit, DP-SGD", "ffa, DP-SGD"), key=lambda k: summary[k]["perplexity_mean"])
+    methods = [k for k in METHODS if k in summary]
+    return {
+        "winner_clean": min(methods, key=lambda k: summary[k]["perplexity_mean"]),
+        "winner_dp": min(("fedit, DP-SGD", "ffa, DP-SGD"), key=lambda k: summary[k]["perplexity_mean"]),
+        "best_robust": best,
+        "robust_ratio": at_best / clean,
+        "robust_ratio_honest": at_best / honest_ref,
+        "robust_ratio_same_rule": at_best / same_rule,
+    }
+
+
+def markdown(res: dict[str, Any]) -> str:
+    """The results page of a run, rendered from its result dict (as saved in the JSON).
+
+    Args:
+        res: the payload :func:`report` returns (``settings``, ``summary``, ``per_seed``,
+            ``memory``, ``sizes``).
+
+    Returns:
+        The markdown: title, model and adapter sizes, the table of every configuration, memory per
+        node and the findings, each computed from the summary.
+    """
+    s, summary, mem, sizes = res["settings"], res["summary"], res["memory"], res["sizes"]
+    n_seeds = len(res["per_seed"])
+    found = findings(summary)
+    winner, dp_winner, best = found["winner_clean"], found["winner_dp"], found["best_robust"]
+    ratio, ratio_honest, ratio_rule = (
+        found["robust_ratio"],
+        found["robust_ratio_honest"],
+        found["robust_ratio_same_rule"],
+    )
+    clean = summary["fedit"]["perplexity_mean"]
+    honest_ref = summary["fedit, honest nodes only"]["perplexity_mean"]
+    same_rule = summary["fedit, clean, multi_krum on products"]["perplexity_mean"]
+    method_rows = {k: summary[k]["perplexity_mean"] for k in METHODS if k in summary}
+    runner_up = min((k for k in method_rows if k != winner), key=lambda k: method_rows[k])
     dp_loser = "ffa, DP-SGD" if dp_winner == "fedit, DP-SGD" else "fedit, DP-SGD"
+    n_byz = len(s["byzantine"])
+
+    def mean(k: str) -> float:
+        return float(summary[k]["perplexity_mean"])
 
     def seeds_won(a: str, b: str) -> int:
         """On how many seeds configuration ``a`` has the lower perplexity than ``b`` (paired)."""
         return sum(x < y for x, y in zip(summary[a]["perplexity"], summary[b]["perplexity"], strict=True))
 
-    runner_up = min((k for k in method_rows if k != winner), key=lambda k: method_rows[k])
-    mem = per_seed[0]["_memory"]
-    sizes = per_seed[0]["_sizes"]
-    settings = dataclasses.asdict(s)
-    lines = header("LoRA consensus on a byte-level language model", NAME, quick, settings)
-    lines += [
+    lines = [
+        "# LoRA consensus on a byte-level language model",
+        "",
         f"Model: {sizes['lora']['model_params']:,} parameters "
         f"({sizes['lora']['model_bytes']:,} bytes float32); "
         f"LoRA adapters: {sizes['lora']['adapter_params']:,} parameters "
         f"({100 * sizes['lora']['adapter_params'] / sizes['lora']['model_params']:.1f}% of the model), "
         f"FFA-LoRA trains {sizes['ffa']['trainable_params']:,}.",
         "",
-        f"Test perplexity (mean ± std over {len(per_seed)} seed(s); lower is better). "
+        f"Test perplexity (mean ± std over {n_seeds} seed(s); lower is better). "
         "Bytes are per node per round; deviation is the largest relative distance of a round's "
         "merged update from the exact mean of the nodes' updates (measured; 0 = exact).",
         "",
     ]
     rows = []
-    for k in names:
-        r = summary[k]
+    for k, r in summary.items():
         rows.append(
             [
                 k,
@@ -442,6 +488,17 @@ def report(s: Settings, per_seed: list[dict[str, dict[str, Any]]], quick: bool) 
             rows,
         )
     )
+    robust = (
+        f"best robust rule: **{best}** ({mean(best):.3f}): "
+        f"{100 * (ratio_honest - 1):+.1f}% against clean FedIT over the {s['nodes'] - n_byz} honest "
+        f"nodes ({honest_ref:.3f}, the reference a rule that drops exactly the attackers can reach): "
+        f"{'within' if ratio_honest <= 1.05 else 'NOT within'} 5%; {100 * (ratio_rule - 1):+.1f}% against "
+        f"the same rule without attackers ({same_rule:.3f}); {100 * (ratio - 1):+.1f}% against clean FedIT "
+        f"over all {s['nodes']} nodes ({clean:.3f}), which also learns the attackers' {n_byz} kinds of text "
+        "(each node holds its own kind, so no rule that drops them can recover those)."
+        if best is not None
+        else "no robust rule was run."
+    )
     lines += [
         "",
         "Memory per node while training (bytes; trained = params + gradient + Adam's two moments):",
@@ -454,23 +511,16 @@ def report(s: Settings, per_seed: list[dict[str, dict[str, Any]]], quick: bool) 
         "Findings:",
         "",
         f"* Best adapter method (clean): **{winner}** ({method_rows[winner]:.3f}; lower than the "
-        f"runner-up {runner_up} on {seeds_won(winner, runner_up)} of {len(per_seed)} seeds); "
-        f"full fine-tuning with FedAvg {summary['full fine-tuning, FedAvg']['perplexity_mean']:.3f}; "
-        f"each node alone {summary['local (each node alone)']['perplexity_mean']:.3f}; the base "
-        f"{summary['base (no fine-tuning)']['perplexity_mean']:.3f}.",
-        f"* Under 2 of {s.nodes} attackers (ALIE z = {s.alie_z:g} on the adapter trees): FedIT's plain mean "
-        f"{summary['fedit, attacked, mean']['perplexity_mean']:.3f}; best robust rule: **{best}** "
-        f"({attacked[best]['perplexity_mean'] if best else math.nan:.3f}): "
-        f"{100 * (ratio_honest - 1):+.1f}% against clean FedIT over the {s.nodes - len(s.byzantine)} honest "
-        f"nodes ({honest_ref:.3f}, the reference a rule that drops exactly the attackers can reach): "
-        f"{'within' if ratio_honest <= 1.05 else 'NOT within'} 5%; {100 * (ratio_rule - 1):+.1f}% against "
-        f"the same rule without attackers ({same_rule:.3f}); {100 * (ratio - 1):+.1f}% against clean FedIT "
-        f"over all {s.nodes} nodes ({clean:.3f}), which also learns the attackers' two kinds of text "
-        "(each node holds its own kind, so no rule that drops them can recover those).",
-        f"* DP-SGD at epsilon {s.epsilon:g}: FedIT {summary['fedit, DP-SGD']['perplexity_mean']:.3f}, "
-        f"FFA-LoRA {summary['ffa, DP-SGD']['perplexity_mean']:.3f}: **{dp_winner.split(',')[0]}** is lower "
-        f"on average and on {seeds_won(dp_winner, dp_loser)} of {len(per_seed)} seeds (paired); a difference "
-        f"of {abs(summary[dp_winner]['perplexity_mean'] - summary[dp_loser]['perplexity_mean']):.3f} against "
+        f"runner-up {runner_up} on {seeds_won(winner, runner_up)} of {n_seeds} seeds); "
+        f"full fine-tuning with FedAvg {mean('full fine-tuning, FedAvg'):.3f}; "
+        f"each node alone {mean('local (each node alone)'):.3f}; the base "
+        f"{mean('base (no fine-tuning)'):.3f}.",
+        f"* Under {n_byz} of {s['nodes']} attackers (ALIE z = {s['alie_z']:g} on the adapter trees): "
+        f"FedIT's plain mean {mean('fedit, attacked, mean'):.3f}; {robust}",
+        f"* DP-SGD at epsilon {s['epsilon']:g}: FedIT {mean('fedit, DP-SGD'):.3f}, "
+        f"FFA-LoRA {mean('ffa, DP-SGD'):.3f}: **{dp_winner.split(',')[0]}** is lower "
+        f"on average and on {seeds_won(dp_winner, dp_loser)} of {n_seeds} seeds (paired); a difference "
+        f"of {abs(mean(dp_winner) - mean(dp_loser)):.3f} against "
         f"a spread over seeds of {summary[dp_winner]['perplexity_std']:.3f}.",
         f"* Bytes per round per node: LoRA {int(summary['fedit']['bytes_up']):,} up (FFA-LoRA "
         f"{int(summary['ffa']['bytes_up']):,}), full fine-tuning "
@@ -479,19 +529,21 @@ def report(s: Settings, per_seed: list[dict[str, dict[str, Any]]], quick: bool) 
         "that fold into the base (stack, exact_residual) also send the dense base delta down.",
         "",
     ]
+    return "\n".join(lines)
+
+
+def report(s: Settings, per_seed: list[dict[str, dict[str, Any]]]) -> tuple[dict[str, Any], str]:
+    """The JSON payload and the markdown report (rendered from the payload by :func:`markdown`)."""
+    summary = summarize(per_seed)
     payload = {
+        "settings": dataclasses.asdict(s),
         "summary": summary,
         "per_seed": per_seed,
-        "winner_clean": winner,
-        "winner_dp": dp_winner,
-        "best_robust": best,
-        "robust_ratio": ratio,
-        "robust_ratio_honest": ratio_honest,
-        "robust_ratio_same_rule": ratio_rule,
-        "memory": mem,
-        "sizes": sizes,
+        **findings(summary),
+        "memory": per_seed[0]["_memory"],
+        "sizes": per_seed[0]["_sizes"],
     }
-    return payload, "\n".join(lines)
+    return payload, markdown(payload)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -507,7 +559,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         t = time.perf_counter()
         per_seed.append(run_seed(s, seed))
         print(f"seed {seed}: {time.perf_counter() - t:.0f} s", flush=True)
-    payload, md = report(s, per_seed, args.quick)
-    save(NAME, args.quick, payload, md, settings=dataclasses.asdict(s))
+    payload, md = report(s, per_seed)
+    save(NAME, args.quick, payload, md, settings=payload["settings"])
     print(md)
     return payload
