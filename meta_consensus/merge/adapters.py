@@ -19,6 +19,12 @@ the base's tensors with the merged update added (``W + delta^T`` for a ``Linear`
 weight, ``W + delta`` for a ``fan_in_fan_out`` one such as GPT-2's ``Conv1D``), and the base's
 config and tokenizer files. Methods with a dense residual (``exact_residual``) need that form.
 Reading and writing use safetensors alone (no torch).
+
+References:
+  Hu, Shen, Wallis, Allen-Zhu, Li, Wang, Wang and Chen 2022, ICLR, "LoRA: Low-Rank Adaptation
+  of Large Language Models"; Kalajdzievski 2023, "A Rank Stabilization Scaling Factor for
+  Fine-Tuning with LoRA" (arXiv:2312.03732, ``use_rslora``); Hugging Face PEFT (the folder
+  format, ``PeftModel.from_pretrained`` and ``add_weighted_adapter``).
 """
 
 from __future__ import annotations
@@ -50,7 +56,14 @@ DEFAULT_DENSE = "svd"
 
 
 def is_adapter_folder(path: str | Path) -> bool:
-    """A folder holding ``adapter_config.json`` and ``adapter_model.safetensors`` (PEFT's format)."""
+    """Whether ``path`` is a PEFT adapter folder: ``adapter_config.json`` and ``adapter_model.safetensors``.
+
+    Args:
+      path: An input of the plan.
+
+    Returns:
+      True for an adapter folder, which :func:`merge_adapter_folders` merges.
+    """
     p = Path(path)
     return p.is_dir() and (p / ADAPTER_CONFIG).is_file() and (p / ADAPTER_WEIGHTS).is_file()
 
@@ -79,10 +92,19 @@ class AdapterFolder:
 def read_adapter(path: str | Path) -> AdapterFolder:
     """Read a PEFT LoRA adapter folder; anything this merge cannot represent is a one-line MergeError.
 
+    Args:
+      path: The adapter folder (:func:`is_adapter_folder`).
+
+    Returns:
+      The adapter, its factors in the Flax layout.
+
     Raises:
-      MergeError: no LoRA config (another PEFT type, DoRA, per-module rank or alpha patterns), keys
-        of an embedding LoRA, DoRA or ``modules_to_save``, a factor without its partner, or shapes
-        that disagree with the config's rank.
+      MergeError: If the config is not a JSON object with an integer ``r`` and a number
+        ``lora_alpha``, or is no plain LoRA config (another PEFT type, DoRA, per-module rank or
+        alpha patterns); or the weights hold keys of an embedding LoRA, DoRA or
+        ``modules_to_save``, a key that is no LoRA factor, a factor that is not 2-D or lacks its
+        partner, shapes that disagree with the config's rank, or no factor at all.
+      CheckpointError: If ``adapter_model.safetensors`` is not a readable safetensors file.
     """
     from consensus import io
 
@@ -142,7 +164,15 @@ def read_adapter(path: str | Path) -> AdapterFolder:
 
 
 def check_agree(adapters: Sequence[AdapterFolder]) -> None:
-    """Every adapter adapts the first one's modules with its rank and shapes (errors name both folders)."""
+    """Check that every adapter adapts the first one's modules with its rank and shapes.
+
+    Args:
+      adapters: The adapters, the first the reference.
+
+    Raises:
+      MergeError: If an adapter lacks a module or has an extra one, or its rank or a factor's
+        shape differs (the message names both folders).
+    """
     ref = adapters[0]
     for ad in adapters[1:]:
         missing = sorted(set(ref.factors) - set(ad.factors))
@@ -172,7 +202,15 @@ def check_agree(adapters: Sequence[AdapterFolder]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class AdapterPlan:
-    """What ``--method`` means for adapters: an adapter method, or a robust rule then an adapter method."""
+    """What ``--method`` means for adapters: an adapter method, or a robust rule then an adapter method.
+
+    Attributes:
+      method: The adapter method (a name of :data:`consensus.lora.ADAPTER_METHODS`).
+      options: The adapter method's parameters (``--set``); empty after a robust rule.
+      weights: Per-adapter weights (``--weights``), or None.
+      rule: The robust rule of the registry, or None for an adapter method alone.
+      space: Where the rule works: ``"products"`` (the updates B A) or ``"factors"``.
+    """
 
     method: str  # the adapter method (consensus.lora.ADAPTER_METHODS)
     options: dict[str, Any]
@@ -182,7 +220,24 @@ class AdapterPlan:
 
 
 def adapter_plan(plan: MergePlan, n: int) -> AdapterPlan:
-    """Read the plan's method as an adapter method or a robust rule, checked before anything is written."""
+    """Read the plan's method as an adapter method or a robust rule, checked before anything is written.
+
+    Args:
+      plan: The plan.
+      n: The number of adapters.
+
+    Returns:
+      The adapter plan; after a robust rule, the adapter method is ``--adapter-method``, else
+      ``fedit`` on the factors, ``stack`` after a vector rule and ``svd`` after another.
+
+    Raises:
+      MergeError: If the plan has overrides, an unknown ``--space``, weights not one per adapter
+        or together with a robust rule, ``--adapter-method`` after an adapter method, an adapter
+        method without a required parameter, an unknown method or adapter method, or a rule that
+        cannot merge n adapters (:func:`~meta_consensus.merge.plan.check_rule`).
+      RegistryError: If a method is given a parameter it does not take.
+      ByzantineToleranceError: If n adapters are too few for the rule's f.
+    """
     from consensus import lora
     from consensus.registry import RULES
     from meta_consensus.merge.plan import check_rule, merge_methods
@@ -236,8 +291,28 @@ def merge_adapter_folders(
 ) -> dict[str, Any]:
     """Merge PEFT adapter folders into an adapter folder (or, with ``merge_into_base``, a full checkpoint).
 
-    Returns the report (also written as ``merge_report.json``). Every check runs before the output
-    folder is created; the output is written to a temporary folder and renamed at the end.
+    Every check runs before the output folder is created; the output is written to a temporary
+    folder and renamed at the end.
+
+    Args:
+      plan: The plan; its inputs are adapter folders.
+      overwrite: Replace an existing output folder.
+      config_from: Must be None: an adapter output keeps the first adapter's config.
+
+    Returns:
+      The report (also written as ``merge_report.json``).
+
+    Raises:
+      MergeError: If there are fewer than 2 adapters, no output or an existing one, an input
+        that is no adapter folder, ``--base`` or ``--config-from``, a bad ``--dtype``, an
+        adapter plan that cannot run (:func:`adapter_plan`), adapters that cannot be read or
+        disagree (:func:`read_adapter`, :func:`check_agree`), a ``--merge-into-base`` folder
+        without ``config.json`` or without the adapted weights (:func:`check_base`), a merge
+        the library refuses (its message naming the input folders), or a dense residual
+        without ``--merge-into-base``.
+      RegistryError: If a method is given a parameter it does not take.
+      ByzantineToleranceError: If the adapters are too few for the rule's f.
+      CheckpointError: If a safetensors file is unreadable.
     """
     from consensus import io
 
@@ -381,6 +456,12 @@ def write_adapter(folder: Path, config: dict[str, Any], merged: Any, dtype: np.d
 
     ``lora_A.weight = a^T``, ``lora_B.weight = (scale b)^T`` and ``lora_alpha = r``, so PEFT's
     scaling is 1 and its update ``B A`` is the merged ``scale * (a b)^T``.
+
+    Args:
+      folder: The output folder (exists, empty).
+      config: The first input's ``adapter_config.json``, written with the merged rank.
+      merged: The :class:`consensus.lora.AdapterMerge` (``adapter``, ``scale``, ``info["rank"]``).
+      dtype: The factors' dtype as written.
     """
     from consensus import io
 
@@ -406,7 +487,18 @@ def write_adapter(folder: Path, config: dict[str, Any], merged: Any, dtype: np.d
 
 
 def check_base(reader: Any, base_dir: Path, adapter: AdapterFolder) -> None:
-    """The base holds ``<module>.weight`` for every adapted module in the adapter's layout (checked first)."""
+    """Check that the base holds ``<module>.weight`` for every adapted module, in the adapter's layout.
+
+    Checked before the merge, so a wrong base costs no merge.
+
+    Args:
+      reader: The base's reader.
+      base_dir: The base's folder, for messages.
+      adapter: The first adapter (its ``fan_in_fan_out`` gives the layout).
+
+    Raises:
+      MergeError: If a module's weight is missing, or its shape is not the update's.
+    """
     transposed = bool(adapter.config.get("fan_in_fan_out", False))
     where = {f"{t}.weight": t for t in adapter.factors}
     missing = sorted(k for k in where if k not in reader.specs)
@@ -435,7 +527,20 @@ def write_merged_base(
     plan: MergePlan,
     out_dtype: np.dtype | None,
 ) -> dict[str, Any]:
-    """The base model's tensors with the merged update added, tensor by tensor, and its model files."""
+    """Write the base model's tensors with the merged update added, tensor by tensor, and its model files.
+
+    Args:
+      folder: The output folder.
+      reader: The base's reader.
+      base_dir: The base's folder, whose model files are copied.
+      config: The first adapter's config (its ``fan_in_fan_out`` gives the layout).
+      merged: The :class:`consensus.lora.AdapterMerge`.
+      plan: The plan (its ``shard_size``).
+      out_dtype: The output dtype of float tensors, or None to keep the base's.
+
+    Returns:
+      The report's ``model_files`` entry: ``{"from", "files"}``.
+    """
     from consensus import io
     from meta_consensus.merge.inputs import copy_model_files
 
