@@ -8,7 +8,14 @@ class MergeError(ValueError):
 
 
 def user_errors() -> tuple[type[Exception], ...]:
-    """The exception types that are the user's mistake (one line, exit 2 in the CLI)."""
+    """The exception types that are the user's mistake (one line, exit 2 in the CLI).
+
+    ``meta_consensus.cli`` turns these into its one-line user error.
+
+    Returns:
+      :class:`MergeError`, and the library's ``RegistryError``, ``CheckpointError``,
+      ``CheckpointKeyError``, ``ByzantineToleranceError`` and ``AdapterError``.
+    """
     from consensus.base import ByzantineToleranceError
     from consensus.io import CheckpointError, CheckpointKeyError
     from consensus.lora import AdapterError

@@ -106,7 +106,11 @@ class RuleChoice:
         return json.dumps([self.method, self.pattern], default=str)
 
     def label(self) -> str:
-        """The rule as messages name it: the method, and the pattern for an override."""
+        """The rule as messages name it.
+
+        Returns:
+          The method, followed by ``(override 'PATTERN')`` for an override.
+        """
         return self.method if self.pattern is None else f"{self.method} (override {self.pattern!r})"
 
     def build(self) -> Any:
