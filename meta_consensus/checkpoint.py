@@ -56,7 +56,13 @@ class CheckpointError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class SkippedCheckpoint:
-    """A checkpoint that could not be restored: its round, why, and where it was moved."""
+    """A checkpoint that could not be restored: its round, why, and where it was moved.
+
+    Attributes:
+      step: the checkpoint's round.
+      reason: the error that restoring it raised (its type and first line).
+      moved_to: where it was set aside (``<dir>.damaged/<step>``), None when left in place.
+    """
 
     step: int
     reason: str

@@ -43,12 +43,23 @@ PLAIN_RULES = ("mean",)
 
 
 def enabled(cfg: Config) -> bool:
-    """Whether ``cfg`` is a LoRA run (it has a ``[nodes.lora]`` table)."""
+    """Whether ``cfg`` is a LoRA run (it has a ``[nodes.lora]`` table).
+
+    Args:
+      cfg: the run config.
+
+    Returns:
+      True for a LoRA run.
+    """
     return cfg.nodes.lora is not None
 
 
 def check_targets(settings: LoraSettings, task: Any) -> None:
-    """The targets and rank fit the task's model (checked on abstract shapes, nothing is computed).
+    """Check that the targets and rank fit the task's model (on abstract shapes, nothing is computed).
+
+    Args:
+      settings: the ``[nodes.lora]`` settings.
+      task: the task whose model the adapters wrap.
 
     Raises:
       ConfigError: one line naming the target that matches nothing (with some valid paths) or
@@ -62,9 +73,17 @@ def check_targets(settings: LoraSettings, task: Any) -> None:
 
 
 def check_config(cfg: Config) -> None:
-    """The LoRA keys and what a LoRA run does not combine with (ConfigError naming the key).
+    """Check the LoRA keys and what a LoRA run does not combine with (ConfigError naming the key).
 
     The targets are checked against the model when the task is built (:func:`wrap_task`).
+
+    Args:
+      cfg: the run config (nothing is checked without ``[nodes.lora]``).
+
+    Raises:
+      ConfigError: invalid LoRA settings, an unknown adapter method or space, FFA-LoRA without
+        the frozen a (or the other way round), a setting listed in the module docstring, or a
+        vote rule that needs more than the nodes' updates.
     """
     from consensus.lora import ADAPTER_METHODS, SPACES
     from consensus.registry import RULES
@@ -118,6 +137,13 @@ def check_config(cfg: Config) -> None:
 def wrap_task(cfg: Config, task: Any) -> LoraTask:
     """The LoRA task of a config over ``task``'s model (its base given per call as ``frozen``).
 
+    Args:
+      cfg: the run config, with its ``[nodes.lora]`` table.
+      task: the configured task, whose model the adapters wrap.
+
+    Returns:
+      The LoRA task.
+
     Raises:
       ConfigError: a target that matches nothing, or a rank that does not fit.
     """
@@ -145,7 +171,15 @@ class LoraRound:
     frozen: Any = None
 
     def start(self, base: PyTree, key: jax.Array) -> tuple[PyTree, dict[str, Any]]:
-        """The first round's trainable params (``b = 0``) and frozen part, from the base model."""
+        """The first round's trainable params (``b = 0``) and frozen part, from the base model.
+
+        Args:
+          base: the base model's params.
+          key: the run's params key (the adapter's init and the ``a`` draw derive from it).
+
+        Returns:
+          ``(params, frozen)``: the adapter tree the nodes train, and ``{"base", "a"}``.
+        """
         k_a, k_init = jax.random.split(jax.random.fold_in(key, 0x10A))
         frozen = self.task.initial_frozen(base, k_a)
         params = self.task.init(k_init)
@@ -156,11 +190,20 @@ class LoraRound:
     def pretrain(self, data: Any, base: PyTree, key: jax.Array) -> PyTree:
         """The base after ``nodes.lora.pretrain_steps`` Adam steps on the task's general pool.
 
-        ``data``: the task's data (any process's: every one holds the general pool).
-
         One model (learning rate 3e-3, the run's batch size) on the public pool that no node
         owns, from the run's key: a resumed run pretrains the same base (and then restores the
         checkpoint's). Nothing is cached outside the run.
+
+        Args:
+          data: the task's data (any process's: every one holds the general pool).
+          base: the base model's params.
+          key: the run's params key.
+
+        Returns:
+          The pretrained base (``base`` itself when ``pretrain_steps`` is 0).
+
+        Raises:
+          ConfigError: pretraining asked for on a task whose general pool is empty.
         """
         from strategies.tasks.base import NodeData
 
@@ -181,7 +224,14 @@ class LoraRound:
         return jax.tree.map(lambda x: x[0], state.params)
 
     def rule(self, answered: int) -> Any:
-        """The robust rule on ``answered`` valid nodes, or None for the method's plain combination."""
+        """The robust rule on ``answered`` valid nodes, or None for the method's plain combination.
+
+        Args:
+          answered: the valid nodes of the round (sets the rule's f).
+
+        Returns:
+          The aggregator of ``vote.rule``, or None for ``"mean"``.
+        """
         from consensus import registry
 
         v = self.cfg.vote
@@ -197,7 +247,18 @@ class LoraRound:
         key: jax.Array,
         start: PyTree,
     ) -> Any:
-        """The round's :class:`strategies.lora.RoundMerge` of the valid nodes' adapters."""
+        """The round's :class:`strategies.lora.RoundMerge` of the valid nodes' adapters.
+
+        Args:
+          frozen: the frozen part the nodes trained on.
+          submitted: every node's adapter, stacked on a leading axis.
+          valid: (n,) bool, the nodes whose adapters are merged.
+          key: the round's merge key.
+          start: the adapter the round started from.
+
+        Returns:
+          The merge: the new adapter, the new frozen part and the base delta, if any.
+        """
         rows = np.flatnonzero(valid)
         stacked = jax.tree.map(lambda x: x[rows], submitted)
         v = self.cfg.vote
@@ -213,7 +274,15 @@ class LoraRound:
         )
 
     def sizes(self, frozen: Mapping[str, Any], params: PyTree) -> dict[str, int]:
-        """Parameter counts and bytes: the model, and what a node trains and sends."""
+        """Parameter counts and bytes: the model, and what a node trains and sends.
+
+        Args:
+          frozen: the frozen part (its base is the model).
+          params: the adapter tree a node trains.
+
+        Returns:
+          ``model_params``, ``model_bytes``, ``trainable_params`` and ``trainable_bytes``.
+        """
         return {
             "model_params": tree_size(frozen["base"]),
             "model_bytes": tree_bytes(frozen["base"]),
@@ -239,11 +308,27 @@ class FrozenTrainer:
         self._holder = holder
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
-        """``NodeTrainer.fit`` with the holder's frozen part."""
+        """``NodeTrainer.fit`` with the holder's frozen part.
+
+        Args:
+          *args: ``NodeTrainer.fit``'s positional arguments.
+          **kwargs: its keyword arguments (all but ``frozen``).
+
+        Returns:
+          What ``NodeTrainer.fit`` returns.
+        """
         return self._trainer.fit(*args, frozen=self._holder.frozen, **kwargs)
 
     def evaluate(self, stacked: PyTree, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """``NodeTrainer.evaluate`` with the holder's frozen part."""
+        """``NodeTrainer.evaluate`` with the holder's frozen part.
+
+        Args:
+          stacked: the nodes' adapters, stacked.
+          batch: the evaluation batch.
+
+        Returns:
+          Each metric with one value per node.
+        """
         return self._trainer.evaluate(stacked, batch, self._holder.frozen)
 
     def __getattr__(self, name: str) -> Any:
@@ -302,7 +387,14 @@ _METRICS: dict[int, Any] = {}
 
 
 def lora_metrics(task: LoraTask) -> Any:
-    """One jitted ``metrics(params, batch, frozen)`` per LoRA task."""
+    """One jitted ``metrics(params, batch, frozen)`` per LoRA task.
+
+    Args:
+      task: the LoRA task.
+
+    Returns:
+      The jitted function (built once per task object).
+    """
     if id(task) not in _METRICS:
         _METRICS[id(task)] = jax.jit(lambda p, batch, frozen: task.metrics(p, batch, frozen=frozen))
     return _METRICS[id(task)]

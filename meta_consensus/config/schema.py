@@ -337,7 +337,13 @@ class FaultsConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshSettings:
-    """Device mesh of the node trainer: sizes of the ("node", "data", "model") axes (all 1: no mesh)."""
+    """Device mesh of the node trainer: sizes of the ("node", "data", "model") axes (all 1: no mesh).
+
+    Attributes:
+      node: devices along the node axis (nodes are split over them).
+      data: data-parallel devices inside one node (batch split).
+      model: tensor-parallel devices inside one node.
+    """
 
     node: int = 1
     data: int = 1
@@ -441,6 +447,12 @@ def plain_fedavg(cfg: Config) -> bool:
 
     Read from the declarations: the vote rule's trait ``uniform_mean`` and the weight
     objective's trait ``keeps_uniform_mean`` (one group, no pre-aggregator).
+
+    Args:
+      cfg: the run config.
+
+    Returns:
+      True when the DP sensitivity is that of a plain mean.
     """
     from consensus.registry import RULES
     from meta_consensus.objectives import OBJECTIVES

@@ -205,6 +205,12 @@ def load_config_plugins(cfg: Config) -> None:
     Every process that builds a config from its text (a resumed run, a Flower ClientApp,
     each jax.distributed process) reaches this before the names are checked, so the
     entries the plug-ins declare are valid there too.
+
+    Args:
+      cfg: the config whose ``plugins`` to import.
+
+    Raises:
+      ConfigError: ``plugins`` is not a list of module names, or a plug-in fails to import.
     """
     global _entry_points_loaded
     _check(
@@ -223,7 +229,14 @@ def load_config_plugins(cfg: Config) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Check every value of a config (ConfigError names the key and what is valid)."""
+    """Check every value of a config (ConfigError names the key and what is valid).
+
+    Args:
+      cfg: the config (its plug-ins are imported first, so their names are valid).
+
+    Raises:
+      ConfigError: the first invalid value.
+    """
     load_config_plugins(cfg)
     n = cfg.nodes.count
     _check(
