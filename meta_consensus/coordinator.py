@@ -274,7 +274,14 @@ class Coordinator:
         return acc
 
     def example_steps(self, state: CoordinatorState) -> np.ndarray:
-        """(n,) DP-SGD steps each node's examples went through (both fleets when the baseline runs)."""
+        """The (n,) DP-SGD steps each node's examples went through (both fleets when the baseline runs).
+
+        Args:
+          state: the run's state.
+
+        Returns:
+          An int64 array, one count per node.
+        """
         steps = np.asarray(to_host(state.nodes.step), np.int64)
         if state.fedavg_nodes is not None:
             steps = steps + np.asarray(to_host(state.fedavg_nodes.step), np.int64)
@@ -291,7 +298,14 @@ class Coordinator:
         info.clip_norm = self.example.clip_norm
 
     def privacy_summary(self, state: CoordinatorState) -> dict[str, Any]:
-        """What ``privacy.json`` holds: level, delta, the run's epsilon and (example level) every node's."""
+        """What ``privacy.json`` holds: level, delta, the run's epsilon and (example level) every node's.
+
+        Args:
+          state: the run's state (its ledger, or its nodes' DP-SGD step counts).
+
+        Returns:
+          A JSON-safe dict (an infinite epsilon as the string "inf").
+        """
         d = self.cfg.dp
         if self.example is not None:
             return self.example.summary(self.example_steps(state))
@@ -360,7 +374,15 @@ class Coordinator:
     # ------------------------------------------------------------------ the round
 
     def round_key(self, state: CoordinatorState, attempt: int) -> jax.Array:
-        """The key of ``state``'s round at ``attempt``: ``fold_in(fold_in(key, round), attempt)``."""
+        """The key of ``state``'s round at ``attempt``: ``fold_in(fold_in(key, round), attempt)``.
+
+        Args:
+          state: the run's state (its root key and round).
+          attempt: the attempt at the round (0 first).
+
+        Returns:
+          The round's key; node fits, attacks, faults and DP noise all derive from it.
+        """
         return round_key(state.key, state.round, attempt)
 
     def round(
@@ -371,6 +393,19 @@ class Coordinator:
         The returned state's ``round`` is ``state.round + 1`` when the round succeeded;
         a failed attempt returns ``state`` itself (retry it with ``attempt + 1``, or
         :meth:`skip` it).
+
+        Args:
+          state: the run's state before the round.
+          attempt: the attempt at this round (0 first); each attempt draws fresh keys.
+          evaluate: evaluate the nodes and the consensus on the test set (default: every
+            ``eval_every`` rounds and at the last round).
+
+        Returns:
+          The new state (or ``state`` with a DP charge, for a rejected round that released
+          noise) and the round's :class:`RoundInfo`.
+
+        Raises:
+          PrivacyBudgetStop: example-level DP whose next round would go over the budget.
         """
         n = self.cfg.nodes.count
         if evaluate is None:  # every eval_every rounds, and the last one
@@ -529,6 +564,12 @@ class Coordinator:
         costs far more than a round's merge at small noise, so it is computed only for the
         rounds that end with a checkpoint (``checkpoint_every``) and for the last round.
         A pure function of the round index: a resumed run logs it for the same rounds.
+
+        Args:
+          round_index: the round (0-based).
+
+        Returns:
+          True for a round that ends with a checkpoint, and for the last round.
         """
         r, every = round_index + 1, self.cfg.checkpoint_every
         return r >= self.cfg.rounds or (every > 0 and r % every == 0)
@@ -563,7 +604,14 @@ class Coordinator:
         return {k: {m: float(v) for m, v in d.items()} for k, d in out.items()}
 
     def skip(self, state: CoordinatorState) -> CoordinatorState:
-        """Give up on the current round: the previous consensus carries over to the next one."""
+        """Give up on the current round: the previous consensus carries over to the next one.
+
+        Args:
+          state: the state a failed round handed back.
+
+        Returns:
+          ``state`` with its round counter advanced.
+        """
         return state._replace(round=state.round + 1)
 
     # ------------------------------------------------------------------ info
@@ -724,7 +772,16 @@ def _pld(z: float, q: float, rounds: int, delta: float, eps_rdp: float) -> float
 
 
 def round_key(key_data: jax.Array, round_index: int, attempt: int) -> jax.Array:
-    """The key of round ``round_index``, attempt ``attempt``: ``fold_in(fold_in(root, r), a)``."""
+    """The key of round ``round_index``, attempt ``attempt``: ``fold_in(fold_in(root, r), a)``.
+
+    Args:
+      key_data: the root key's raw data (:attr:`CoordinatorState.key`).
+      round_index: the round (0-based).
+      attempt: the attempt at the round (0 first).
+
+    Returns:
+      A typed PRNG key.
+    """
     # One compiled call, since eager fold_ins dispatch op by op every round; the same bits as eagerly.
     return _round_key(jnp.asarray(key_data), jnp.uint32(round_index), jnp.uint32(attempt))
 
@@ -738,7 +795,13 @@ def _round_key(key_data: jax.Array, round_index: jax.Array, attempt: jax.Array) 
 def too_few_answers(cfg: Config, valid: np.ndarray, asked: int | None = None) -> str:
     """Why the round fails before the merge (fewer valid answers than ``min_answers``), or "".
 
-    ``asked``: the nodes the round asked (the sample's size under client sampling; default n).
+    Args:
+      cfg: the run config (``min_answers``, ``nodes.count``).
+      valid: (n,) bool, the nodes that answered with a valid candidate.
+      asked: the nodes the round asked (the sample's size under client sampling; default n).
+
+    Returns:
+      The reason, or "" when there are enough.
     """
     n, got = cfg.nodes.count if asked is None else asked, int(np.sum(valid))
     need = math.ceil(cfg.min_answers * n)
@@ -748,7 +811,13 @@ def too_few_answers(cfg: Config, valid: np.ndarray, asked: int | None = None) ->
 def too_few_accepted(cfg: Config, accepted: np.ndarray, asked: int | None = None) -> str:
     """Why the round fails after the vote (fewer accepted than ``consensus_threshold``), or "".
 
-    ``asked``: the nodes the round asked (the sample's size under client sampling; default n).
+    Args:
+      cfg: the run config (``consensus_threshold``, ``nodes.count``).
+      accepted: (n,) bool, the nodes the vote accepted.
+      asked: the nodes the round asked (the sample's size under client sampling; default n).
+
+    Returns:
+      The reason, or "" when there are enough.
     """
     n, got = cfg.nodes.count if asked is None else asked, int(np.sum(accepted))
     need = math.ceil(cfg.consensus_threshold * n)

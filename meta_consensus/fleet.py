@@ -108,7 +108,19 @@ class FleetOutput:
 
 
 class Fleet:
-    """The n nodes of a run: task, data, trainer and each node's strategy."""
+    """The n nodes of a run: task, data, trainer and each node's strategy.
+
+    Args:
+      cfg: the run config.
+      task: a Task object instead of the one the config names.
+      process_index: this process in a ``jax.distributed`` run (it hosts a block of the nodes).
+      process_count: the processes of the run.
+
+    Raises:
+      ConfigError: client sampling or an own held-out split over several processes, strategies
+        that train on an empty public pool, or public pool settings the task cannot meet.
+      ValueError: nodes whose strategies take different numbers of snapshots.
+    """
 
     def __init__(
         self, cfg: Config, *, task: Task | None = None, process_index: int = 0, process_count: int = 1
@@ -196,7 +208,15 @@ class Fleet:
         return plan(levels, self.data)
 
     def init(self, key: jax.Array, params: PyTree) -> TrainState:
-        """Every node starts from ``params`` (the initial consensus); on the host under client sampling."""
+        """Every node starts from ``params`` (the initial consensus); on the host under client sampling.
+
+        Args:
+          key: the nodes' key (split into one per node).
+          params: the initial consensus.
+
+        Returns:
+          The nodes' stacked TrainState.
+        """
         state = self.trainer.init(key, params, self.n)
         if not self.cfg.nodes.sampled:
             return state
@@ -205,7 +225,14 @@ class Fleet:
         return _to_host(state)
 
     def initial_params(self, key: jax.Array) -> PyTree:
-        """The task's freshly initialized params from ``key``."""
+        """The task's freshly initialized params.
+
+        Args:
+          key: the init key.
+
+        Returns:
+          The parameter tree.
+        """
         return self.task.init(key)
 
     # ------------------------------------------------------------------ fit
@@ -220,6 +247,9 @@ class Fleet:
           anchor: the consensus every node starts from (and the proximal anchor).
           key: this round's node key (model attacks, simulated faults).
           sample: the round's client sample (None: every node); see :meth:`fit_sample`.
+
+        Returns:
+          The nodes' new state, their candidates and which answered (simulated faults drop some).
         """
         if sample is not None:
             return self.fit_sample(state, anchor, key, sample)
@@ -269,6 +299,16 @@ class Fleet:
         node (fixed shapes) and is a missing answer. Attacks see the whole sample at once (an
         attack such as ALIE uses the sampled honest nodes' statistics); faults are drawn per
         node, as under full participation.
+
+        Args:
+          state: the nodes' state, all n rows (on the host under client sampling).
+          anchor: the consensus every sampled node starts from.
+          key: this round's node key.
+          sample: the round's client sample.
+
+        Returns:
+          The output by slot (:attr:`FleetOutput.ids` names the node of each), with the whole
+          host state updated in its sampled rows.
         """
         k_attack, k_fault = jax.random.split(key)
         real, rows = sample.real, sample.rows
@@ -337,7 +377,15 @@ class Fleet:
         )
 
     def trainer_broadcast(self, params: PyTree, n: int | None = None) -> PyTree:
-        """The n copies of ``params`` as a stacked tree (the placeholder of a failed fit)."""
+        """The n copies of ``params`` as a stacked tree (the placeholder of a failed fit).
+
+        Args:
+          params: the tree to copy.
+          n: the number of copies (default: the fleet's n).
+
+        Returns:
+          The stacked tree, with a leading ``(n,)`` axis.
+        """
         n = self.n if n is None else n
         return jax.tree.map(lambda p: jnp.broadcast_to(p, (n, *p.shape)), params)
 
@@ -466,11 +514,27 @@ class Fleet:
     # ------------------------------------------------------------------ evaluation
 
     def evaluate_nodes(self, stacked: PyTree, split: str = "test") -> dict[str, np.ndarray]:
-        """Per-node metrics on the shared test (or held-out) set: ``{name: (n,)}``."""
+        """Per-node metrics on the shared test (or held-out) set: ``{name: (n,)}``.
+
+        Args:
+          stacked: the nodes' params, stacked on a leading axis.
+          split: "test" or "heldout".
+
+        Returns:
+          Each metric as an array with one value per node.
+        """
         return self.trainer.evaluate(stacked, getattr(self.data, split))
 
     def evaluate(self, params: PyTree, split: str = "test") -> dict[str, float]:
-        """Metrics of one params tree on the test (or held-out) set."""
+        """Metrics of one params tree on the test (or held-out) set.
+
+        Args:
+          params: the parameter tree.
+          split: "test" or "heldout".
+
+        Returns:
+          The task's metrics by name.
+        """
         out = mesh_lib.to_host(self._metrics(params, getattr(self.data, split)))
         return {k: float(v) for k, v in out.items()}
 

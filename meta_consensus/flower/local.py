@@ -59,7 +59,11 @@ class InProcessGrid(Grid):
         self._replies: dict[str, Message] = {}  # pushed message id -> its node's reply
 
     def kill(self, partition: int) -> None:
-        """Node ``partition`` stops answering (and leaves the node list), like a SuperNode that died."""
+        """Node ``partition`` stops answering (and leaves the node list), like a SuperNode that died.
+
+        Args:
+          partition: the node's partition id.
+        """
         self.dead.add(1000 + partition)
 
     # ------------------------------------------------------------------ Grid
@@ -101,11 +105,26 @@ class InProcessGrid(Grid):
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        """The replies waiting for ``message_ids`` (each handed out once)."""
+        """The replies waiting for ``message_ids`` (each handed out once).
+
+        Args:
+          message_ids: ids :meth:`push_messages` returned.
+
+        Returns:
+          The replies that are there (none for a dead node's message).
+        """
         return [self._replies.pop(mid) for mid in message_ids if mid in self._replies]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
-        """Run each message's node now and return the replies (none for a dead node; no timeout)."""
+        """Run each message's node now and return the replies (none for a dead node).
+
+        Args:
+          messages: the messages.
+          timeout: unused: every node answers at once, in this process.
+
+        Returns:
+          The replies, in the order of the messages.
+        """
         return [r for r in (self._answer(msg) for msg in messages) if r is not None]
 
     def _answer(self, msg: Message) -> Message | None:

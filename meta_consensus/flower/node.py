@@ -201,6 +201,9 @@ class FlowerNode:
     def sync_base(self, msg: Message) -> None:
         """LoRA runs: build the base once, apply the message's base delta, check the server's digest.
 
+        Args:
+          msg: the server's message (its config carries the base version and digest).
+
         Raises:
           ValueError: a base delta this node cannot place (a version it skipped) or a base whose
             digest differs from the server's (the reply is then an error: a missing answer).
@@ -240,7 +243,14 @@ class FlowerNode:
     # ------------------------------------------------------------------ state
 
     def init_state(self, params: PyTree) -> TrainState:
-        """This node's row of the fleet's initial state (see the module docstring)."""
+        """This node's row of the fleet's initial state (see the module docstring).
+
+        Args:
+          params: the consensus the node starts from.
+
+        Returns:
+          The state with a leading node axis of one.
+        """
         _, k_nodes = jax.random.split(jax.random.key(self.cfg.seed))
         state = self.trainer.init(k_nodes, params, 1)
         # NodeTrainer.init(k, ., 1) draws split(k, 1)[0]; node i of n draws split(k, n)[i].
@@ -248,7 +258,14 @@ class FlowerNode:
         return state._replace(key=jax.random.fold_in(node_key, 1)[None])
 
     def state_to_record(self, state: TrainState) -> ArrayRecord:
-        """The state less its params (they restart from the consensus) as an ArrayRecord."""
+        """The state less its params (they restart from the consensus) as an ArrayRecord.
+
+        Args:
+          state: the node's state after a round.
+
+        Returns:
+          The optimizer state, raw key data and step count as one ArrayRecord.
+        """
         return to_array_record(
             {"opt_state": state.opt_state, "key": jax.random.key_data(state.key), "step": state.step}
         )
@@ -326,7 +343,14 @@ class FlowerNode:
         return state, jax.block_until_ready(final), loss
 
     def evaluate(self, params: PyTree) -> dict[str, float]:
-        """The consensus's metrics on this node's own shard (its valid rows)."""
+        """The consensus's metrics on this node's own shard (its valid rows).
+
+        Args:
+          params: the consensus.
+
+        Returns:
+          The task's metrics by name.
+        """
         k = self.num_examples
         batch = {name: np.asarray(v[0, :k]) for name, v in self.data.train.items()}
         return {m: float(v) for m, v in to_host(self._metrics(params, batch)).items()}

@@ -51,7 +51,16 @@ NOT_PUSHED_REASON = "not sent: the SuperLink refused the message (Flower's log s
 
 
 def no_reply(msg: Message, code: int, reason: str) -> Message:
-    """The error reply that stands for ``msg``'s missing reply (its source is ``msg``'s destination)."""
+    """The error reply that stands for ``msg``'s missing reply (its source is ``msg``'s destination).
+
+    Args:
+      msg: the message that got no reply.
+      code: Flower's error code.
+      reason: why there is no reply.
+
+    Returns:
+      The error reply.
+    """
     return Message(Error(code=code, reason=reason), reply_to=msg)
 
 

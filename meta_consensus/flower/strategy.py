@@ -625,7 +625,14 @@ class ConsensusStrategy(Strategy):
 
 
 def error_text(msg: Message) -> str:
-    """An error reply's reason with its Flower error code."""
+    """An error reply's reason with its Flower error code.
+
+    Args:
+      msg: an error reply.
+
+    Returns:
+      One line for the round's errors.
+    """
     reason, code = msg.error.reason or "", msg.error.code
     if not reason.startswith(("no reply", "not sent")):
         reason = f"error reply: {reason}"
@@ -633,7 +640,14 @@ def error_text(msg: Message) -> str:
 
 
 def node_weighted_mean(contents: list[RecordDict]) -> MetricRecord:
-    """Flower's aggregation of node metrics (means weighted by ``num-examples``), ids and rounds left out."""
+    """Flower's aggregation of node metrics (means weighted by ``num-examples``), ids and rounds left out.
+
+    Args:
+      contents: the replies' contents, each with a ``metrics`` MetricRecord.
+
+    Returns:
+      The weighted means.
+    """
     keep = []
     for content in contents:
         m: MetricRecord = content["metrics"]  # type: ignore[assignment]  # flwr: any record; the nodes send a MetricRecord
@@ -649,6 +663,12 @@ def record_bytes(content: RecordDict) -> int:
     """Bytes of the arrays a message carries: every ArrayRecord's arrays, shape times item size.
 
     This is the payload; each array's ``.npy`` header adds about a hundred bytes on the wire.
+
+    Args:
+      content: a message's content.
+
+    Returns:
+      The byte count.
     """
     total = 0
     for rec in content.values():
