@@ -50,7 +50,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -136,7 +136,7 @@ def train_dp(
     task = make_task(hidden=hidden)
     data = task.splits(1, seed=seed)
     pool = iid_clients(data, clients, np.random.default_rng(seed))
-    trainer = trainer_for(task, "sgd", int(pool.count.max()))
+    trainer = trainer_for(cast(Any, task), "sgd", int(pool.count.max()))  # (cast: a hashable dataclass)
     pool = trainer.place(pool)
     key = jax.random.key(seed)
     k_init, k_local = jax.random.split(key)
@@ -210,6 +210,18 @@ def plot(res: dict[str, Any]) -> str:
 
 
 def markdown(res: dict[str, Any]) -> str:
+    """The results page of a run, rendered from its result dict (as saved in the JSON).
+
+    Args:
+        res: what :func:`main` saves: node-level DP-FedAvg against epsilon (``summary``, ``noise``,
+            ``tuning``, ``central``, ``target``), or the example-level layout of ``--example``
+            (``rows``; rendered by :func:`example_markdown`).
+
+    Returns:
+        The markdown: title, the tables and the target's verdict.
+    """
+    if "summary" not in res and "rows" in res:
+        return example_markdown(res)
     st, summary = res["settings"], res["summary"]
     lines = header("DP-FedAvg: accuracy against epsilon", NAME, st["quick"], st)
     lines.append(
@@ -267,7 +279,8 @@ def markdown(res: dict[str, Any]) -> str:
     )
     lines.append("")
     if res["tuning"]:
-        lines.append("Tuning grid (held-out accuracy, seed 100; test not used):")
+        seeds = sorted({r["seed"] for r in res["tuning"]})
+        lines.append(f"Tuning grid (held-out accuracy, seed {', '.join(map(str, seeds))}; test not used):")
         lines.append("")
         lines.append(
             markdown_table(
@@ -375,7 +388,7 @@ def example_level(quick: bool) -> dict[str, Any]:
         return max(runs, key=lambda r: r[0]["heldout_acc"])[1]
 
     rows: list[dict[str, Any]] = []
-    cases = [("example", e, []) for e in (1.0, 3.0, 8.0, INF)]
+    cases: list[tuple[str, float, list[str]]] = [("example", e, []) for e in (1.0, 3.0, 8.0, INF)]
     cases += [("node", e, []) for e in (1.0, 3.0, 8.0)]
     pipeline = [
         "byzantine.nodes=[14, 15]",
@@ -419,6 +432,7 @@ def example_level(quick: bool) -> dict[str, Any]:
             "grid": grid,
             "seeds": seeds,
             "tuned": len(grid) > 1,
+            "tuning_seed": TUNING_SEED,
             "quick": quick,
         },
         "rows": rows,
@@ -426,19 +440,57 @@ def example_level(quick: bool) -> dict[str, Any]:
     }
 
 
+def _override(overrides: list[str], key: str) -> str | None:
+    """The value ``key=value`` sets in a run's overrides (the last one wins), None if unset."""
+    found = [o.split("=", 1)[1] for o in overrides if o.startswith(key + "=")]
+    return found[-1] if found else None
+
+
 def example_markdown(res: dict[str, Any]) -> str:
+    """The page of ``--example`` (example-level DP-SGD against node-level DP-FedAvg), from its result dict.
+
+    The setting (nodes, Dirichlet alpha, model, batch, delta) is read from the runs' recorded
+    config overrides.
+
+    Args:
+        res: what :func:`example_level` returns (``settings``, ``rows``, ``target``).
+
+    Returns:
+        The markdown: title, setting, the table of test accuracy per DP level and epsilon and the
+        target's verdict.
+    """
     st = res["settings"]
+    base = list(st["base"])
+    setting = [st["task"]]
+    nodes, alpha = _override(base, "nodes.count"), _override(base, "task.alpha")
+    if nodes is not None:
+        setting.append(f"{nodes} nodes")
+    if alpha is not None:
+        setting.append(f"Dirichlet alpha = {float(alpha):g}")
+    if _override(base, "task.options.hidden") == "[]":
+        setting.append("softmax regression")
+    setting.append(f"{st['rounds']} rounds x {st['local_steps']} local steps")
+    batch = _override(base, "nodes.batch_size")
+    if batch is not None:
+        setting.append(f"batch {batch} (expected)")
+    overrides = [run["overrides"] for r in rows_of(res) for run in r["runs"]]
+    deltas = sorted({d for o in overrides if (d := _override(o, "dp.delta")) is not None})
+    if len(deltas) == 1:  # the runs without DP set none
+        setting.append(f"delta = {float(deltas[0]):g}")
+    setting.append(f"seeds {st['seeds']}")
+    seed = st.get("tuning_seed")  # recorded since; older runs did not name it
+    tuned = (
+        f"Clip norm and learning rate tuned on held-out accuracy with seed {seed}."
+        if seed is not None
+        else "Clip norm and learning rate tuned on held-out accuracy with a seed of their own."
+    )
     lines = [
         "# Example-level DP-SGD vs node-level DP-FedAvg\n\n",
-        f"`python -m benchmarks privacy_quality --example{' --quick' if st['quick'] else ''}`: {st['task']}, "
-        f"16 nodes, Dirichlet alpha = 1, softmax regression,"
-        f" {st['rounds']} rounds x {st['local_steps']} local "
-        f"steps, batch 256 (expected), delta = {DELTA:g}, seeds {st['seeds']}. "
-        + (
-            "Clip norm and learning rate tuned on held-out accuracy with seed 100.\n\n"
-            if st["tuned"]
-            else f"Not tuned (quick): clip norm and learning rate {st['grid'][0]}.\n\n"
-        ),
+        f"`python -m benchmarks privacy_quality --example{' --quick' if st['quick'] else ''}`: "
+        + ", ".join(setting)
+        + ". "
+        + (tuned if st["tuned"] else f"Not tuned (quick): clip norm and learning rate {st['grid'][0]}.")
+        + "\n\n",
     ]
     table = [
         [
@@ -457,7 +509,7 @@ def example_markdown(res: dict[str, Any]) -> str:
     t = res["target"]
     lines.append(
         f"\nTarget (example-level, epsilon = 3, >= 0.80 on Fashion-MNIST): {t['eps3']:.3f}, "
-        f"**{'met' if t['met'] else 'not met'}**. The machine's 2 cores were shared with other work.\n"
+        f"**{'met' if t['met'] else 'not met'}**.\n"
     )
     return "".join(lines)
 
@@ -477,12 +529,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--example", action="store_true", help="example-level DP-SGD vs node-level DP-FedAvg")
     args = harness.parse(parser, argv)
     if args.example:
-        res = example_level(args.quick)
+        ex = example_level(args.quick)
         jpath, mpath = harness.save(
-            "privacy_quality_example", args.quick, res, example_markdown(res), settings=res["settings"]
+            "privacy_quality_example", args.quick, ex, markdown(ex), settings=ex["settings"]
         )
         print(f"wrote {jpath} and {mpath}")
-        return res
+        return ex
     NAME = use_task(args.task, "privacy_quality")
     q_nominal = 0.1
     settings = dict(
