@@ -43,7 +43,9 @@ import resource
 import statistics
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from benchmarks import harness
 from benchmarks.harness import machine, markdown_table
@@ -174,9 +176,110 @@ def cross_device(quick: bool) -> None:
                 results[(merge, m)] = pool.submit(_cross_device_one, m, objective, rounds, warmup).result()
             r = results[(merge, m)]
             print(f"{merge}, m = {m}: round {r['ms']['total']:.0f} ms, peak RSS {r['peak_rss_mb']:.0f} MB")
+    settings = {"quick": quick, "rounds": rounds, "warmup": warmup, "N": CROSS_DEVICE_N, "m": list(ms)}
+    res: dict[str, Any] = {
+        "machine": machine(),
+        "load_average": harness.load_average(),
+        "settings": settings,
+        "results": {f"{merge}, m = {m}": r for (merge, m), r in results.items()},
+    }
+    md = markdown(res)
+    harness.save("rounds_cross_device", quick, res, md, settings=settings)
+    print(md)
+
+
+def _load_line(res: Mapping[str, Any]) -> str:
+    """How shared the machine was when the run was saved (empty when the result does not say)."""
+    load, m = res.get("load_average"), res.get("machine")
+    if not load:
+        return ""
+    cpus = f" on {m['cpu_count']} CPUs" if isinstance(m, Mapping) and "cpu_count" in m else ""
+    return f"Load average (1, 5, 15 min) at the end of the run: {', '.join(f'{x:g}' for x in load)}{cpus}."
+
+
+def _merge_and_m(key: str) -> tuple[str, int]:
+    """``"multi_krum, m = 100"`` -> ``("multi_krum", 100)`` (the cross-device results' keys)."""
+    merge, m = key.rsplit(", m = ", 1)
+    return merge, int(m)
+
+
+def _chunk(overrides: Sequence[str]) -> int | None:
+    for o in overrides:
+        if o.startswith("nodes.chunk="):
+            return int(o.split("=", 1)[1])
+    return None
+
+
+def markdown(res: Mapping[str, Any]) -> str:
+    """The results page of a run of this benchmark, rendered from its result file.
+
+    Both layouts: the round split of the named settings (``rounds.json``) and the cross-device
+    sampling (``rounds_cross_device.json``, whose results are keyed ``"<merge>, m = <m>"``).
+
+    Args:
+        res: the result dict as saved (``settings`` and ``results``; ``load_average`` and
+            ``machine`` when present).
+
+    Returns:
+        The markdown: title, run header, notes and the table.
+    """
+    results = res["results"]
+    if all(", m = " in k for k in results):
+        return _markdown_cross_device(res)
+    st = res.get("settings", {})
+    quick = bool(st.get("quick", False))
+    first = next(iter(results.values()))
+    rounds, warmup = st.get("rounds", first["rounds_timed"]), st.get("warmup", first["warmup"])
+    # Runs that recorded their target share get the target and whether it was met.
+    targets = all("target_share" in r for r in results.values())
+    rows = []
+    for name, r in results.items():
+        ms = r["ms"]
+        row = (
+            [name, f"{ms['total']:.0f}"]
+            + [f"{ms[p]:.1f}" for p in PHASES]
+            + [f"{r['exit_wait_ms']:.0f}", f"{r['merge_share']:.1%}", f"{r['coordinator_share']:.1%}"]
+        )
+        if targets:
+            row += [
+                f"{r['target_share']:.0%}",
+                "yes" if r["coordinator_share"] <= r["target_share"] else "**no**",
+            ]
+        rows.append(row)
+    load = _load_line(res)
+    lines = harness.header("Where a round's time goes", "rounds", quick, st)
+    lines += [
+        f"Mean of {rounds} rounds after {warmup} warm-up rounds; milliseconds per round. The",
+        "coordinator's share is everything but the nodes' fit; the merge share is vote + weights + DP",
+        "alone. 'exit wait' is the wait for the last asynchronous checkpoint, paid once per run."
+        + (f" {load}" if load else ""),
+        "",
+        markdown_table(
+            [
+                "setting",
+                "round ms",
+                *[f"{p} ms" for p in PHASES],
+                "exit wait ms (once)",
+                "merge share",
+                "coordinator share",
+                *(["target", "met"] if targets else []),
+            ],
+            rows,
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def _markdown_cross_device(res: Mapping[str, Any]) -> str:
+    st = res.get("settings", {})
+    quick = bool(st.get("quick", False))
+    results = {_merge_and_m(k): r for k, r in res["results"].items()}
+    base_m = min(m for _, m in results)
+    first = next(iter(results.values()))
+    rounds, warmup = st.get("rounds", first["rounds_timed"]), st.get("warmup", first["warmup"])
     rows = []
     for (merge, m), r in results.items():
-        base = results[(merge, ms[0])]
+        base = results[(merge, base_m)]
         ms_ = r["ms"]
         rows.append(
             [merge, str(m), f"{ms_['total']:.0f}", f"{ms_['total'] / base['ms']['total']:.1f}x"]
@@ -189,46 +292,38 @@ def cross_device(quick: bool) -> None:
                 f"{r['peak_rss_mb'] - r['rss_after_init_mb']:.0f}",
             ]
         )
-    cmd = "python -m benchmarks rounds --cross-device" + (" --quick" if quick else "")
-    md = "\n".join(
-        [
-            "# Where a round's time goes: cross-device client sampling",
-            "",
-            f"Command: `{cmd}`. Machine: {_machine_line()} (shared with other work: times are",
-            f"noisy; compare the ratios). N = {CROSS_DEVICE_N} digits clients (IID shards of 1-2 examples),",
-            "m sampled uniformly per round, fitted 100 at a time; Multi-Krum (fault_tolerance 0.25) with",
-            f"and without mixture-NLL weights, no DP. Mean of {rounds} rounds after {warmup} warm-up rounds;",
-            "ms a round; the ratios are to m = 10 of the same merge.",
-            "Each m runs in its own process: 'RSS init' is its RSS after the coordinator's init (the",
-            "1000 clients' host state included), 'peak RSS' its maximum over the rounds.",
-            "",
-            markdown_table(
-                [
-                    "merge",
-                    "m",
-                    "round ms",
-                    "round vs m=10",
-                    *[f"{p} ms" for p in PHASES],
-                    "fit vs m=10",
-                    "coordinator vs m=10",
-                    "RSS init MB",
-                    "peak RSS MB",
-                    "peak - init MB",
-                ],
-                rows,
-            ),
-            "",
-        ]
-    )
-    settings = {"quick": quick, "rounds": rounds, "warmup": warmup, "N": CROSS_DEVICE_N, "m": list(ms)}
-    payload = {"results": {f"{merge}, m = {m}": r for (merge, m), r in results.items()}}
-    harness.save("rounds_cross_device", quick, payload, md, settings=settings)
-    print(md)
-
-
-def _machine_line() -> str:
-    m = machine()
-    return f"{m['processor']}, {m['cpu_count']} cores, jax {m['jax']} ({m['backend']})"
+    chunks = [c for c in (_chunk(r["overrides"]) for r in results.values()) if c is not None]
+    n = st.get("N")
+    load = _load_line(res)
+    lines = harness.header("Where a round's time goes: cross-device client sampling", "rounds", quick, st)
+    lines += [
+        (f"N = {n} digits clients" if n is not None else "Digits clients")
+        + " (IID shards of 1-2 examples), m sampled uniformly per round"
+        + (f", fitted at most {max(chunks)} at a time" if chunks else "")
+        + "; Multi-Krum with and without mixture-NLL weights, no baseline fleet.",
+        f"Mean of {rounds} rounds after {warmup} warm-up rounds; ms a round; the ratios are to",
+        f"m = {base_m} of the same merge. Each m runs in its own process: 'RSS init' is its RSS after the",
+        "coordinator's init (the clients' host state included), 'peak RSS' its maximum over the rounds.",
+        "The machine is shared with other work: times are noisy; compare the ratios."
+        + (f" {load}" if load else ""),
+        "",
+        markdown_table(
+            [
+                "merge",
+                "m",
+                "round ms",
+                f"round vs m={base_m}",
+                *[f"{p} ms" for p in PHASES],
+                f"fit vs m={base_m}",
+                f"coordinator vs m={base_m}",
+                "RSS init MB",
+                "peak RSS MB",
+                "peak - init MB",
+            ],
+            rows,
+        ),
+    ]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -243,45 +338,18 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in SETTINGS.items():
             results[name] = measure(overrides, rounds, warmup, Path(tmp) / name.split()[0])
+            results[name]["target_share"] = TARGET_SHARE[name]
             r = results[name]
             print(f"{name}: round {r['ms']['total']:.0f} ms, coordinator share {r['coordinator_share']:.1%}")
-    rows = []
-    for name, r in results.items():
-        ms = r["ms"]
-        rows.append(
-            [name, f"{ms['total']:.0f}"]
-            + [f"{ms[p]:.1f}" for p in PHASES]
-            + [f"{r['exit_wait_ms']:.0f}", f"{r['merge_share']:.1%}", f"{r['coordinator_share']:.1%}"]
-            + [f"{TARGET_SHARE[name]:.0%}"]
-            + ["yes" if r["coordinator_share"] <= TARGET_SHARE[name] else "**no**"]
-        )
-    cmd = "python -m benchmarks rounds" + (" --quick" if args.quick else "")
-    md = "\n".join(
-        [
-            "# Where a round's time goes",
-            "",
-            f"Command: `{cmd}`. Machine: {_machine_line()}. Mean of {rounds} rounds after {warmup} warm-up",
-            "rounds; milliseconds per round. The coordinator's share is everything but the nodes' fit;",
-            "the merge share is vote + weights + DP alone.",
-            "",
-            markdown_table(
-                [
-                    "setting",
-                    "round ms",
-                    *[f"{p} ms" for p in PHASES],
-                    "exit wait ms (once)",
-                    "merge share",
-                    "coordinator share",
-                    "target",
-                    "met",
-                ],
-                rows,
-            ),
-            "",
-        ]
-    )
     settings = {"quick": args.quick, "rounds": rounds, "warmup": warmup, "settings": list(SETTINGS)}
-    harness.save("rounds", args.quick, {"results": results}, md, settings=settings)
+    res: dict[str, Any] = {
+        "machine": machine(),
+        "load_average": harness.load_average(),
+        "settings": settings,
+        "results": results,
+    }
+    md = markdown(res)
+    harness.save("rounds", args.quick, res, md, settings=settings)
     print(md)
 
 
