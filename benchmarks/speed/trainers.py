@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -78,13 +79,13 @@ def _hand_written(task, pool: dict[str, np.ndarray], count: int, batch: int, lr:
     tx = optax.adam(lr)
     with jax.numpy_dtype_promotion("standard"):
         opt = tx.init(params)
-    pool = {k: jnp.asarray(v) for k, v in pool.items()}
+    on_device = {k: jnp.asarray(v) for k, v in pool.items()}
 
     def step(carry, _=None):
         params, opt, key = carry
         key, k_sample = jax.random.split(key)
         rows = jax.random.randint(k_sample, (batch,), 0, count)
-        b = {k: v[rows] for k, v in pool.items()}
+        b = {k: v[rows] for k, v in on_device.items()}
         # The loss is kept (as any training loop that logs it would); the trainer reports it too.
         loss, grads = jax.value_and_grad(task.loss)(params, b)
         with jax.numpy_dtype_promotion("standard"):
@@ -125,7 +126,7 @@ def bench_task(task, data, *, batch: int, steps: int, repeats: int, nodes: tuple
         runners[f"trainer{n}"] = lambda tr=trainer, s=state, d=placed: tr.fit(s, d, steps)
     best = _interleaved_best(runners, repeats)
     t_loop, t_scan = best["loop"], best["scan"]
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"runner": "hand loop", "nodes": 1, "seconds": t_loop, "samples_per_s": batch * steps / t_loop},
         {"runner": "hand scan", "nodes": 1, "seconds": t_scan, "samples_per_s": batch * steps / t_scan},
     ]
@@ -245,12 +246,9 @@ def _dp_tasks(quick: bool, text: bool) -> list[tuple[str, Any, dict]]:
     return out
 
 
-def run_dp(quick: bool, text: bool) -> tuple[dict, str]:
+def run_dp(quick: bool, text: bool) -> dict[str, Any]:
+    """The DP-SGD comparison of every task: task label -> :func:`bench_dp`'s row."""
     rows = {}
-    md = [
-        "\n## DP-SGD step vs the non-private step (8 nodes, same expected batch, same run)\n\n",
-    ]
-    table = []
     for name, task, cfg in _dp_tasks(quick, text):
         data = task.splits(8, seed=0)
         r = bench_dp(
@@ -265,92 +263,101 @@ def run_dp(quick: bool, text: bool) -> tuple[dict, str]:
         )
         rows[name] = r
         print(name, {k: v for k, v in r.items() if k != "rows_per_node"}, flush=True)
-        table.append(
-            [
-                name,
-                r["path"],
-                r["expected_batch"],
-                r["padded_batch"],
-                r["microbatch"] or "-",
-                r["plain_ms_per_step"],
-                r["dp_ms_per_step"],
-                r["dp_over_plain"],
-                r["noise_ms_per_step"],
-                r["dp_over_plain_lower_bound"],
-                r["per_example_grad_bytes"] / 2**20,
-                r["per_example_grad_bytes_whole_pad"] / 2**20,
-            ]
-        )
-    md.append(
-        markdown_table(
-            [
-                "task",
-                "clipping path",
-                "batch",
-                "pad",
-                "micro-batch",
-                "plain ms/step",
-                "DP ms/step",
-                "DP / plain",
-                "noise alone ms/step",
-                "DP / plain lower bound (1 + noise / plain)",
-                "per-example grads MiB/node",
-                "MiB/node without micro-batches",
-            ],
-            table,
-        )
-    )
-    md.append(
-        "\nTarget: DP / plain <= 2 for the MLPs. 'noise alone' times the Gaussian noise of the DP step by "
-        "itself (one threefry normal per parameter per node per step, accumulated as the step adds it): "
-        "no clipping method brings a DP step under 1 + noise / plain.\n"
-    )
-    return rows, "".join(md)
+    return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = harness.parser(__doc__, "fewer steps and repeats (under a minute)")
-    parser.add_argument("--no-text", action="store_true", help="skip the text task")
-    parser.add_argument("--dp-only", action="store_true", help="only the DP-SGD vs non-private comparison")
-    args = harness.parse(parser, argv)
-    if args.dp_only:
-        results, md = run_dp(args.quick, not args.no_text)
-        out = {"machine": machine(), "quick": args.quick, "dp": results}
-        settings = {"quick": args.quick, "dp_only": True, "text": not args.no_text}
-        jpath, mpath = harness.save(
-            "trainers_dp", args.quick, out, "# DP-SGD throughput\n" + md, settings=settings
-        )
-        print(f"wrote {jpath} and {mpath}")
-        return
-    repeats = 3 if args.quick else 10
-    nodes = (1, 4, 8)
-    tasks: list[tuple[str, Any, dict]] = [
-        ("digits", DigitsTask(), {"batch": 64, "steps": 100 if args.quick else 500, "lr": 3e-3}),
+def _load_line(res: Mapping[str, Any]) -> str:
+    """How shared the machine was when the run was saved (empty when the result does not say)."""
+    load, m = res.get("load_average"), res.get("machine")
+    if not load:
+        return ""
+    cpus = f" on {m['cpu_count']} CPUs" if isinstance(m, Mapping) and "cpu_count" in m else ""
+    return f"Load average (1, 5, 15 min) at the end of the run: {', '.join(f'{x:g}' for x in load)}{cpus}."
+
+
+def _dp_markdown(dp: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The DP-SGD section: one row per task; the noise-alone columns where the run timed them."""
+    noise = all("noise_ms_per_step" in r for r in dp.values())
+    nodes = sorted({r["nodes"] for r in dp.values()})
+    table = []
+    for name, r in dp.items():
+        row = [
+            name,
+            r["path"],
+            r["expected_batch"],
+            r["padded_batch"],
+            r["microbatch"] or "-",
+            r["plain_ms_per_step"],
+            r["dp_ms_per_step"],
+            r["dp_over_plain"],
+        ]
+        if noise:
+            row += [r["noise_ms_per_step"], r["dp_over_plain_lower_bound"]]
+        row += [r["per_example_grad_bytes"] / 2**20, r["per_example_grad_bytes_whole_pad"] / 2**20]
+        table.append(row)
+    headers = [
+        "task",
+        "clipping path",
+        "batch",
+        "pad",
+        "micro-batch",
+        "plain ms/step",
+        "DP ms/step",
+        "DP / plain",
+        *(["noise alone ms/step", "DP / plain lower bound (1 + noise / plain)"] if noise else []),
+        "per-example grads MiB/node",
+        "MiB/node without micro-batches",
     ]
-    if not args.no_text:
-        try:
-            from strategies.tasks.text import TextTask
-        except ImportError:  # the text task is optional for this benchmark
-            TextTask = None
-        if TextTask is not None:
-            text = TextTask(windows_per_node=128, general_windows=64, heldout_windows=16, test_windows=16)
-            tasks.append(("text", text, {"batch": 8, "steps": 10 if args.quick else 50, "lr": 1e-3}))
-    results: dict[str, Any] = {"machine": machine(), "quick": args.quick, "tasks": {}}
-    mach = results["machine"]
-    md = [
-        "# Node trainer throughput\n",
-        f"`python -m benchmarks trainers{' --quick' if args.quick else ''}` on {mach['processor']}, "
-        f"{mach['cpu_count']} CPUs, backend {mach['backend']}. "
-        "Samples/s = nodes x batch x steps / best wall time. `vs n seq` = time of n sequential "
-        "hand-written single-model runs / time of the n-node trainer (>= 1: vmapping pays).\n",
+    out = [
+        f"## DP-SGD step vs the non-private step ({', '.join(map(str, nodes))} nodes, same expected batch, "
+        "same run)",
+        "",
+        "Example-level DP-SGD (Poisson sampling into a padded batch, per-example clipping, noise) against",
+        "the non-private trainer step at the same expected batch, timed interleaved. 'clipping path':",
+        "ghost clipping (no per-example gradient materialized) or per-example gradients by vmap, whose",
+        "memory per node the last two columns give (with and without micro-batches).",
+        "",
+        markdown_table(headers, table),
+        "Target: DP / plain <= 2 for the MLPs.",
     ]
-    for name, task, cfg in tasks:
-        start = time.perf_counter()
-        data = task.splits(max(nodes), seed=0)
-        rows, summary = bench_task(
-            task, data, batch=cfg["batch"], steps=cfg["steps"], repeats=repeats, nodes=nodes, lr=cfg["lr"]
+    if noise:
+        out[-1] += (
+            " 'noise alone' times the Gaussian noise of the DP step by itself (one threefry normal per "
+            "parameter per node per step, accumulated as the step adds it): no clipping method brings a DP "
+            "step under 1 + noise / plain."
         )
-        results["tasks"][name] = {"config": cfg, "rows": rows, "summary": summary}
+    return out
+
+
+def markdown(res: Mapping[str, Any]) -> str:
+    """The results page of a run of this benchmark, rendered from its result file.
+
+    Both layouts: the whole benchmark (``tasks`` and ``dp``, ``trainers.json``) and ``--dp-only``
+    (``dp`` alone, ``trainers_dp.json``).
+
+    Args:
+        res: the result dict as saved.
+
+    Returns:
+        The markdown: title, run header, one table per task and the DP-SGD table.
+    """
+    st = res.get("settings", {})
+    quick = bool(st.get("quick", res.get("quick", False)))
+    load = _load_line(res)
+    if "tasks" not in res:
+        lines = harness.header("DP-SGD throughput", "trainers", quick, st)
+        if load:
+            lines += [load, ""]
+        return "\n".join(lines + _dp_markdown(res["dp"])) + "\n"
+    lines = harness.header("Node trainer throughput", "trainers", quick, st)
+    lines += [
+        "Samples/s = nodes x batch x steps / best wall time. `vs n seq` = time of n sequential",
+        "hand-written single-model runs / time of the n-node trainer (>= 1: vmapping pays)."
+        + (f" {load}" if load else ""),
+        "",
+    ]
+    for name, t in res["tasks"].items():
+        cfg, rows, summary = t["config"], t["rows"], t["summary"]
         table = [
             [
                 r["runner"],
@@ -363,26 +370,68 @@ def main(argv: list[str] | None = None) -> None:
             ]
             for r in rows
         ]
-        md.append(
-            f"\n## {name} ({summary['params_count']} params, batch {cfg['batch']}, {cfg['steps']} steps)\n\n"
-        )
-        md.append(
+        lines += [
+            f"## {name} ({summary['params_count']} params, batch {cfg['batch']}, {cfg['steps']} steps)",
+            "",
             markdown_table(
                 ["runner", "n", "samples/s", "ms", "vs n seq (scan)", "vs n seq (loop)", "state bytes"], table
-            )
+            ),
+            f"trainer n=1 / hand scan throughput: {summary['trainer1_over_hand_scan_throughput']:.3f}; "
+            f"/ hand loop: {summary['trainer1_over_hand_loop_throughput']:.3f}."
+            + (f" ({t['seconds']:.1f} s)" if "seconds" in t else ""),
+            "",
+        ]
+    if res.get("dp"):
+        lines += _dp_markdown(res["dp"])
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = harness.parser(__doc__, "fewer steps and repeats (under a minute)")
+    parser.add_argument("--no-text", action="store_true", help="skip the text task")
+    parser.add_argument("--dp-only", action="store_true", help="only the DP-SGD vs non-private comparison")
+    args = harness.parse(parser, argv)
+    if args.dp_only:
+        settings = {"quick": args.quick, "dp_only": True, "text": not args.no_text}
+        out = {"machine": machine(), "quick": args.quick, "dp": run_dp(args.quick, not args.no_text)}
+        shown = {**out, "settings": settings, "load_average": harness.load_average()}
+        jpath, mpath = harness.save("trainers_dp", args.quick, out, markdown(shown), settings=settings)
+        print(f"wrote {jpath} and {mpath}")
+        return
+    repeats = 3 if args.quick else 10
+    nodes = (1, 4, 8)
+    tasks: list[tuple[str, Any, dict]] = [
+        ("digits", DigitsTask(), {"batch": 64, "steps": 100 if args.quick else 500, "lr": 3e-3}),
+    ]
+    if not args.no_text:
+        try:
+            from strategies.tasks.text import TextTask
+        except ImportError:  # the text task is optional for this benchmark
+            pass
+        else:
+            text = TextTask(windows_per_node=128, general_windows=64, heldout_windows=16, test_windows=16)
+            tasks.append(("text", text, {"batch": 8, "steps": 10 if args.quick else 50, "lr": 1e-3}))
+    results: dict[str, Any] = {"machine": machine(), "quick": args.quick, "tasks": {}}
+    for name, task, cfg in tasks:
+        start = time.perf_counter()
+        data = task.splits(max(nodes), seed=0)
+        rows, summary = bench_task(
+            task, data, batch=cfg["batch"], steps=cfg["steps"], repeats=repeats, nodes=nodes, lr=cfg["lr"]
         )
-        md.append(
-            f"\ntrainer n=1 / hand scan throughput: {summary['trainer1_over_hand_scan_throughput']:.3f}; "
-            f"/ hand loop: {summary['trainer1_over_hand_loop_throughput']:.3f}. "
-            f"({time.perf_counter() - start:.1f} s)\n"
-        )
+        # seconds: the task's whole measurement (data, compilation, every repeat).
+        results["tasks"][name] = {
+            "config": cfg,
+            "rows": rows,
+            "summary": summary,
+            "seconds": time.perf_counter() - start,
+        }
         print(name, summary, flush=True)
         for r in rows:
             print("  ", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
-    results["dp"], dp_md = run_dp(args.quick, not args.no_text)
-    md.append(dp_md)
+    results["dp"] = run_dp(args.quick, not args.no_text)
     settings = {"quick": args.quick, "repeats": repeats, "nodes": nodes, "text": not args.no_text}
-    jpath, mpath = harness.save("trainers", args.quick, results, "".join(md), settings=settings)
+    shown = {**results, "settings": settings, "load_average": harness.load_average()}
+    jpath, mpath = harness.save("trainers", args.quick, results, markdown(shown), settings=settings)
     print(f"wrote {jpath} and {mpath}")
 
 
