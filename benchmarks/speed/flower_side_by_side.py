@@ -29,7 +29,9 @@ shared, absolute times are not comparable across runs.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -105,6 +107,11 @@ def bulyan_selection(model: dict[str, Any], rule: Any, stacked: Any, like: Any) 
     }
 
 
+def _rule_alone(rule: Any, stacked: Any, state: Any, like: Any) -> Any:
+    """The rule's merge of a device-resident stack (its output only)."""
+    return rule.update(stacked, state, like)[0]
+
+
 def flower_strategies(f: int, n: int) -> dict[str, tuple[Any, str, dict[str, Any]]]:
     """Flower strategy -> (the strategy, the package rule, its options)."""
     return {
@@ -116,8 +123,11 @@ def flower_strategies(f: int, n: int) -> dict[str, tuple[Any, str, dict[str, Any
     }
 
 
-def bulyan_lines(results: list[dict[str, Any]]) -> list[str]:
-    b = next(r for r in results if r["flower"] == "Bulyan")
+def bulyan_lines(results: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Where the two Bulyans part (empty when the run has no Bulyan row)."""
+    b = next((r for r in results if r["flower"] == "Bulyan" and "flower_selected" in r), None)
+    if b is None:
+        return []
     return [
         f"Bulyan: Flower selected {b['flower_selected']}, the package {b['package_selected']} (outliers "
         f"{'excluded by both' if b['outliers_excluded_by_both'] else 'NOT excluded by both'}); Flower's "
@@ -125,6 +135,65 @@ def bulyan_lines(results: list[dict[str, Any]]) -> list[str]:
         f"{b['coordinate_step_on_package_selection_max_abs_diff']:.2e} (the same convention there).",
         "",
     ]
+
+
+def markdown(res: Mapping[str, Any]) -> str:
+    """The results page of a run of this benchmark, rendered from its result file.
+
+    Args:
+        res: the result dict as saved (``settings``, ``floor_s`` and ``results``, one row per
+            Flower strategy).
+
+    Returns:
+        The markdown: title, run header, the floor, the table and the notes.
+    """
+    st = res.get("settings", {})
+    results = res["results"]
+    rows = [
+        [
+            r["flower"],
+            r["package"],
+            "yes" if r["conventions_agree"] else "no (one-shot vs iterated selection)",
+            f"{r['max_abs_diff']:.2e}",
+            f"{r['flower_s'] * 1e3:.1f}",
+            f"{r['package_rule_s'] * 1e3:.1f}",
+            f"{r['package_from_replies_s'] * 1e3:.1f}",
+            f"{r['speedup_rule']:.1f}x",
+            f"{r['speedup_from_replies']:.1f}x",
+            f"{r['flower_x_floor']:.1f}",
+            f"{r['package_rule_x_floor']:.1f}",
+        ]
+        for r in results
+    ]
+    quick = bool(st.get("quick", res.get("quick", False)))  # the settings do not record it: d tells
+    md = header("Flower's robust strategies next to this package's rules", NAME, quick, st)
+    md += [
+        f"Floor (one numpy pass over the (n, d) float32 stack): {res['floor_s'] * 1e3:.2f} ms. The machine "
+        "is shared:",
+        "compare the ratios within this run, not absolute times across runs ('x floor': a time in units",
+        "of the floor).",
+        "",
+        markdown_table(
+            [
+                "Flower",
+                "package",
+                "same convention",
+                "max \\|diff\\|",
+                "Flower ms",
+                "package rule ms",
+                "package from replies ms",
+                "speedup (rule)",
+                "speedup (from replies)",
+                "Flower x floor",
+                "package rule x floor",
+            ],
+            rows,
+        ),
+        *bulyan_lines(results),
+        "'from replies' includes decoding and checking every ArrayRecord and stacking, as the",
+        "ConsensusStrategy does; Flower's time includes its own ArrayRecord -> numpy decoding.",
+    ]
+    return "\n".join(md) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -147,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         st = tree.stack(trees)
         return rule.update(st, rule.init(like), like)[0]
 
-    rows, results = [], []
+    results = []
     for flower_name, (strategy, rule_name, options) in flower_strategies(F, N).items():
         rule = registry.make(rule_name, F, **options)
         state = rule.init(like)
@@ -159,8 +228,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         diff = max(float(np.max(np.abs(theirs[k].astype(np.float64) - ours[k]))) for k in ours)
         extra = bulyan_selection(model, rule, stacked, like) if flower_name == "Bulyan" else {}
         t_flower = min(_time_flower(strategy, model) for _ in range(repeats))
-        t_rule = best_time(lambda r=rule, s=state: r.update(stacked, s, like)[0], repeats)
-        t_path = best_time(lambda r=rule: from_replies(r), repeats)
+        t_rule = best_time(functools.partial(_rule_alone, rule, stacked, state, like), repeats)
+        t_path = best_time(functools.partial(from_replies, rule), repeats)
         agree = flower_name != "Bulyan"
         results.append(
             {
@@ -178,48 +247,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 **extra,
             }
         )
-        rows.append(
-            [
-                flower_name,
-                rule_name,
-                "yes" if agree else "no (one-shot vs iterated selection)",
-                f"{diff:.2e}",
-                f"{t_flower * 1e3:.1f}",
-                f"{t_rule * 1e3:.1f}",
-                f"{t_path * 1e3:.1f}",
-                f"{t_flower / t_rule:.1f}x",
-                f"{t_flower / t_path:.1f}x",
-            ]
-        )
-        print(rows[-1], flush=True)
+        print(results[-1], flush=True)
     settings = {"n": N, "f": F, "d": d, "outliers": "last f nodes, + 10", "repeats": repeats}
-    md = header("Flower's robust strategies next to this package's rules", NAME, args.quick, settings)
-    md += [
-        f"Floor (one numpy pass over the (n, d) float32 stack): {floor * 1e3:.2f} ms. The machine is shared:",
-        "compare the ratios within this run, not absolute times across runs.",
-        "",
-        markdown_table(
-            [
-                "Flower",
-                "package",
-                "same convention",
-                "max |diff|",
-                "Flower ms",
-                "package rule ms",
-                "package from replies ms",
-                "speedup (rule)",
-                "speedup (from replies)",
-            ],
-            rows,
-        ),
-        "",
-        *bulyan_lines(results),
-        "'from replies' includes decoding and checking every ArrayRecord and stacking, as the",
-        "ConsensusStrategy does; Flower's time includes its own ArrayRecord -> numpy decoding.",
-    ]
     payload = {"floor_s": floor, "results": results}
-    save(NAME, args.quick, payload, "\n".join(md) + "\n", settings=settings)
-    print("\n".join(md))
+    md = markdown({"settings": settings, "quick": args.quick, **payload})
+    save(NAME, args.quick, payload, md, settings=settings)
+    print(md)
     return payload
 
 
