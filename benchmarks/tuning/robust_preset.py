@@ -26,13 +26,14 @@ score, i.e. the price of losing the attackers' data.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from benchmarks import harness
 from benchmarks.harness import add_task_option, markdown_table, use_task
+from meta_consensus import config
 
 PRESET = "configs/robust.toml"
 ATTACKS = [
@@ -199,7 +200,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         shown = [s for s in shown if s in names]
     report = {name: {str(s): sweep(name, s, rounds, task_sets) for s in seeds} for name in shown}
-    clean = np.array([report["mean"][str(s)]["none"][0] for s in seeds])
     oracle = {
         str(s): run_once(
             [
@@ -212,66 +212,133 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )[0]
         for s in seeds
     }
+    # What the page says about the runs: the preset's nodes, attackers and alpha as this run loaded them.
+    cfg = config.load(PRESET, task_sets)
+    settings: dict[str, Any] = {
+        "quick": args.quick,
+        "seeds": seeds,
+        "task": args.task,
+        "alpha": cfg.task.alpha,
+        "nodes": cfg.nodes.count,
+        "byzantine": len(cfg.byzantine.nodes),
+    }
+    if selection:
+        settings["selection_seed"] = SELECTION_SEED
+    res = {
+        "selection": selection, "chosen": chosen, "sets": CANDIDATES[chosen], "report": report,
+        "oracle": oracle, "seeds": seeds, "rounds": rounds, "total_s": time.perf_counter() - t0,
+    }  # fmt: skip
+    md = markdown({**res, "settings": settings})
+    harness.save(name_of_results, args.quick, res, md, settings=settings)
+    print(md)
+    return res
+
+
+def _alpha(res: Mapping[str, Any]) -> float | None:
+    """The Dirichlet alpha of the run: recorded in its settings, else its ``--alpha`` (None: unknown)."""
+    st = res.get("settings", {})
+    if "alpha" in st:
+        return float(st["alpha"])
+    argv = [str(a) for a in res.get("argv", [])]
+    for i, a in enumerate(argv):
+        if a == "--alpha" and i + 1 < len(argv):
+            return float(argv[i + 1])
+        if a.startswith("--alpha="):
+            return float(a.split("=", 1)[1])
+    return None
+
+
+def markdown(res: Mapping[str, Any]) -> str:
+    """The results page of a run of this benchmark, rendered from its result file.
+
+    Both layouts: with the selection on digits (``robust_preset.json``) and the shipped preset
+    reported without one (another task or alpha: ``selection`` is empty). Settings that older
+    result files did not record (alpha, the numbers of nodes and attackers, the selection seed,
+    the total time) are named without a number there.
+
+    Args:
+        res: the result dict as saved (``selection``, ``chosen``, ``report``, ``oracle``,
+            ``seeds``, ``settings``).
+
+    Returns:
+        The markdown: title, run header, the selection table (if any), the test accuracy of
+        the reported merges under every attack and clean FedAvg.
+    """
+    st = res.get("settings", {})
+    seeds = [str(s) for s in res["seeds"]]
+    report, selection, chosen = res["report"], res["selection"], res["chosen"]
+    attacks = [a for a in report[chosen][seeds[0]] if a != "none"]
+    clean = np.array([report["mean"][s]["none"][0] for s in seeds])
     rows = []
-    for name in shown:
-        worst = np.array([min(report[name][str(s)][a][0] for a in ATTACKS) for s in seeds])
+    for name in report:
+        worst = np.array([min(report[name][s][a][0] for a in attacks) for s in seeds])
         gap = (clean - worst) * 100
-        per_attack = [np.mean([report[name][str(s)][a][0] for s in seeds]) for a in ATTACKS]
+        per_attack = [np.mean([report[name][s][a][0] for s in seeds]) for a in attacks]
         rows.append(
             [name + (" (chosen)" if name == chosen else ""), float(np.mean(worst)), float(np.max(gap))]
             + [float(v) for v in per_attack]
         )
-    oracle_acc = np.array([oracle[str(s)] for s in seeds])
-    rows.append(
-        [
-            "oracle: mean of the 12 honest nodes",
-            float(np.mean(oracle_acc)),
-            float(np.max((clean - oracle_acc) * 100)),
-        ]
-        + ["-"] * len(ATTACKS)
+    nodes, byz = st.get("nodes"), st.get("byzantine")
+    honest = (
+        f"the {nodes - byz} honest nodes" if nodes is not None and byz is not None else "the honest nodes"
     )
-    mach = harness.machine()
-    md = [
-        "# The robust preset's vote and weights, chosen through the system\n\n",
-        f"Command: `{harness.command('robust_preset', args.quick)}`. "
-        f"Machine: {mach['processor']}, {mach['cpu_count']} CPUs, jax {mach['jax']}.\n\n",
-        f"`{PRESET}` with only the vote and the weights changed: 16 {args.task} nodes, "
-        f"alpha = {0.3 if args.alpha is None else args.alpha:g}, "
-        f"4 Byzantine; {len(ATTACKS)} attacks ({', '.join(ATTACKS)}); reported on seeds {seeds}. "
+    oracle_acc = np.array([res["oracle"][s] for s in seeds])
+    rows.append(
+        [f"oracle: mean of {honest}", float(np.mean(oracle_acc)), float(np.max((clean - oracle_acc) * 100))]
+        + ["-"] * len(attacks)
+    )
+    alpha = _alpha(res)
+    task = st.get("task", "digits")
+    sel_seed = st.get("selection_seed")
+    lines = harness.header(
+        "The robust preset's vote and weights, chosen through the system",
+        "robust_preset",
+        bool(st.get("quick", False)),
+        st,
+    )
+    who = (f"{nodes} " if nodes is not None else "") + f"{task} nodes"
+    lines += [
+        f"`{PRESET}` with only the vote and the weights changed: {who}, "
+        + (f"alpha = {alpha:g}" if alpha is not None else "the preset's Dirichlet alpha")
+        + ", "
+        + (f"{byz} Byzantine" if byz is not None else "the preset's Byzantine nodes")
+        + f"; {len(attacks)} attacks ({', '.join(attacks)}); reported on seeds {res['seeds']}. "
         + (
-            f"Selection on seed {SELECTION_SEED} by worst-case held-out accuracy:\n\n"
+            "Selection on "
+            + (f"seed {sel_seed}" if sel_seed is not None else "a seed apart from these")
+            + " by worst-case held-out accuracy:"
             if selection
             else "No selection on this task: the preset as shipped (its vote, weights and step chosen on "
             "digits, its root-set share of the held-out rows on Fashion-MNIST seed 100; see "
-            "configs/robust.toml).\n\n"
+            "configs/robust.toml)."
         ),
-        markdown_table(
-            ["candidate", "worst held-out (seed 100)", "mean over attacks", "clean held-out"],
-            [[k, v["worst_heldout"], v["mean_heldout"], v["clean_heldout"]] for k, v in selection.items()],
-        )
-        if selection
-        else "",
-        "\n"
-        + ("Chosen" if selection else "The preset")
-        + f": **{chosen}**. Test accuracy on the reported seeds (mean over seeds; gap = the largest "
-        "drop over seeds of the worst attack below clean FedAvg of the same seed, in points; target 3):\n\n",
-        markdown_table(["vote", "worst (mean)", "gap (points)", *ATTACKS], rows),
-        f"\nClean FedAvg (the plain mean without attackers): {np.mean(clean):.3f}. "
-        f"Total time {time.perf_counter() - t0:.0f} s.\n",
+        "",
     ]
-    res = {
-        "selection": selection, "chosen": chosen, "sets": CANDIDATES[chosen], "report": report,
-        "oracle": oracle, "seeds": seeds, "rounds": rounds,
-    }  # fmt: skip
-    harness.save(
-        name_of_results,
-        args.quick,
-        res,
-        "".join(md),
-        settings={"quick": args.quick, "seeds": seeds, "task": args.task},
-    )
-    print("".join(md))
-    return res
+    if selection:
+        lines.append(
+            markdown_table(
+                [
+                    "candidate",
+                    f"worst held-out (seed {sel_seed})" if sel_seed is not None else "worst held-out",
+                    "mean over attacks",
+                    "clean held-out",
+                ],
+                [
+                    [k, v["worst_heldout"], v["mean_heldout"], v["clean_heldout"]]
+                    for k, v in selection.items()
+                ],
+            )
+        )
+    lines += [
+        ("Chosen" if selection else "The preset")
+        + f": **{chosen}**. Test accuracy on the reported seeds (mean over seeds; gap = the largest "
+        "drop over seeds of the worst attack below clean FedAvg of the same seed, in points; target 3):",
+        "",
+        markdown_table(["vote", "worst (mean)", "gap (points)", *attacks], rows),
+        f"Clean FedAvg (the plain mean without attackers): {np.mean(clean):.3f}."
+        + (f" Total time {res['total_s']:.0f} s." if "total_s" in res else ""),
+    ]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
