@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,7 @@ def _merge_io(*args: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from benchmarks.harness import header, parse, parser, save
+    from benchmarks.harness import parse, parser, save
     from benchmarks.speed.merge_io import run_child
 
     p: argparse.ArgumentParser = parser(__doc__, "a tiny GPT-2 (about 0.7 MB), 5 fine-tunes")
@@ -216,31 +217,71 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rss_reference": {"name": ref_name, "peak_rss_gb": ref_rss},
         "mergekit_sources": MERGEKIT_SOURCES,
     }
-    title = "Merge methods on transformers checkpoints vs the read-once floor"
-    md = "\n".join(header(title, "merge_methods_hf", args.quick, settings)) + "\n"
-    md += (
-        f"| method | base | wall s | x floor | s without jax start-up | peak RSS GB | RSS / {ref_name} "
-        "| mergekit (documented, not run) |\n|---|---|---|---|---|---|---|---|\n"
-    )
-    for name, f in floor_rows.items():
-        md += f"| read-once floor ({name}) | | {f['wall_s']:.2f} | 1.00 | | {f['peak_rss_gb']:.3f} | | |\n"
-    for method, r in results.items():
-        status = "" if r["ok"] else " (FAILED)"
-        uses_base = "yes" if r["base"] else "no"
-        md += (
-            f"| {method}{status} | {uses_base} | {r['wall_s']:.2f} | {r['ratio_to_floor']:.2f} "
-            f"| {r['wall_s_without_jax_startup']:.2f} | {r['peak_rss_gb']:.3f} "
-            f"| {r['rss_ratio_to_reference']:.2f} | {r['mergekit']} |\n"
-        )
-    md += (
-        f"\njax start-up (a child that only imports jax and the package): {start['seconds']:.1f} s, "
-        f"{start['peak_rss_gb']:.3f} GB RSS, included in every merge row. The floor children read with "
-        "safetensors' numpy API and import no jax. mergekit column: from "
-        f"{MERGEKIT_SOURCES['readme']} and {MERGEKIT_SOURCES['code']}.\n"
-    )
+    md = markdown({**payload, "settings": settings})
     save("merge_methods_hf", args.quick, payload, md, settings=settings)
     print(md)
     return payload
+
+
+def markdown(res: Mapping[str, Any]) -> str:
+    """The page of one result file: each method's time and peak RSS against the read-once floor.
+
+    Args:
+        res: the result file as written (``results``: method -> its numbers; ``floor``,
+            ``rss_reference``, ``mergekit_sources``; ``settings`` with jax's start-up).
+
+    Returns:
+        The markdown: a title, the table, jax's start-up, the extremes and the mergekit sources.
+    """
+    st, results, sources = res["settings"], res["results"], res["mergekit_sources"]
+    ref_name = res["rss_reference"]["name"]
+    lines = [
+        "# Merge methods on transformers checkpoints vs the read-once floor",
+        "",
+        f"{st['fine_tunes']} fine-tunes of a GPT-2 of {st['parameters'] / 1e6:.1f}M parameters "
+        f"({st['model_mb']:.1f} MB in {st['dtype']}, written by `save_pretrained` in {st['shard_mb']} MB "
+        "shards), merged by `meta-consensus merge` in a child process; wall time of the whole child "
+        "(start-up, compilation, reads and writes) over the floor of the same inputs (a child that reads "
+        "every tensor once, the base included where the method needs it). Peak RSS: the child's own VmHWM.",
+        "",
+        f"| method | base | wall s | x floor | s without jax start-up | peak RSS GB | RSS / {ref_name} "
+        "| mergekit (documented, not run) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, f in res["floor"].items():
+        lines.append(
+            f"| read-once floor ({name}) | | {f['wall_s']:.2f} | 1.00 | | {f['peak_rss_gb']:.3f} | | |"
+        )
+    for method, r in results.items():
+        status = "" if r["ok"] else " (FAILED)"
+        lines.append(
+            f"| {method}{status} | {'yes' if r['base'] else 'no'} | {r['wall_s']:.2f} "
+            f"| {r['ratio_to_floor']:.2f} "
+            f"| {r['wall_s_without_jax_startup']:.2f} | {r['peak_rss_gb']:.3f} "
+            f"| {r['rss_ratio_to_reference']:.2f} | {r['mergekit']} |"
+        )
+    lines += [
+        "",
+        f"jax start-up (a child that only imports jax and the package): {st['jax_import_seconds']:.1f} s, "
+        f"{st['jax_import_peak_rss_gb']:.3f} GB RSS, included in every merge row. The floor children read "
+        "with safetensors' numpy API and import no jax.",
+    ]
+    ok = {m: r for m, r in results.items() if r["ok"]}
+    if ok:
+        fast = min(ok, key=lambda m: ok[m]["ratio_to_floor"])
+        slow = max(ok, key=lambda m: ok[m]["ratio_to_floor"])
+        big = max(ok, key=lambda m: ok[m]["peak_rss_gb"])
+        lines += [
+            "",
+            f"Fastest against its floor: {fast} ({ok[fast]['ratio_to_floor']:.2f}x); slowest: {slow} "
+            f"({ok[slow]['ratio_to_floor']:.2f}x). Largest peak RSS: {big} ({ok[big]['peak_rss_gb']:.3f} GB, "
+            f"RSS / {ref_name} = {ok[big]['rss_ratio_to_reference']:.2f}).",
+        ]
+    failed = [m for m, r in results.items() if not r["ok"]]
+    if failed:
+        lines += ["", "Failed: " + "; ".join(f"{m}: {results[m].get('error', '')}" for m in failed)]
+    lines += ["", f"mergekit column: from {sources['readme']} and {sources['code']}."]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
