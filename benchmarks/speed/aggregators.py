@@ -363,7 +363,9 @@ def _sweep_summary(rows: list[dict], nodes: list[int]) -> list[str]:
             continue
         lo, hi = mine[0], mine[-1]
         worst = max(mine, key=lambda r: r["eager"])
-        slowest = "" if worst is hi else f"; slowest at n = {worst['n']} ({_num(worst['eager'])}x)"
+        slowest = (
+            "" if worst is hi or worst is lo else f"; slowest at n = {worst['n']} ({_num(worst['eager'])}x)"
+        )
         out.append(
             f"- {name}: {_num(lo['eager'])}x the floor at n = {lo['n']}, {_num(hi['eager'])}x "
             f"at n = {hi['n']}{slowest}."
