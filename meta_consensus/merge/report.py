@@ -19,7 +19,7 @@ REPORT_NAME = "merge_report.json"
 
 
 def _rounded(values: Any) -> list[float]:
-    """Values as floats rounded to 8 decimals (a readable report; float32 weights hold no more)."""
+    """Values as floats rounded to 8 decimals, so the report stays readable."""
     return [round(float(v), 8) for v in np.asarray(values)]
 
 
