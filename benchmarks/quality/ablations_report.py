@@ -155,7 +155,10 @@ def soups(res: Result) -> list[str]:
         m
         for m in st["mixes"]
         if any(
-            math.isfinite(sm["strategies"][f"{m} | alpha={a:g} | clean"]["soup_accuracy_mean"][0])
+            # (runs recorded before the soup measures hold none: no section)
+            math.isfinite(
+                sm["strategies"][f"{m} | alpha={a:g} | clean"].get("soup_accuracy_mean", [math.nan])[0]
+            )
             for a in st["alphas"]
         )
     ]
@@ -351,10 +354,12 @@ def baselines(res: Result) -> list[str]:
             ]
         )
     lines.append(markdown_table(head, rows))
+    # Runs on the splits with a public pool record its warm start; older runs had no public pool.
+    pool = "public pool and the " if "public_warm_start_steps" in st else ""
     lines.append(
         f"Each node alone: Adam on its own shard for {st['rounds']} x {st['local_steps']} steps, the "
         "system's whole budget, from the system's initial model; centralised: the same steps on the "
-        "public pool and the union of the shards with a batch of n x the nodes' batch in each step (the "
+        f"{pool}union of the shards with a batch of n x the nodes' batch in each step (the "
         "honest nodes of the attack setting, or all); 'alone, averaged': the plain average of the "
         "independently trained "
         "nodes' parameters (one merge at the end, no rounds). The system's best node is trained "
