@@ -61,11 +61,14 @@ def header(res: Result) -> list[str]:
             "(the files are rewritten after every seed)."
         )
         lines.append("")
+    # A saved result names its machine; a fresh run renders before saving, on this machine.
+    m = res.get("machine")
+    cores = (m if isinstance(m, Mapping) else harness.machine()).get("cpu_count", "?")
     lines.append(
         f"Every run: {st['nodes']} nodes, {st['rounds']} rounds x {st['local_steps']} local steps, "
         f"{seeds}; 'attack' = the default's attackers (nodes {st['byzantine_nodes']}, "
         f"{st['attack']}); vote {st['vote']}, weights {st['weights']} unless the row says otherwise. "
-        "The machine was shared (2 cores, other jobs running): the seconds are not comparable."
+        f"The machine was shared ({cores} cores, other jobs running): the seconds are not comparable."
     )
     lines.append("")
     return lines
