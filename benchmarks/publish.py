@@ -9,10 +9,14 @@ aside) and writes:
 * ``docs/results/index.md``: every page, by purpose;
 * the blocks of ``README.md`` between ``<!-- publish: NAME ... -->`` and ``<!-- /publish -->``: the
   table of ``make run`` (from ``make_run.json``, re-rendered by ``meta_consensus.report.table``) and
-  the headline results (each read from its JSON, linking to its page).
+  the headline results (each read from its JSON, linking to its page);
+* the blocks of ``docs/results.md`` between ``<!-- publish: finding NAME -->`` and
+  ``<!-- /publish -->``: the measured sentences and tables of the results discussion, each
+  computed by ``benchmarks.findings.FINDINGS[NAME]`` from the result files (an unknown name is an
+  error). The prose around them carries no measured number.
 
 ``python -m benchmarks publish --check`` writes nothing and exits 1, naming the files, when a
-committed page or README block differs from what publish renders (``tests/docs`` runs it).
+committed page, README block or finding block differs from what publish renders (``tests/docs`` runs it).
 ``python -m benchmarks publish --record-run runs/default`` stores a finished ``make run`` as
 ``make_run.json`` (its config, every round's metrics, the machine and the date).
 
@@ -40,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PAGES = ROOT / "docs" / "results"
 README = ROOT / "README.md"
+RESULTS_MD = ROOT / "docs" / "results.md"  # the results discussion, whose numbers are findings
 MAKE_RUN = "make_run"
 
 # Renderers whose signature is not ``markdown(res)``: the benchmark's name -> a call on its JSON.
@@ -166,7 +171,7 @@ def render_page(path: Path, names: Mapping[str, str], all_stems: Sequence[str]) 
     body, title, rendered = None, None, False
     if bench is not None:
         module = importlib.import_module(names[bench])
-        render = ADAPTERS.get(bench) or getattr(module, "markdown", None)
+        render: Callable[..., str] | None = ADAPTERS.get(bench) or getattr(module, "markdown", None)
         if render is not None:
             try:
                 md = ADAPTERS[bench](module, data) if bench in ADAPTERS else render(data)
@@ -361,6 +366,44 @@ def readme(text: str, results: Path = RESULTS) -> str:
     return BLOCK.sub(fill, text)
 
 
+# ----------------------------------------------------------------------------- docs/results.md
+
+# The body may be empty (a new block): the newlines around it belong to the body, not to the markers.
+FINDING_BLOCK = re.compile(
+    r"(<!-- publish: finding (?P<name>[a-z0-9_]+) -->)(?P<body>.*?)(<!-- /publish -->)", re.DOTALL
+)
+
+
+def results_page(text: str, results: Path = RESULTS) -> str:
+    """``text`` (docs/results.md) with every finding block re-rendered from the result files.
+
+    A block's body is the finding on the lines between the two comments (MyST and CommonMark end a
+    paragraph or a table at an HTML comment, which stays a comment).
+
+    Args:
+      text: the page as committed.
+      results: the folder of the result files.
+
+    Returns:
+      The page with each ``<!-- publish: finding NAME -->`` block filled by ``findings.render``.
+
+    Raises:
+      ValueError: a publish block that is not a finding, or a finding name that is not registered.
+    """
+    from benchmarks import findings
+
+    for opening in re.findall(r"<!-- publish:[^>]*-->", text):
+        if not FINDING_BLOCK.match(opening + "<!-- /publish -->"):
+            raise ValueError(
+                f"docs/results.md: only `<!-- publish: finding NAME -->` blocks, got {opening!r}"
+            )
+
+    def fill(m: re.Match[str]) -> str:
+        return m.group(1) + "\n" + findings.render(m.group("name"), results) + "\n" + m.group(4)
+
+    return FINDING_BLOCK.sub(fill, text)
+
+
 # ----------------------------------------------------------------------------- make run's record
 
 
@@ -396,6 +439,7 @@ def render_all(results: Path = RESULTS) -> dict[Path, str]:
     out = {PAGES / f"{p.stem}.md": p.text for p in pages}
     out[PAGES / "index.md"] = index(pages)
     out[README] = readme(README.read_text(encoding="utf-8"), results)
+    out[RESULTS_MD] = results_page(RESULTS_MD.read_text(encoding="utf-8"), results)
     return out
 
 

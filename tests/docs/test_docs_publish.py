@@ -84,3 +84,125 @@ def test_make_run_table_is_the_recorded_run():
     assert rows["plain"][2] == f"{last['fedavg_accuracy']:.3f}"
     for i, acc in enumerate(last["node_accuracy"]):
         assert f"{acc:.3f}" in rows[str(i)], (i, rows[str(i)])
+
+
+# ----------------------------------------------------------------------------- docs/results.md
+
+RESULTS_MD = ROOT / "docs" / "results.md"
+FINDING = re.compile(r"<!-- publish: finding ([a-z0-9_]+) -->\n(.*?)\n<!-- /publish -->", re.DOTALL)
+
+
+def _results_page() -> str:
+    return RESULTS_MD.read_text(encoding="utf-8")
+
+
+def _block(name: str) -> str:
+    return dict(FINDING.findall(_results_page()))[name]
+
+
+@pytest.mark.slow  # the findings import the package's defaults (jax) and read every result file
+def test_results_page_is_what_publish_renders():
+    text = _results_page()
+    assert publish.results_page(text) == text, "run `python -m benchmarks publish`: docs/results.md differs"
+    assert publish.RESULTS_MD in publish.render_all()  # --check and the full publish cover it
+
+
+def test_results_page_has_no_hand_copied_number():
+    # Outside the finding blocks, the code spans and the link targets, the prose carries no decimal
+    # number: a measurement copied by hand cannot come back.
+    prose = FINDING.sub("", _results_page())
+    prose = re.sub(r"`[^`]*`", "", prose)
+    prose = re.sub(r"\]\([^)]*\)", "]", prose)
+    assert not re.findall(r".{0,30}\d\.\d.{0,30}", prose)
+    assert len(FINDING.findall(_results_page())) >= 15
+
+
+def test_results_page_links_exist():
+    links = re.findall(r"\]\((results/[a-z0-9_.]+\.md)\)", _results_page())
+    assert len(links) >= 20
+    for link in links:
+        assert (ROOT / "docs" / link).is_file(), link
+    stems = {p.stem for p in publish.result_files()}
+    for link in links:
+        stem = Path(link).stem
+        assert stem == "index" or stem in stems, f"{link}: no result file behind it"
+
+
+def _json(stem: str) -> dict:
+    return publish.load(publish.RESULTS / f"{stem}.json")
+
+
+def test_robust_preset_finding_is_the_json():
+    # The preset's largest gap to clean FedAvg over the seeds, recomputed from the raw report.
+    d = _json("robust_preset")
+    rep, chosen = d["report"], d["chosen"]
+    gaps, worsts, cleans = [], [], []
+    for seed in map(str, d["seeds"]):
+        clean = rep["mean"][seed]["none"][0]
+        worst = min(v[0] for attack, v in rep[chosen][seed].items() if attack != "none")
+        gaps.append(100 * (clean - worst))
+        worsts.append(worst)
+        cleans.append(clean)
+    row = (
+        f"| {d['settings']['task']}, alpha = 0.3 | {sum(cleans) / len(cleans):.3f} | "
+        f"{sum(worsts) / len(worsts):.3f} | {max(gaps):.1f} |"
+    )
+    assert row in _block("robust_preset")
+
+
+def test_merge_pipeline_finding_is_the_json():
+    # Mixture-NLL weights against the vote alone, recomputed from the runs (not the summary).
+    d = _json("ablations_digits")
+
+    def mean_acc(merge: str) -> float:
+        accs = [
+            r["consensus_accuracy"] for r in d["merge_runs"] if r["merge"] == merge and r["threat"] == "clean"
+        ]
+        assert len(accs) == len(d["settings"]["seeds"]), merge
+        return sum(accs) / len(accs)
+
+    diff = mean_acc("vote + mixture NLL (default)") - mean_acc("vote alone")
+    side = "above" if diff > 0.0005 else "below" if diff < -0.0005 else "level with"
+    assert f"are {abs(100 * diff):.1f} points {side} the vote alone clean" in _block("merge_pipeline_digits")
+
+
+def test_system_finding_is_the_json():
+    # The default's margin over plain FedAvg under attack, from the per-seed values.
+    d = _json("meta_consensus")
+    diffs = []
+    for scenario in d["settings"]["scenarios"]:
+        if scenario == "clean":
+            continue
+        v = d["summary"][scenario]["values"]
+        ours, fedavg = v["without DP"], v["plain FedAvg"]
+        diffs.append(100 * (sum(ours) / len(ours) - sum(fedavg) / len(fedavg)))
+    assert f"the default is {min(diffs):+.1f} to {max(diffs):+.1f} points against plain FedAvg" in _block(
+        "system"
+    )
+
+
+def test_unknown_finding_and_foreign_blocks_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown finding 'no_such_finding'"):
+        publish.results_page("<!-- publish: finding no_such_finding -->\n<!-- /publish -->\n", tmp_path)
+    with pytest.raises(ValueError, match="only `<!-- publish: finding NAME -->` blocks"):
+        publish.results_page("<!-- publish: headlines -->\n<!-- /publish -->\n", tmp_path)
+
+
+def test_empty_blocks_are_filled_in_place(tmp_path):
+    # A new block has no body; filling it must not swallow the prose up to the next block.
+    (tmp_path / "trainers.json").write_text(
+        json.dumps({"tasks": {"digits": {"summary": {"trainer1_over_hand_scan_throughput": 0.5}}}})
+    )
+    (tmp_path / "trainers_dp.json").write_text(
+        json.dumps({"dp": {"MLP": {"dp_over_plain": 3.0, "dp_over_plain_lower_bound": 2.0}}})
+    )
+    empty = "<!-- publish: finding trainers -->\n<!-- /publish -->"
+    text = f"a\n{empty}\nprose\n{empty}\n"
+    out = publish.results_page(text, tmp_path)
+    body = (
+        "One node's throughput over a hand-written scan loop: digits 0.50x. A DP-SGD step over the plain "
+        "step, 8 nodes: MLP: 3.00x (noise alone puts the floor at 2.00x)."
+    )
+    block = f"<!-- publish: finding trainers -->\n{body}\n<!-- /publish -->"
+    assert out == f"a\n{block}\nprose\n{block}\n"
+    assert publish.results_page(out, tmp_path) == out
