@@ -13,19 +13,17 @@ in-process :class:`MetaConsensus` comparison, within 1e-5, is in ``test_flower.p
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from flower_helpers import APP_PYPROJECT, flower_config, free_port
+from flower_helpers import flower_config
+from system_helpers import flower_app, flwr_run, loopback_deployment, partitions
 
 from consensus.io import load_safetensors
 from meta_consensus import config as config_lib
@@ -33,7 +31,6 @@ from meta_consensus.flower import ConsensusStrategy, InProcessGrid, make_client_
 
 pytestmark = pytest.mark.multiprocess
 
-BIN = Path(sys.executable).parent
 HERE = Path(__file__).parent
 NODES = 3
 KILLED = 2
@@ -60,94 +57,33 @@ class _KillAtRound2(InProcessGrid):
         return super().push_messages(messages)
 
 
-def _receipts(log: Path) -> int:
-    return log.read_text(errors="replace").count("Receiving: train message") if log.exists() else 0
-
-
 @pytest.mark.slow
 def test_loopback_deployment_with_a_node_killed_mid_round_equals_the_in_process_run(tmp_path):
     cfg = _config(tmp_path / "runs")
     cfg_file = tmp_path / "config.toml"
     cfg_file.write_text(config_lib.dumps(cfg))
-    app = tmp_path / "app"
-    app.mkdir()
-    (app / "pyproject.toml").write_text(APP_PYPROJECT)
-    home = tmp_path / "flwr_home"
-    home.mkdir()
-    link = free_port()
-    # flwr's own config (FLWR_HOME): the SuperLink connection "local", insecure, on loopback.
-    connection = f'address = "127.0.0.1:{link}"\ninsecure = true\n'
-    (home / "config.toml").write_text(f'[superlink]\ndefault = "local"\n\n[superlink.local]\n{connection}')
-    env = dict(os.environ)
-    env.update(
-        FLWR_HOME=str(home),
-        PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
-        # blobs_task (the config's task) is a module of tests/system.
-        # flower_heartbeat/sitecustomize.py: the SuperNodes' heartbeat at Flower's 10 s minimum, so the
-        # SuperLink declares the killed node lost after 20 s instead of 60 s.
-        PYTHONPATH=os.pathsep.join([str(HERE / "flower_heartbeat"), str(HERE), env.get("PYTHONPATH", "")]),
-        JAX_PLATFORMS="cpu",
-    )
-    procs: list[subprocess.Popen] = []
-
-    def start(args: list[str], log: Path) -> subprocess.Popen:
-        fh = open(log, "w")  # noqa: SIM115 - closed with the process below
-        p = subprocess.Popen(args, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-        p.log = fh
-        procs.append(p)
-        return p
-
-    try:
-        start(
-            [str(BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(link)],
-            tmp_path / "superlink.log",
-        )
-        nodes = []
-        for i in range(NODES):
-            nodes.append(
-                start(
-                    [
-                        str(BIN / "flower-supernode"),
-                        "--insecure",
-                        "--superlink",
-                        f"127.0.0.1:{link}",
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(free_port()),
-                        "--node-config",
-                        f"partition-id={i} num-partitions={NODES}",
-                    ],
-                    tmp_path / f"supernode{i}.log",
-                )
-            )
-        run_config = f"config='{cfg_file}' evaluate=false round-timeout={ROUND_TIMEOUT} wait-for-nodes=120.0"
-        run = start(
-            [str(BIN / "flwr"), "run", str(app), "local", "--stream", "--run-config", run_config],
-            tmp_path / "flwr_run.log",
-        )
-        # Kill node KILLED's SuperNode (and its ClientApp process) once round 2's training reached it.
-        deadline = time.monotonic() + 420
+    # blobs_task (the config's task) is a module of tests/system.
+    # flower_heartbeat/sitecustomize.py: the SuperNodes' heartbeat at Flower's 10 s minimum, so the
+    # SuperLink declares the killed node lost after 20 s instead of 60 s.
+    pythonpath = [HERE / "flower_heartbeat", HERE]
+    with loopback_deployment(
+        tmp_path, flower_app(tmp_path / "app"), partitions(NODES), pythonpath=pythonpath
+    ) as dep:
         killed_at = None
-        while run.poll() is None and time.monotonic() < deadline:
-            if killed_at is None and _receipts(tmp_path / f"supernode{KILLED}.log") >= 2:
-                os.killpg(nodes[KILLED].pid, signal.SIGKILL)
+
+        def kill_at_round_2():
+            # Kill node KILLED's SuperNode (and its ClientApp process) once round 2's training reached it.
+            nonlocal killed_at
+            if killed_at is None and dep.log(f"supernode{KILLED}.log").count("Receiving: train message") >= 2:
+                os.killpg(dep.nodes[KILLED].pid, signal.SIGKILL)
                 killed_at = time.monotonic()
-            time.sleep(0.5)
-        after_kill = None if killed_at is None else time.monotonic() - killed_at
-        assert run.poll() is not None, (
-            "flwr run did not finish in time: " + (tmp_path / "flwr_run.log").read_text()[-3000:]
-        )
-        assert run.returncode == 0, (tmp_path / "flwr_run.log").read_text()[-3000:]
-        assert after_kill is not None, "the SuperNode to kill never received round 2's training"
+
+        run_config = f"config='{cfg_file}' evaluate=false round-timeout={ROUND_TIMEOUT} wait-for-nodes=120.0"
+        flwr_run(dep, run_config, timeout_s=420, poll=kill_at_round_2)
+        assert killed_at is not None, "the SuperNode to kill never received round 2's training"
         # Round 2 went on once the SuperLink stopped listing the killed node: not its timeout.
+        after_kill = time.monotonic() - killed_at
         assert after_kill < ROUND_TIMEOUT / 2, after_kill
-    finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=30)
-            p.log.close()
 
     run_dir = Path(cfg.run_dir)
     history = [json.loads(line) for line in (run_dir / "flower_rounds.jsonl").read_text().splitlines()]

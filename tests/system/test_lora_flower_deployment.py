@@ -12,19 +12,13 @@ strategy and ClientApp run in this process (:class:`InProcessGrid`) bit for bit.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from flower_helpers import APP_PYPROJECT, free_port
+from system_helpers import flower_app, flwr_run, loopback_deployment, partitions
 
 from consensus.io import load_safetensors
 from meta_consensus import config as config_lib
@@ -32,7 +26,6 @@ from meta_consensus.flower import ConsensusStrategy, InProcessGrid, make_client_
 
 pytestmark = pytest.mark.multiprocess
 
-BIN = Path(sys.executable).parent
 HERE = Path(__file__).parent
 PRESET = HERE.parents[1] / "configs" / "lora.toml"
 NODES = 2
@@ -68,61 +61,10 @@ def test_loopback_deployment_carries_the_adapters_only(tmp_path):
     cfg = _config(tmp_path / "runs")
     cfg_file = tmp_path / "config.toml"
     cfg_file.write_text(config_lib.dumps(cfg))
-    app = tmp_path / "app"
-    app.mkdir()
-    (app / "pyproject.toml").write_text(APP_PYPROJECT)
-    home = tmp_path / "flwr_home"
-    home.mkdir()
-    link = free_port()
-    connection = f'address = "127.0.0.1:{link}"\ninsecure = true\n'
-    (home / "config.toml").write_text(f'[superlink]\ndefault = "local"\n\n[superlink.local]\n{connection}')
-    env = dict(os.environ)
-    env.update(FLWR_HOME=str(home), PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", JAX_PLATFORMS="cpu")
-    procs: list[subprocess.Popen] = []
-
-    def start(args: list[str], log: Path) -> subprocess.Popen:
-        fh = open(log, "w")  # noqa: SIM115 - closed with the process below
-        p = subprocess.Popen(args, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-        p.log = fh
-        procs.append(p)
-        return p
-
-    try:
-        start(
-            [str(BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(link)],
-            tmp_path / "superlink.log",
+    with loopback_deployment(tmp_path, flower_app(tmp_path / "app"), partitions(NODES)) as dep:
+        flwr_run(
+            dep, f"config='{cfg_file}' evaluate=false round-timeout=600.0 wait-for-nodes=120.0", timeout_s=900
         )
-        for i in range(NODES):
-            start(
-                [
-                    str(BIN / "flower-supernode"),
-                    "--insecure",
-                    "--superlink",
-                    f"127.0.0.1:{link}",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(free_port()),
-                    "--node-config",
-                    f"partition-id={i} num-partitions={NODES}",
-                ],
-                tmp_path / f"supernode{i}.log",
-            )
-        run_config = f"config='{cfg_file}' evaluate=false round-timeout=600.0 wait-for-nodes=120.0"
-        run = start(
-            [str(BIN / "flwr"), "run", str(app), "local", "--stream", "--run-config", run_config],
-            tmp_path / "flwr_run.log",
-        )
-        deadline = time.monotonic() + 900
-        while run.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert run.poll() == 0, (tmp_path / "flwr_run.log").read_text()[-3000:]
-    finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=30)
-            p.log.close()
 
     run_dir = Path(cfg.run_dir)
     history = [json.loads(line) for line in (run_dir / "flower_rounds.jsonl").read_text().splitlines()]
