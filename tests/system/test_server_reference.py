@@ -92,8 +92,8 @@ def test_fltrust_run_root_set_disjoint_from_node_data_and_the_rule_applied(tmp_p
     # The sign-flipping node sends -4 times the honest nodes' mean update, so its trust is
     # ReLU(-cos(honest mean, g)): zero exactly when the honest mean agrees with the server's
     # root-set update. At alpha = 0.3 that is luck: at this seed node 0's shard points away from
-    # the server's (cos -0.28 in both rounds) and the mean's cosine in round 2 is 0.062 with
-    # the old split, -0.033 with the public pool. At alpha = 1 it is 0.71 and 0.42.
+    # the server's (cos -0.28 in both rounds) and the mean's cosine in round 2 is -0.033 (0.062
+    # with task.public_fraction = 0). At alpha = 1 it is 0.71 and 0.42.
     cfg = tiny(tmp_path, "task.alpha=1.0")
     co = Coordinator(cfg)
     data = co.fleet.data
