@@ -28,7 +28,7 @@ PACKAGES = ("consensus", "strategies", "meta_consensus")
 SUBMODULES = {
     "consensus": ("consensus.io", "consensus.lora"),
     "strategies": ("strategies.tasks",),
-    "meta_consensus": ("meta_consensus.flower",),
+    "meta_consensus": ("meta_consensus.flower", "meta_consensus.merge"),
 }
 
 
