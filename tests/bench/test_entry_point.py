@@ -26,10 +26,10 @@ def test_every_module_with_a_main_is_listed_once_and_nothing_is_left_at_the_top(
     assert set(found) == with_main
     assert {"aggregators", "ablations", "robust_preset", "accelerator"} <= set(found)
     assert all(b.summary and not b.summary.startswith('"') for b in found.values())
-    # Only the tooling lives at the top (harness, entry point, publish): every benchmark is in a
-    # purpose package.
+    # Only the tooling lives at the top (harness, entry point, publish and the findings it renders):
+    # every benchmark is in a purpose package.
     top = {p.name for p in (ROOT / "benchmarks").glob("*.py")}
-    assert top == {"__init__.py", "__main__.py", "harness.py", "publish.py"}
+    assert top == {"__init__.py", "__main__.py", "harness.py", "publish.py", "findings.py"}
 
 
 def test_listing_and_names_from_the_command_line():
