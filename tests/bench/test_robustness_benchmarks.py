@@ -314,7 +314,7 @@ def test_meta_summary_pairs_methods_with_their_runs():
     by = {(r["variant"], r["seed"]): r for r in runs}
     assert s["values"]["full pipeline"] == [by[("full", i)]["consensus"] for i in (0, 1, 2)]
     assert s["values"]["without DP"] == [by[("no_dp", i)]["consensus"] for i in (0, 1, 2)]
-    assert s["values"]["best single node"] == [by[("full", i)]["best_node"] for i in (0, 1, 2)]
+    assert s["values"]["best single node"] == [by[("no_dp", i)]["best_node"] for i in (0, 1, 2)]
     assert s["mean_std"]["plain FedAvg"][0] == pytest.approx(0.6)
     assert "DP at epsilon = 8" not in s["values"]  # that variant did not run
     assert s["fedavg_same_in_every_variant"] and s["epsilon"] == {"full": 1.0, "no_dp": math.inf}
