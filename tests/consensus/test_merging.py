@@ -649,7 +649,7 @@ def test_jit_equals_eager(name):
         )
 
 
-SHARDED_SLOW = {"fisher_merge", "nnm+ties", "ties_count", "karcher_mean"}
+SHARDED_SLOW = {"fisher_merge", "nnm+ties", "ties_count", "ties_sum", "karcher_mean"}
 
 
 @pytest.mark.parametrize("name", _marked_slow(PROPERTY, SHARDED_SLOW))

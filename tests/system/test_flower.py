@@ -336,6 +336,7 @@ class _Timed(ConsensusStrategy):
         return super().aggregate_train(server_round, replies)
 
 
+@pytest.mark.slow  # two rounds with a node process killed mid-upload (about 11 s)
 def test_a_node_that_dies_while_uploading_costs_its_own_answer_not_the_rounds_timeout(tmp_path, caplog):
     cfg = flower_config(tmp_path, "rounds=1", "vote.rule=median", "weights.objective=uniform")
     strategy = _Timed(cfg, evaluate=False, wait_for_nodes_s=0.0, poll_s=0.1)

@@ -188,6 +188,7 @@ def test_a_start_that_fails_before_its_first_checkpoint_removes_what_it_created(
     assert _snapshot(tmp_path) == before
 
 
+@pytest.mark.slow  # a whole run that fails after its first round (about 6 s)
 def test_a_run_without_checkpoints_that_fails_after_a_round_keeps_what_it_logged(tmp_path, monkeypatch):
     from meta_consensus import MetaConsensus
     from meta_consensus.coordinator import Coordinator
