@@ -220,7 +220,7 @@ TABLE: dict[str, tuple[Case, ...]] = {
             translation=True,
             sharded=True,
             without_params=_zero_centre,
-            slow=frozenset({"without_params"}),
+            slow=frozenset({"sharded", "without_params"}),
         ),
     ),
     "bulyan": (
@@ -289,7 +289,7 @@ TABLE: dict[str, tuple[Case, ...]] = {
             translation=True,
             sharded=True,
             without_params=_zero_centre,
-            slow=frozenset({"without_params"}),
+            slow=frozenset({"sharded", "without_params"}),
         ),
         Case(
             "nnm+trimmed_mean",
@@ -314,6 +314,7 @@ TABLE: dict[str, tuple[Case, ...]] = {
             translation=True,
             sharded=True,
             without_params=_zero_centre,
+            slow=frozenset({"sharded"}),
         ),
     ),
     # Server-guided and adaptive rules.
@@ -324,6 +325,7 @@ TABLE: dict[str, tuple[Case, ...]] = {
             reference=lambda X, v, c, g: rref.fltrust(X, c, g, v),
             robust="server",
             attacks=(OUTLIERS,),
+            slow=frozenset({"jit"}),
         ),
     ),
     "server_monna": (
@@ -375,7 +377,12 @@ TABLE: dict[str, tuple[Case, ...]] = {
     ),
     "caf": (
         Case(
-            "caf", "caf", reference=_ref(lambda X, v: rref.caf(X, F, v)), robust="ball", attacks=(OUTLIERS,)
+            "caf",
+            "caf",
+            reference=_ref(lambda X, v: rref.caf(X, F, v)),
+            robust="ball",
+            attacks=(OUTLIERS,),
+            slow=frozenset({"jit"}),
         ),
     ),
     "smea": (
@@ -385,6 +392,7 @@ TABLE: dict[str, tuple[Case, ...]] = {
             reference=_ref(lambda X, v: rref.smea(X, F, v)[0]),
             robust="ball",
             attacks=(OUTLIERS,),
+            slow=frozenset({"jit"}),
         ),
     ),
     "meamed": (
@@ -416,12 +424,12 @@ TABLE: dict[str, tuple[Case, ...]] = {
     # Merge methods over task vectors (their float64 references are in test_merging.py).
     "task_arithmetic": (Case("task_arithmetic", "task_arithmetic"),),
     "ties": (Case("ties", "ties", slow=frozenset({"jit", "non_finite", "permutation", "base"})),),
-    "dare": (Case("dare", "dare"),),
+    "dare": (Case("dare", "dare", slow=frozenset({"jit"})),),
     "linear": (Case("linear", "linear", translation=True),),
     "dare_linear": (Case("dare_linear", "dare_linear", slow=frozenset({"jit"})),),
     "dare_ties": (Case("dare_ties", "dare_ties", slow=frozenset({"jit", "non_finite", "permutation"})),),
     "model_stock": (Case("model_stock", "model_stock", slow=frozenset({"jit"})),),
-    "slerp": (Case("slerp", "slerp", nodes=2),),
+    "slerp": (Case("slerp", "slerp", nodes=2, slow=frozenset({"jit"})),),
     "karcher_mean": (
         Case(
             "karcher_mean",
@@ -430,8 +438,8 @@ TABLE: dict[str, tuple[Case, ...]] = {
             scalar_leaf=False,
         ),
     ),
-    "fisher_merge": (Case("fisher_merge", "fisher_merge"),),
-    "regmean": (Case("regmean", "regmean"),),
+    "fisher_merge": (Case("fisher_merge", "fisher_merge", slow=frozenset({"jit"})),),
+    "regmean": (Case("regmean", "regmean", slow=frozenset({"jit"})),),
 }
 CASES = [case for cases in TABLE.values() for case in cases]
 assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"

@@ -35,7 +35,12 @@ def _cases():
     for impl in IMPLS:
         for n in SIZES:
             for attacked in (False, True):
-                yield pytest.param(impl, n, attacked, id=f"{impl}-n{n}-{'ties' if attacked else 'clean'}")
+                # The network formulation at 150 rows runs exact selection, which
+                # test_large_n_selection covers fast at 65 rows: this size joins the full suite.
+                marks = [pytest.mark.slow] if (impl == "network" and n == 150) else []
+                yield pytest.param(
+                    impl, n, attacked, id=f"{impl}-n{n}-{'ties' if attacked else 'clean'}", marks=marks
+                )
 
 
 @pytest.mark.parametrize("impl,n,attacked", list(_cases()))

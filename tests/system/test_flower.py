@@ -360,6 +360,7 @@ def test_a_node_that_dies_while_uploading_costs_its_own_answer_not_the_rounds_ti
     assert "round 1: 4 of 5 valid answers; partition 3: no reply: node went offline" in caplog.text
 
 
+@pytest.mark.slow  # replies from real ClientApp failures through the in-process grid (about 7 s)
 def test_error_replies_are_filed_under_the_partition_with_flowers_reason(tmp_path):
     # Partition 2's ClientApp raises from round 1 on: it never answers a round, yet it is filed
     # under its partition (the strategy asked it which partition it serves). Partition 4 gets the

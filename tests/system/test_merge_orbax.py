@@ -142,7 +142,7 @@ def test_tree_reader_keys_dtypes_and_values_are_the_safetensors_ones(tmp_path):
     [
         (["--method", "median"], consensus.median(), 0),
         (["--method", "trimmed_mean", "-f", "1"], consensus.trimmed_mean(1), 1e-6),
-        (["--method", "krum", "-f", "1"], consensus.krum(1), 1e-6),
+        pytest.param(["--method", "krum", "-f", "1"], consensus.krum(1), 1e-6, marks=pytest.mark.slow),
     ],
     ids=["median", "trimmed_mean", "krum"],
 )

@@ -349,6 +349,7 @@ def test_a_missing_or_raising_plugin_is_one_line_and_exit_2(workdir, capsys, com
     assert not (workdir / "runs").exists() and not (workdir / "o").exists()
 
 
+@pytest.mark.slow  # trains nodes with and without the plug-in's data attack (about 3 s)
 def test_a_plugin_data_attack_poisons_what_the_byzantine_nodes_train_on(workdir):
     from meta_consensus.fleet import Fleet
 
