@@ -1,6 +1,6 @@
 # Two commands that work on a fresh machine with Python 3.11+:
 #   make run   - the main job on its embedded default (meta-consensus run: digits, 8 nodes, ~1 min)
-#   make test  - ruff (check, format), the import contract, mypy and the whole pytest suite on 2 xdist workers (about 13 min of pytest, 15 min with the venv and CI's extras, fresh clone on a 2-core machine)
+#   make test  - ruff (check, format), the import contract, mypy and the whole pytest suite on 2 xdist workers (13-14 min of pytest, 15-17 min with the venv and CI's extras, fresh clone on a 2-core machine)
 #   make test-fast - the same without the slow, multiprocess and notebook tests (under 3 min of pytest on 2 cores)
 #   make docs  - the documentation site in docs/_build/html: warnings are errors, internal links checked (about 1.5 min fresh on 2 cores, seconds when little changed)
 PYTHON ?= python3
