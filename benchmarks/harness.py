@@ -133,6 +133,15 @@ def ratio(seconds: float, floor_seconds: float) -> float:
     return float(seconds) / float(floor_seconds)
 
 
+def load_line(res: Mapping[str, Any]) -> str:
+    """How shared the machine was when the run was saved (empty when the result does not say)."""
+    load, m = res.get("load_average"), res.get("machine")
+    if not load:
+        return ""
+    cpus = f" on {m['cpu_count']} CPUs" if isinstance(m, Mapping) and "cpu_count" in m else ""
+    return f"Load average (1, 5, 15 min) at the end of the run: {', '.join(f'{x:g}' for x in load)}{cpus}."
+
+
 def load_average() -> list[float]:
     """The 1/5/15-minute load averages (how shared the machine was), rounded."""
     return [round(x, 2) for x in os.getloadavg()]

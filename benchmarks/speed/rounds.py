@@ -188,15 +188,6 @@ def cross_device(quick: bool) -> None:
     print(md)
 
 
-def _load_line(res: Mapping[str, Any]) -> str:
-    """How shared the machine was when the run was saved (empty when the result does not say)."""
-    load, m = res.get("load_average"), res.get("machine")
-    if not load:
-        return ""
-    cpus = f" on {m['cpu_count']} CPUs" if isinstance(m, Mapping) and "cpu_count" in m else ""
-    return f"Load average (1, 5, 15 min) at the end of the run: {', '.join(f'{x:g}' for x in load)}{cpus}."
-
-
 def _merge_and_m(key: str) -> tuple[str, int]:
     """``"multi_krum, m = 100"`` -> ``("multi_krum", 100)`` (the cross-device results' keys)."""
     merge, m = key.rsplit(", m = ", 1)
@@ -246,7 +237,7 @@ def markdown(res: Mapping[str, Any]) -> str:
                 "yes" if r["coordinator_share"] <= r["target_share"] else "**no**",
             ]
         rows.append(row)
-    load = _load_line(res)
+    load = harness.load_line(res)
     lines = harness.header("Where a round's time goes", "rounds", quick, st)
     lines += [
         f"Mean of {rounds} rounds after {warmup} warm-up rounds; milliseconds per round. The",
@@ -294,7 +285,7 @@ def _markdown_cross_device(res: Mapping[str, Any]) -> str:
         )
     chunks = [c for c in (_chunk(r["overrides"]) for r in results.values()) if c is not None]
     n = st.get("N")
-    load = _load_line(res)
+    load = harness.load_line(res)
     lines = harness.header("Where a round's time goes: cross-device client sampling", "rounds", quick, st)
     lines += [
         (f"N = {n} digits clients" if n is not None else "Digits clients")

@@ -266,15 +266,6 @@ def run_dp(quick: bool, text: bool) -> dict[str, Any]:
     return rows
 
 
-def _load_line(res: Mapping[str, Any]) -> str:
-    """How shared the machine was when the run was saved (empty when the result does not say)."""
-    load, m = res.get("load_average"), res.get("machine")
-    if not load:
-        return ""
-    cpus = f" on {m['cpu_count']} CPUs" if isinstance(m, Mapping) and "cpu_count" in m else ""
-    return f"Load average (1, 5, 15 min) at the end of the run: {', '.join(f'{x:g}' for x in load)}{cpus}."
-
-
 def _dp_markdown(dp: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """The DP-SGD section: one row per task; the noise-alone columns where the run timed them."""
     noise = all("noise_ms_per_step" in r for r in dp.values())
@@ -343,7 +334,7 @@ def markdown(res: Mapping[str, Any]) -> str:
     """
     st = res.get("settings", {})
     quick = bool(st.get("quick", res.get("quick", False)))
-    load = _load_line(res)
+    load = harness.load_line(res)
     if "tasks" not in res:
         lines = harness.header("DP-SGD throughput", "trainers", quick, st)
         if load:
