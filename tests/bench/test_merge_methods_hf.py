@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
@@ -11,8 +12,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/ beside tests/
 
-pytest.importorskip("transformers")
-pytest.importorskip("torch")
+# Looked up, not imported: importing transformers and torch at collection costs every worker seconds,
+# even when this slow test is deselected.
+if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None:
+    pytest.skip("transformers and torch are not installed", allow_module_level=True)
 
 
 @pytest.mark.slow

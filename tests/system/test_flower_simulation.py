@@ -17,6 +17,7 @@ Flower's ``context.state``, and the rest is the same computation. Every process 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -39,9 +40,13 @@ from meta_consensus.flower import ConsensusStrategy, InProcessGrid, make_client_
 
 # Flower's simulation engine is its own extra (Ray is heavy); .ci/run installs it, `make test` on a
 # venv with the dev extra alone skips this file.
-pytest.importorskip(
-    "ray", reason='Flower\'s simulation engine is not installed: pip install -e ".[flower-simulation]"'
-)
+# Looked up, not imported: importing Ray at collection costs every worker seconds, even when this
+# file's tests are deselected.
+if importlib.util.find_spec("ray") is None:
+    pytest.skip(
+        'Flower\'s simulation engine is not installed: pip install -e ".[flower-simulation]"',
+        allow_module_level=True,
+    )
 
 pytestmark = pytest.mark.multiprocess
 
