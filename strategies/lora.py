@@ -1,7 +1,9 @@
 """LoRA on the node side: train low-rank adapters of chosen kernels on a frozen base.
 
 A *target* is a kernel ``W`` of the model's params tree, named by its '/'-joined path
-(``block_0/attn/query``); an n-D kernel is viewed as ``(shape[0], prod(shape[1:]))``, the
+(``block_0/attn/query``) and selected by a regular expression over it or, as PEFT names
+modules, by a bare module name that is one of its components (``q_proj`` selects
+``model/layers/0/self_attn/q_proj/kernel``); an n-D kernel is viewed as ``(shape[0], prod(shape[1:]))``, the
 layout agreed with :mod:`consensus.lora`. Its adapter is ``a (in, r)``, ``b (r, out)`` and the
 model the node trains is the base with every target replaced by
 
@@ -104,30 +106,60 @@ def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
     return int(shape[0]), int(math.prod(shape[1:]))
 
 
+#: A PEFT-style target: a module name (``q_proj``) or dotted module path (``self_attn.q_proj``).
+_BARE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
+
+
+def target_matcher(pattern: str) -> Any:
+    """``path -> bool`` of one target: a PEFT module name, or a regular expression.
+
+    A bare name (``q_proj``, or dotted ``self_attn.q_proj``) matches the kernels with that run
+    of path components (``model/layers/0/self_attn/q_proj/kernel``), as PEFT's
+    ``target_modules`` match module names; anything else is a regular expression searched in
+    the '/'-joined path (``attn/(query|key)$``).
+
+    Args:
+      pattern: the target.
+
+    Returns:
+      The predicate.
+
+    Raises:
+      LoraError: a pattern that is neither a name nor a regular expression.
+    """
+    if _BARE_NAME.fullmatch(pattern):
+        run = "/" + pattern.replace(".", "/") + "/"
+        return lambda path: run in "/" + path + "/"
+    try:
+        rx = re.compile(pattern)
+    except re.error as e:
+        raise LoraError(f"target {pattern!r} is not a regular expression: {e}") from None
+    return lambda path: rx.search(path) is not None
+
+
 def select_targets(params: PyTree, patterns: Sequence[str]) -> dict[str, tuple[int, ...]]:
-    """The kernels whose path matches one of ``patterns`` (``re.search``): ``{path: shape}``.
+    """The kernels one of ``patterns`` selects (:func:`target_matcher`): ``{path: shape}``.
 
     Args:
       params: the model's parameters.
-      patterns: regular expressions over '/'-joined paths.
+      patterns: PEFT module names (``q_proj``) or regular expressions over '/'-joined paths.
 
     Returns:
       The matched kernels' shapes by path, sorted.
 
     Raises:
-      LoraError: a pattern that is not a regular expression, or matches no kernel (the message
-        names it and lists some valid paths).
+      LoraError: a pattern that is not a name or a regular expression, or matches no kernel
+        (the message names it and lists some valid paths).
     """
     if isinstance(patterns, str) or not patterns:
-        raise LoraError(f"targets must be a non-empty list of regular expressions, got {patterns!r}")
+        raise LoraError(
+            f"targets must be a non-empty list of module names or regular expressions, got {patterns!r}"
+        )
     kernels = kernel_paths(params)
     out: dict[str, tuple[int, ...]] = {}
     for pattern in patterns:
-        try:
-            rx = re.compile(pattern)
-        except re.error as e:
-            raise LoraError(f"target {pattern!r} is not a regular expression: {e}") from None
-        hit = {p: s for p, s in kernels.items() if rx.search(p)}
+        matches = target_matcher(pattern)
+        hit = {p: s for p, s in kernels.items() if matches(p)}
         if not hit:
             some = ", ".join(list(kernels)[:8])
             raise LoraError(
@@ -263,7 +295,8 @@ class LoraSettings:
     Attributes:
       rank: r, the adapters' rank.
       alpha: the scale is ``alpha / rank``.
-      targets: regular expressions over '/'-joined parameter paths (``re.search``).
+      targets: PEFT module names (``q_proj``: a run of path components) or regular expressions
+        over '/'-joined parameter paths (``re.search``); see :func:`target_matcher`.
       dropout: dropout rate on the adapter's input path (0: off).
       freeze_a: FFA-LoRA: ``a`` is shared and frozen, the nodes train ``b`` only.
       pretrain_steps: a run's coordinator first trains the base for this many Adam steps on the

@@ -15,7 +15,9 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
-# The task modules declare their tasks on import; fashion_mnist is not imported by strategies.tasks.
+# The task modules declare their tasks on import; fashion_mnist and causal_lm are not imported by
+# strategies.tasks (causal_lm loads its model and tokenizer only when a task is built).
+import strategies.tasks.causal_lm  # noqa: F401
 import strategies.tasks.fashion_mnist  # noqa: F401
 from consensus.plugins import make_cwd_importable
 from consensus.specs import Registry, RegistryError, Spec
