@@ -1,14 +1,15 @@
 # Two commands that work on a fresh machine with Python 3.11+:
 #   make run   - the main job on its embedded default (meta-consensus run: digits, 8 nodes, ~1 min)
-#   make test  - ruff (check, format), the import contract, mypy and the whole pytest suite on 2 xdist workers (13-14 min of pytest, 15-17 min with the venv and CI's extras, fresh clone on a 2-core machine)
-#   make test-fast - the same without the slow, multiprocess and notebook tests (under 3 min of pytest on 2 cores)
+#   make test  - ruff (check, format), the import contract, mypy and every pytest test but the slow tier, on 2 xdist workers
+#   make test-slow - the slow tier: whole training runs, full benchmark settings, real pretrained models (CI runs it after make test)
+#   make test-fast - make test without the multiprocess and notebook tests (under 3 min of pytest on 2 cores)
 #   make docs  - the documentation site in docs/_build/html: warnings are errors, internal links checked (about 1.5 min fresh on 2 cores, seconds when little changed)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test test-fast lint bench bench-quick clean data docs docs-screenshots
+.PHONY: run test test-slow test-fast lint bench bench-quick clean data docs docs-screenshots
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "meta-consensus needs Python 3.11 or newer")'
@@ -39,7 +40,12 @@ test: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow"
+
+# The slow tier (marker in pyproject.toml): .ci/run runs it after make test, with the pretrained
+# model the real-model tests need fetched first (meta-consensus models fetch smollm2).
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m slow
 
 # The markers are declared in pyproject.toml ([tool.pytest.ini_options]).
 test-fast: $(STAMP)
