@@ -127,6 +127,12 @@ class RoundInfo:
       trainable_params: scalars a node trains (the adapter in a LoRA run).
       model_params: scalars of the whole model.
       adapter: LoRA runs: the adapter merge's method, exactness and ranks (consensus.lora's info).
+      node_metrics: per node, its candidate's test metrics beyond loss and accuracy, by name (a
+        language task's ``perplexity`` and per-domain ``perplexity/<domain>``, ...); empty when
+        the task has none or the round did not evaluate.
+      consensus_metrics: the same for the new consensus.
+      base_metrics: a pretrained task's base model (the run's initial consensus) on the test set,
+        every metric, logged with the first round; empty otherwise.
     """
 
     round: int
@@ -160,6 +166,9 @@ class RoundInfo:
     trainable_params: int = 0
     model_params: int = 0
     adapter: dict[str, Any] = dataclasses.field(default_factory=dict)
+    node_metrics: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    consensus_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    base_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The info as a JSON-safe dict (non-finite floats as the strings "nan", "inf", "-inf")."""
@@ -208,6 +217,10 @@ def _bools(x: Any) -> list[bool]:
     return [bool(v) for v in np.asarray(x).reshape(-1)]
 
 
+# The metrics RoundInfo has fields of its own; the others go to its *_metrics dicts.
+_OWN_METRICS = ("loss", "accuracy")
+
+
 class Coordinator:
     """The round lifecycle of a config (see the module docstring).
 
@@ -237,6 +250,8 @@ class Coordinator:
         self.dp = cfg.dp.enabled and self.example is None  # node-level DP (the ledger)
         # LoRA runs: the adapter merge replaces the vote, the weights and node-level DP.
         self._baseline_frozen: PyTree | None = None  # the FedAvg baseline's frozen part (LoRA)
+        # A pretrained task's base model on the test set, evaluated once (the first round logs it).
+        self._base_metrics: dict[str, float] | None = None
 
     def _server_reference(self, process_count: int) -> ServerReference | None:
         """Server-guided rules: split the root set off the held-out data (before anything reads it)."""
@@ -446,6 +461,8 @@ class Coordinator:
 
         info = self._info(state, attempt, n, out, valid, errors, node_test, secs)
         self._wire_info(info, state)
+        if state.round == 0 and getattr(self.fleet.task, "pretrained", False):
+            info.base_metrics = self.base_metrics(state)
         if self.example is not None:
             self._example_epsilons(info, self.example_steps(state), pld=False)
         why = too_few_answers(self.cfg, valid, asked)
@@ -544,6 +561,7 @@ class Coordinator:
             ev = self._evaluate_consensus(merged, fedavg, frozen)
             info.consensus_accuracy, info.consensus_loss = ev["test"]["accuracy"], ev["test"]["loss"]
             info.heldout_accuracy = ev["heldout"]["accuracy"]
+            info.consensus_metrics = {k: v for k, v in ev["test"].items() if k not in _OWN_METRICS}
             if fedavg is not None:
                 info.fedavg_accuracy = ev["fedavg"]["accuracy"]
             secs["evaluate"] = time.perf_counter() - t
@@ -555,6 +573,22 @@ class Coordinator:
             due = self.second_accountant_due(state.round)
             self._example_epsilons(info, self.example_steps(new_state), pld=due)
         return new_state, info
+
+    def base_metrics(self, state: CoordinatorState) -> dict[str, float]:
+        """The test metrics of the run's base model: the initial consensus (LoRA: ``b = 0``).
+
+        Evaluated once per coordinator (a retried or resumed first round reuses or recomputes
+        the same numbers).
+
+        Args:
+          state: a state of the first round (its consensus and frozen part are the base).
+
+        Returns:
+          Every metric of the task on the test set.
+        """
+        if self._base_metrics is None:
+            self._base_metrics = self._evaluate_consensus(state.consensus, None, state.frozen)["test"]
+        return dict(self._base_metrics)
 
     def second_accountant_due(self, round_index: int) -> bool:
         """Whether round ``round_index`` (0-based) logs the comparison accountant's epsilon.
@@ -646,6 +680,11 @@ class Coordinator:
             solve_ms=0.0,
             weight_cap=nan,
             seconds=secs,
+            node_metrics=(
+                {k: _floats(v) for k, v in node_test.items() if k not in _OWN_METRICS}
+                if node_test is not None
+                else {}
+            ),
         )
 
     def _merge_info(

@@ -149,6 +149,13 @@ def wrap_task(cfg: Config, task: Any) -> LoraTask:
     """
     settings = cfg.nodes.lora
     assert settings is not None
+    if getattr(task, "pretrained", False) and settings.pretrain_steps > 0:
+        # Pretraining on the public pool exists for a randomly initialized base; a checkpoint's
+        # weights would be trained away from it with the coordinator's own settings.
+        raise ConfigError(
+            f"nodes.lora.pretrain_steps = {settings.pretrain_steps}: the task "
+            f"{getattr(task, 'name', 'task')!r} starts from a pretrained model; use 0"
+        )
     abstract = jax.eval_shape(task.init, jax.random.key(0))
     try:
         return LoraTask(task, settings, abstract, jax.random.key(cfg.seed))
@@ -361,6 +368,34 @@ def attach(fleet: Any) -> LoraRound:
     fleet._metrics = lambda params, batch: metrics(params, batch, run.frozen)
     fleet.initial_params = base_task.init
     return run
+
+
+def describe(run: LoraRound) -> dict[str, Any]:
+    """A LoRA run's settings and targets as an export needs them (JSON-safe).
+
+    Args:
+      run: the run's LoRA round.
+
+    Returns:
+      ``rank``, ``alpha``, ``scale``, ``dropout``, ``freeze_a``, ``targets`` (as configured),
+      ``target_paths`` (every adapted kernel's '/'-joined path and shape) and
+      ``target_modules`` (the module names of those kernels, PEFT's ``target_modules``), and the
+      ``adapter_method``.
+    """
+    s = run.task.settings
+    paths = run.task.targets
+    modules = sorted({p.split("/")[-2] if p.endswith("/kernel") else p.split("/")[-1] for p in paths})
+    return {
+        "rank": s.rank,
+        "alpha": s.alpha,
+        "scale": s.scale,
+        "dropout": s.dropout,
+        "freeze_a": s.freeze_a,
+        "targets": list(s.targets),
+        "target_paths": {p: list(shape) for p, shape in paths.items()},
+        "target_modules": modules,
+        "adapter_method": run.cfg.vote.adapter_method,
+    }
 
 
 def base_digest(frozen: Mapping[str, Any]) -> str:

@@ -8,7 +8,10 @@ data is the coordinator's own, never node data.
 Adding an objective is one function ``build(weights_cfg, task, heldout) -> Weigher``
 declared with ``@OBJECTIVES.declare("name")`` (the docstring's first line is its
 summary); ``traits={"classification": True}`` says it needs per-class logits, which
-the pipeline checks against the task's ``kind``. A user's module declares one the same
+the pipeline checks against the task's ``kind``. ``mixture_nll`` reads the probability of
+every held-out target; a task with a large output (the causal LM's vocabulary) provides
+``target_probs(params, batch)``, computed in chunks, and the nodes are then evaluated one
+after the other. A user's module declares one the same
 way and names itself as a plug-in (:mod:`consensus.plugins`).
 """
 
@@ -119,6 +122,17 @@ def _quadratic(cfg, task, heldout) -> Weigher:
 
 @functools.lru_cache(maxsize=16)
 def _true_label_probs(task: Task):
+    target_probs = getattr(task, "target_probs", None)
+    if callable(target_probs):
+        # A task with a large output (a language model's vocabulary times its tokens) gives the
+        # probabilities itself, in chunks of rows, and the nodes go one after the other: the
+        # logits of every node on the whole held-out set never exist at once.
+        @jax.jit
+        def chunked(stacked, batch):
+            return jax.lax.map(lambda p: target_probs(p, batch), stacked)
+
+        return chunked
+
     @jax.jit
     def probs(stacked, batch):
         def one(p):

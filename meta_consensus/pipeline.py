@@ -138,8 +138,10 @@ class MergePipeline:
         self.heldout = heldout if k is None else {name: v[:k] for name, v in heldout.items()}
         spec = OBJECTIVES[cfg.weights.objective]
         if needs_classification(spec) and getattr(task, "kind", "classification") != "classification":
+            usable = [name for name in OBJECTIVES.names() if not needs_classification(OBJECTIVES[name])]
             raise ConfigError(
-                f"weights.objective = {spec.name!r} needs a classification task, not {cfg.task.name!r}"
+                f"weights.objective = {spec.name!r} needs a classification task, not {cfg.task.name!r}; "
+                f"objectives for it: {usable}"
             )
         self._weigher = spec.factory(cfg.weights, task, self.heldout)
         self.noise_multiplier = noise_multiplier

@@ -61,17 +61,29 @@ def table(cfg: Config, history: Sequence[RoundInfo], seconds: float | None = Non
         return "\n".join(lines)
     weights = np.array([h.weights for h in history if h.ok], np.float64)
     accepted = np.array([h.accepted for h in history if h.ok], bool)
-    w = f"{'node':>6}  {'strategy':<34}{'test acc':>9}{'accepted':>10}{'mean weight':>13}"
+    # A language task's perplexity goes beside the accuracy (the base model's too, when pretrained).
+    ppl = "perplexity" in last.consensus_metrics
+    base = next((h.base_metrics for h in history if h.base_metrics), {})
+    w = f"{'node':>6}  {'strategy':<34}{'test acc':>9}" + (f"{'test ppl':>10}" if ppl else "")
+    w += f"{'accepted':>10}{'mean weight':>13}"
     lines += [w, "-" * len(w)]
     for i, role in enumerate(roles(cfg)):
+        node_ppl = f"{_at(last.node_metrics.get('perplexity'), i):>10.3f}" if ppl else ""
         lines.append(
-            f"{i:>6}  {role:<34}{last.node_accuracy[i]:>9.3f}{accepted[:, i].mean():>10.0%}"
+            f"{i:>6}  {role:<34}{last.node_accuracy[i]:>9.3f}{node_ppl}{accepted[:, i].mean():>10.0%}"
             f"{weights[:, i].mean():>13.3f}"
         )
     lines.append("-" * len(w))
+    if base and ppl:
+        lines.append(
+            f"{'':>6}  {'base model (before round 1)':<34}{base.get('accuracy', math.nan):>9.3f}"
+            f"{base.get('perplexity', math.nan):>10.3f}"
+        )
     if not math.isnan(last.fedavg_accuracy):
         lines.append(f"{'':>6}  {'plain FedAvg':<34}{last.fedavg_accuracy:>9.3f}")
-    lines.append(f"{'':>6}  {'meta-consensus':<34}{last.consensus_accuracy:>9.3f}")
+    consensus_ppl = f"{last.consensus_metrics['perplexity']:>10.3f}" if ppl else ""
+    lines.append(f"{'':>6}  {'meta-consensus':<34}{last.consensus_accuracy:>9.3f}{consensus_ppl}")
+    lines += _per_domain(cfg, last, base)
     if cfg.dp.enabled and cfg.dp.level == "example":
         # The same numbers as privacy.json and metrics.jsonl (the last round's node epsilons).
         lines.append(
@@ -100,6 +112,32 @@ def table(cfg: Config, history: Sequence[RoundInfo], seconds: float | None = Non
     for h in fails[-3:]:
         lines.append(f"round {h.round + 1} (attempt {h.attempt}) failed: {h.reason}")
     return "\n".join(lines)
+
+
+def _at(values: Sequence[float] | None, i: int) -> float:
+    return float(values[i]) if values is not None and i < len(values) else math.nan
+
+
+def _per_domain(cfg: Config, last: RoundInfo, base: dict[str, float]) -> list[str]:
+    """The test perplexity per domain (``perplexity/<domain>`` metrics): base, every node, consensus."""
+    domains = [k.split("/", 1)[1] for k in last.consensus_metrics if k.startswith("perplexity/")]
+    if not domains:
+        return []
+    width = max(10, *(len(d) + 2 for d in domains))
+    head = f"{'test perplexity by domain':<42}" + "".join(f"{d:>{width}}" for d in domains)
+    rows = [head, "-" * len(head)]
+
+    def row(label: str, value: Any) -> str:
+        return f"{label:<42}" + "".join(f"{value(d):>{width}.3f}" for d in domains)
+
+    if base:
+        rows.append(row("base model", lambda d: base.get(f"perplexity/{d}", math.nan)))
+    for i, role in enumerate(roles(cfg)):
+        rows.append(
+            row(f"node {i} ({role})"[:41], lambda d, i=i: _at(last.node_metrics.get(f"perplexity/{d}"), i))
+        )
+    rows.append(row("meta-consensus", lambda d: last.consensus_metrics[f"perplexity/{d}"]))
+    return rows
 
 
 def _both_accountants(history: Sequence[RoundInfo], last: RoundInfo) -> str:
@@ -270,6 +308,7 @@ class RunLog:
             "vote/accepted": float(sum(info.accepted)),
             "time/round_s": float(sum(info.seconds.values())),
         }
+        scalars.update({f"consensus/{k}": v for k, v in info.consensus_metrics.items()})
         for k, v in scalars.items():
             if v is not None and math.isfinite(v):
                 tb.add_scalar(k, v, step)

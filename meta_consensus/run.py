@@ -113,6 +113,30 @@ def save_consensus(run_dir: str | Path, consensus: PyTree, metadata: dict[str, s
     return save_safetensors(host, Path(run_dir) / CONSENSUS_FILE, metadata=metadata, overwrite=True)
 
 
+#: What an export of the run needs to know of its task, for tasks that say it (``task.record()``:
+#: the causal LM's model folder, domains and options), with a LoRA run's settings and targets.
+TASK_FILE = "task.json"
+
+
+def task_record(coordinator: Coordinator) -> dict[str, Any] | None:
+    """The ``task.json`` of a run: the task's own ``record()`` and, in a LoRA run, ``"lora"``.
+
+    Args:
+      coordinator: the run's coordinator.
+
+    Returns:
+      A JSON-safe dict, or None for a task without ``record()``.
+    """
+    from meta_consensus import lora as lora_run
+
+    record = getattr(coordinator.fleet.task, "record", None)
+    if not callable(record):
+        return None
+    out = dict(record())
+    out["lora"] = lora_run.describe(coordinator.lora) if coordinator.lora is not None else None
+    return out
+
+
 class RunDirectoryError(RuntimeError):
     """The run directory cannot be used as asked (a user error; nothing was written)."""
 
@@ -377,6 +401,9 @@ class MetaConsensus:
             for line in notes:
                 print(f"meta-consensus: {line}", file=sys.stderr)
             (self.run_dir / "config.toml").write_text(recorded_config(cfg, self.task))
+            record = task_record(self.coordinator)
+            if record is not None:
+                (self.run_dir / TASK_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
 
         bar = self._bar(state.round)
         stopped = ""
