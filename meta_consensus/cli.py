@@ -35,6 +35,7 @@ import os
 import sys
 from pathlib import Path
 
+from meta_consensus import models_cli
 from meta_consensus._version import __version__
 
 EXIT_NO_ROUND = 1
@@ -152,6 +153,7 @@ def _parser() -> argparse.ArgumentParser:
     from meta_consensus import merge as merging  # light: imports jax only when a merge runs
 
     merging.add_parser(sub)
+    models_cli.add_parser(sub)
     _add_plugin_option(sub.choices["merge"])
     for command in sub.choices.values():
         _add_debug_option(command)
@@ -379,7 +381,7 @@ def merge_cmd(args: argparse.Namespace) -> int:
         raise UserError(str(e)) from e
 
 
-COMMANDS = {"run": run, "report": report_cmd, "merge": merge_cmd}
+COMMANDS = {"run": run, "report": report_cmd, "merge": merge_cmd, "models": models_cli.models_cmd}
 
 
 def _check_environment() -> None:
