@@ -2,6 +2,7 @@
 
 * :mod:`strategies.tasks` - digits (Flax NNX MLP) and text (byte-level transformer) tasks;
 * :mod:`strategies.trainer` - n stacked nodes trained by one jitted step on a mesh;
+* :mod:`strategies.models` - Hugging Face causal LMs (Llama, Mistral, Qwen2, GPT-2) in flax.nnx;
 * :mod:`strategies.hierarchical` - curriculum levels: general, specialized, fine-tuning data;
 * :mod:`strategies.convexity` - proximal / L2-ball constrained training and loss barriers;
 * :mod:`strategies.soup` - uniform, weighted and greedy incremental soups;

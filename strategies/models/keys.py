@@ -63,6 +63,12 @@ def hf_key(path: str | Sequence[Any]) -> str:
 
     Raises:
       ModelError: for a path whose leaf is not kernel, bias, embedding or scale.
+
+    Example:
+      >>> hf_key("model/layers/0/self_attn/q_proj/kernel")
+      'model.layers.0.self_attn.q_proj.weight'
+      >>> hf_key(("transformer", "ln_f", "scale"))
+      'transformer.ln_f.weight'
     """
     parts = _parts(path)
     return ".".join([str(p) for p in parts[:-1]] + [_LEAF_TO_HF[str(parts[-1])]])
@@ -97,6 +103,10 @@ def tree_path(name: str) -> Path:
 
     Raises:
       ModelError: for a name that does not end in ``.weight`` or ``.bias``.
+
+    Example:
+      >>> tree_path("model.layers.3.post_attention_layernorm.weight")
+      ('model', 'layers', 3, 'post_attention_layernorm', 'scale')
     """
     parts = name.split(".")
     if len(parts) < 2 or parts[-1] not in ("weight", "bias"):
