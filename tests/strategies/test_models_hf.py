@@ -205,8 +205,11 @@ def test_mistral_sliding_window_matches_transformers(tmp_path):
     assert model.config.sliding_window == (48, 48)
 
 
-def test_qwen2_with_qkv_biases_matches_transformers(tmp_path):
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding-top-layer"])
+def test_qwen2_with_qkv_biases_matches_transformers(tmp_path, sliding):
     _, transformers = _hf()
+    # With use_sliding_window, layers from max_window_layers on see only the last sliding_window keys.
+    window = dict(use_sliding_window=True, sliding_window=40, max_window_layers=1) if sliding else {}
     folder, hf_model = _write(
         tmp_path,
         "qwen2",
@@ -220,8 +223,10 @@ def test_qwen2_with_qkv_biases_matches_transformers(tmp_path):
         intermediate_size=96,
         tie_word_embeddings=True,
         rms_norm_eps=1e-5,
+        **window,
     )
     model, params = _assert_matches(folder, hf_model)
+    assert model.config.sliding_window == ((None, 40) if sliding else (None, None))
     attn = params["model"]["layers"][0]["self_attn"]
     assert attn["q_proj"]["bias"].shape == (64,) and attn["k_proj"]["bias"].shape == (32,)
     assert "bias" not in attn["o_proj"]
@@ -293,6 +298,11 @@ def test_load_save_load_is_bit_exact_and_copies_the_tokenizer(tmp_path):
     )
     with pytest.raises(models.ModelError, match="exists"):
         models.save(out, params, like=folder)
+    # A tied model whose writer stored the head explicitly loads the same params.
+    explicit = tmp_path / "explicit"
+    io.save_safetensors(io.unflatten({**src, "lm_head.weight": src["model.embed_tokens.weight"]}), explicit)
+    shutil.copy(folder / "config.json", explicit / "config.json")
+    jax.tree.map(np.testing.assert_array_equal, models.load(explicit, dtype=None)[1], params)
     models.save(out, params, like=folder, overwrite=True, dtype=jnp.float32)
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
 
