@@ -118,8 +118,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--mergekit-config",
         metavar="YAML",
-        help="a mergekit configuration (models, base_model, merge_method, parameters, dtype); "
-        "--out is still needed",
+        help="a mergekit configuration (models or slices, base_model, merge_method, parameters, dtype; "
+        "several YAML documents: mergekit-multi stages); --out is still needed",
+    )
+    p.add_argument(
+        "--compute-dtype",
+        choices=("float32", "config"),
+        default=None,
+        help="--mergekit-config: compute in float32 and cast once (default: closest to the exact merge), "
+        "or in the config's dtype with every intermediate rounded, as mergekit does (the same bits)",
     )
     # how the command runs
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -128,14 +135,16 @@ def add_parser(sub: Any) -> None:
     # before merge_cmd reads the plan, so the plan's checks see their rules.
 
 
-def plan_from_args(args: Any) -> MergePlan:
+def plan_from_args(args: Any) -> Any:
     """Build the plan the parsed arguments give (over ``--config``'s or ``--mergekit-config``'s).
 
     Args:
       args: The parsed ``merge`` arguments.
 
     Returns:
-      The plan, not yet checked (:func:`~meta_consensus.merge.plan.check_plan`).
+      The plan, not yet checked (:func:`~meta_consensus.merge.plan.check_plan`); for
+      ``--mergekit-config``, what :func:`~meta_consensus.merge.mergekit.read_mergekit` returns (a
+      plan, a tensor-by-tensor job or a multi-merge).
 
     Raises:
       MergeError: If no method is given (and no config), ``--mergekit-config`` comes with
@@ -162,13 +171,15 @@ def plan_from_args(args: Any) -> MergePlan:
         "plugins": list(getattr(args, "plugin", None) or []),
     }
     if getattr(args, "mergekit_config", None):
-        from meta_consensus.merge.mergekit import plan_from_mergekit
+        from meta_consensus.merge.mergekit import read_mergekit
 
         if args.config or args.method or args.inputs:
             raise MergeError(
                 "--mergekit-config gives the method and the inputs: drop --config, --method and INPUT"
             )
-        return plan_from_mergekit(args.mergekit_config, **values)
+        return read_mergekit(args.mergekit_config, compute=getattr(args, "compute_dtype", None), **values)
+    if getattr(args, "compute_dtype", None):
+        raise MergeError("--compute-dtype is for --mergekit-config")
     if args.config:
         return plan_from_toml(args.config, **values)
     if not args.method:
@@ -239,12 +250,23 @@ def merge_cmd(args: Any) -> int:
     handled = (signal.SIGTERM, signal.SIGINT)
     previous = {s: signal.signal(s, stop) for s in handled} if main_thread else {}
     try:
-        report = merge_checkpoints(
-            plan,
-            progress=not args.quiet,
-            strict=getattr(args, "strict", False),
-            config_from=getattr(args, "config_from", None),
-        )
+        if getattr(args, "mergekit_config", None):
+            from meta_consensus.merge.mergekit_run import run_any
+
+            report = run_any(
+                plan,
+                progress=not args.quiet,
+                strict=getattr(args, "strict", False),
+                config_from=getattr(args, "config_from", None),
+                config_path=args.mergekit_config,
+            )
+        else:
+            report = merge_checkpoints(
+                plan,
+                progress=not args.quiet,
+                strict=getattr(args, "strict", False),
+                config_from=getattr(args, "config_from", None),
+            )
     except (Interrupted, KeyboardInterrupt) as e:
         signum = e.signum if isinstance(e, Interrupted) else int(signal.SIGINT)
         print(
@@ -266,6 +288,6 @@ def merge_cmd(args: Any) -> int:
     flagged = f" ({len(report['nonfinite'])} with NaN or Inf, see above)" if report["nonfinite"] else ""
     print(
         f"meta-consensus merge: {len(plan.inputs)} inputs{flagged}, {len(report['leaves'])} tensors, "
-        f"method {plan.rule.method} -> {plan.out}/ ({REPORT_NAME})"
+        f"method {report.get('method') or plan.rule.method} -> {plan.out}/ ({REPORT_NAME})"
     )
     return 0

@@ -1,17 +1,23 @@
-"""mergekit's YAML configuration as a merge plan (``meta-consensus merge --mergekit-config merge.yml``).
+"""mergekit's YAML configuration as a merge (``meta-consensus merge --mergekit-config merge.yml``).
 
-The methods both packages have are read: ``linear``, ``task_arithmetic``, ``ties``,
-``dare_ties``, ``dare_linear``, ``slerp``, ``model_stock`` and ``karcher``, with ``models``
-(``model`` paths: safetensors files or folders), ``base_model``, per-model ``weight`` and
-``density``, the method's ``parameters`` (``normalize``, ``lambda``, ``rescale``, ``t``,
+:func:`read_mergekit` routes a file: what the plan-based merge does the same way runs as a
+:class:`~meta_consensus.merge.plan.MergePlan` (:func:`plan_from_mergekit`); everything else
+mergekit 0.1.5 reads (``slices:`` and passthrough, gradients over layers, parameters that differ
+per model, breadcrumbs, DELLA, SCE, NuSLERP, Multi-SLERP, NearSwap, RAM, Arcee Fusion,
+``--compute-dtype config``) runs tensor by tensor with mergekit's formulas
+(:mod:`meta_consensus.merge.mergekit_exec`); a file of several YAML documents (mergekit-multi)
+runs them in order (:mod:`meta_consensus.merge.mergekit_multi`).
+
+The plan-based reader takes the methods both packages have: ``linear``, ``task_arithmetic``,
+``ties``, ``dare_ties``, ``dare_linear``, ``slerp``, ``model_stock`` and ``karcher``, with
+``models`` (``model`` paths: safetensors files or folders), ``base_model``, per-model ``weight``
+and ``density``, the method's ``parameters`` (``normalize``, ``lambda``, ``rescale``, ``t``,
 ``int8_mask``, ``max_iter``, ``tol``, ``filter_wise: false``), ``dtype`` / ``out_dtype``, and
 per-tensor settings as mergekit writes them: a list of ``{filter: NAME, value: V}`` where
 the first entry whose filter is a substring of the tensor's name (or has no filter, or
 ``"*"``) gives the value. Keys whose settings differ get their own rule (an override whose
-pattern lists them). What cannot be done the same way (slices, gradients over layers,
-tokenizer settings, per-model densities that differ, ...) is refused in one line that names
-the key. mergekit's conventions, as in its source: ``linear`` normalizes by default, the
-task-vector methods skip the base model when it is listed among the models, ``ties``
+pattern lists them). mergekit's conventions, as in its source: ``linear`` normalizes by default,
+the task-vector methods skip the base model when it is listed among the models, ``ties``
 normalizes and the others do not, a missing ``density`` is 1, and ``rescale: true`` of the
 DARE methods keeps each tensor's L1 norm (``rescale="l1"``).
 
@@ -60,7 +66,7 @@ METHODS: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]] = {
 }
 TOP_KEYS = ("merge_method", "models", "base_model", "parameters", "dtype", "out_dtype")
 REFUSED_TOP = {
-    "slices": "layer slices are not supported (give models:)",
+    "slices": "layer slices run tensor by tensor (read_mergekit)",
     "modules": "modules are not supported (give models:)",
     "tokenizer_source": "tokenizers are not merged here (the output holds the merged tensors)",
     "tokenizer": "tokenizers are not merged here (the output holds the merged tensors)",
@@ -309,3 +315,127 @@ def _tensor_names(source: str) -> list[str]:
         return list(reader.specs)
     finally:
         reader.close()
+
+
+def needs_executor(doc: Mapping[str, Any]) -> str | None:
+    """Why a configuration must run tensor by tensor (:mod:`~meta_consensus.merge.mergekit_exec`), or None.
+
+    Args:
+      doc: The YAML document.
+
+    Returns:
+      The reason (slices, a method only mergekit has, a gradient, parameters that differ per
+      model), or None when the plan-based merge does it the same way.
+    """
+    from meta_consensus.merge.mergekit_config import has_gradient
+
+    if doc.get("slices") is not None:
+        return "slices"
+    if doc.get("merge_method") not in METHODS:
+        return f"method {doc.get('merge_method')!r}"
+    models: list[Any] = doc["models"] if isinstance(doc.get("models"), list) else []
+    settings = (
+        [v for v in (doc.get("parameters") or {}).values()]
+        if isinstance(doc.get("parameters"), Mapping)
+        else []
+    )
+    per_model: dict[str, set[str]] = {}
+    base = doc.get("base_model")
+    for m in models:
+        params = m.get("parameters") if isinstance(m, Mapping) else None
+        if isinstance(params, Mapping):
+            settings += list(params.values())
+            if m.get("model") != base:
+                for k, v in params.items():
+                    per_model.setdefault(str(k), set()).add(repr(v))
+        elif isinstance(m, Mapping) and m.get("model") != base:
+            per_model.setdefault("density", set()).add(repr(None))
+    if any(has_gradient(v) for v in settings):
+        return "a gradient over layers"
+    if len(per_model.get("density", set())) > 1 and doc.get("merge_method") in (
+        "ties",
+        "dare_ties",
+        "dare_linear",
+    ):
+        return "densities that differ per model"
+    return None
+
+
+def read_mergekit(path: str | Path, *, compute: str | None = None, **values: Any) -> Any:
+    """Read a mergekit configuration: a plan, a tensor-by-tensor job, or a multi-merge.
+
+    Args:
+      path: The YAML file (one document, or several: mergekit-multi).
+      compute: ``--compute-dtype``: None / ``"float32"`` (the default) or ``"config"``
+        (mergekit's arithmetic in the configuration's dtype; always tensor by tensor).
+      **values: The command line's values, as for :func:`plan_from_mergekit`.
+
+    Returns:
+      A :class:`~meta_consensus.merge.plan.MergePlan` (with ``mergekit_keys`` noted by
+      :func:`keys_of`), a :class:`~meta_consensus.merge.mergekit_exec.MergekitJob`, or a
+      :class:`~meta_consensus.merge.mergekit_multi.MultiMerge`.
+
+    Raises:
+      MergeError: If the file cannot be read, or is refused (one line naming the key and why).
+    """
+    import yaml
+
+    from meta_consensus.merge.mergekit_config import read_config
+    from meta_consensus.merge.mergekit_exec import MergekitJob
+
+    path = Path(path)
+    try:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    except (OSError, yaml.YAMLError) as e:
+        raise MergeError(f"cannot read mergekit config {path}: {e}") from e
+    if len(docs) > 1:
+        from meta_consensus.merge.mergekit_multi import multi_from_docs
+
+        return multi_from_docs(path, docs, compute=compute, **values)
+    if not docs or not isinstance(docs[0], Mapping):
+        got = type(docs[0]).__name__ if docs else "an empty file"
+        raise MergeError(f"{path}: expected a mergekit configuration (a mapping), got {got}")
+    doc = docs[0]
+    for key in ("method", "overrides", "inputs", "base", "weights", "num_byzantine"):
+        if values.get(key) not in (None, [], (), {}):
+            raise MergeError(f"--mergekit-config gives the {key}: drop it from the command line")
+    if values.get("params"):
+        raise MergeError("--mergekit-config gives the parameters: drop --set")
+    if doc.get("name") is not None:
+        raise _fail(path, "name", "names a mergekit-multi stage; a file of one merge has none")
+    if (compute or "float32") != "float32" or needs_executor(doc):
+        return MergekitJob(
+            read_config(path, doc),
+            out=values.get("out") or "",
+            seed=int(values.get("seed") or 0),
+            dtype=values.get("dtype"),
+            compute=compute or "float32",
+            shard_size=parse_shard_size(values.get("shard_size")),
+        )
+    return plan_from_mergekit(path, **values)
+
+
+def keys_of(path: str | Path) -> tuple[list[str], dict[str, str]]:
+    """The keys a one-document configuration gives, and those among them that change nothing.
+
+    Args:
+      path: The YAML file.
+
+    Returns:
+      (every key path, ``parameters.int8_mask`` -> why it changes nothing, ...).
+    """
+    import yaml
+
+    from meta_consensus.merge.mergekit_config import NO_EFFECT
+
+    doc = yaml.safe_load(Path(path).read_text())
+    keys: list[str] = []
+    for k, v in doc.items():
+        keys.append(str(k))
+        if k == "parameters" and isinstance(v, Mapping):
+            keys += [f"parameters.{p}" for p in v]
+        if k == "models" and isinstance(v, list):
+            for i, m in enumerate(v):
+                if isinstance(m, Mapping) and isinstance(m.get("parameters"), Mapping):
+                    keys += [f"models[{i}].parameters.{p}" for p in m["parameters"]]
+    return keys, {k: NO_EFFECT[k.rsplit(".", 1)[-1]] for k in keys if k.rsplit(".", 1)[-1] in NO_EFFECT}
