@@ -447,10 +447,15 @@ class CausalLMTask:
         docs, names = self.documents, self.domains
         num_domains = len(names)
         hosted = hosted_nodes(num_nodes, process_index, process_count)
-        try:
-            node_docs = assign_files(docs, num_nodes, num_domains)
-        except ValueError as e:
-            raise TaskError(f"text: {e}") from None
+        for d, name in enumerate(names):
+            nodes = len(range(d, num_nodes, num_domains))
+            private = sum(doc.domain == d and doc.role == "private" for doc in docs)
+            if private < nodes:
+                raise TaskError(
+                    f"text: domain {name!r} has {private} private documents for its {nodes} nodes "
+                    f"(num_nodes={num_nodes}); every node needs one: add documents or use fewer nodes"
+                )
+        node_docs = assign_files(docs, num_nodes, num_domains)
         length = self.context + 1
 
         def shared_pool(role: str, count: int, offset: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
