@@ -101,6 +101,7 @@ def test_full_and_lora_runs_print_the_perplexity_per_domain_and_record_the_model
         "name=full",
         _options(folder, text),
         "nodes.strategies=['hierarchical', 'convexity', 'local', 'soup']",
+        "nodes.local_steps=4",
         "byzantine.nodes=[3]",
         "byzantine.attack=label_flip",
         "vote.rule=median",
