@@ -66,9 +66,8 @@ def rescale_l1(delta: np.ndarray, kept: np.ndarray) -> np.ndarray:
     after = float(reduce_sum(np.abs(kept)))
     if before < RESCALE_EPS or after < RESCALE_EPS:
         return kept
-    factor = np.asarray(before, np.float32).astype(kept.dtype) / np.asarray(after, np.float32).astype(
-        kept.dtype
-    )
+    dt = kept.dtype.type
+    factor = dt(before) / dt(after)  # two scalars of the tensor's dtype, as mergekit's
     return kept * factor
 
 

@@ -505,7 +505,10 @@ def run_job(
                         compute = np.float64 if arrays[0].dtype == np.float64 else np.float32
                     arrays = [a.astype(compute, copy=False) for a in arrays]
                     rng = np.random.default_rng([job.seed, index])
-                    merged, params = _merge_one(cfg, t, arrays, rng, job.compute == "config")
+                    try:
+                        merged, params = _merge_one(cfg, t, arrays, rng, job.compute == "config")
+                    except ValueError as e:  # a formula's refusal (DELLA's epsilon, Multi-SLERP's antipodes)
+                        raise MergeError(f"{cfg.path}: {t.name}: {e}") from None
                     writer.write(t.name, np.ascontiguousarray(np.asarray(merged).astype(dtype, copy=False)))
                     report["leaves"][t.name] = {
                         "sources": [f"{src.model}:{k}" for src, k in t.inputs],

@@ -47,9 +47,13 @@ def run_any(
     if isinstance(job, MultiMerge):
         reports = run_multi(job, progress=progress, overwrite=overwrite)
         final = dict(reports[-1])
+        # the stages' folders, so the final report says what its inputs were made from
         final["stages"] = [
-            r.get("mergekit_config", r.get("mergekit", {}).get("config")) for r in reports[:-1]
+            {"name": name, "out": str(Path(f"{job.out}.stages") / str(name)), "method": r.get("method")}
+            for (name, _), r in zip(job.stages[:-1], reports[:-1], strict=True)
         ]
+        final["mergekit_multi"] = str(job.path)
+        write_report(Path(job.out), final)
         return final
     if isinstance(job, MergekitJob):
         return run_job(job, progress=progress, overwrite=overwrite, config_from=config_from)

@@ -245,12 +245,26 @@ def test_mergekit_dare_with_seed(ckpts):
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("merge_method: passthrough\nmodels:\n  - model: {m}\n", "merge_method: 'passthrough' is not one"),
-        ("merge_method: linear\nslices:\n  - sources: []\n", "slices: layer slices are not supported"),
+        (
+            "merge_method: frankenmerge\nmodels:\n  - model: {m}\n",
+            "'frankenmerge' is not one of mergekit 0.1.5",
+        ),
+        ("merge_method: linear\nslices:\n  - sources: []\n", "slices[0]: expected {sources:"),
+        (
+            "merge_method: model_stock\nbase_model: {b}\nslices:\n  - sources:\n      - model: {m}\n"
+            "        layer_range: [0, 1]\n",
+            "model_stock runs with models:",
+        ),
         (
             "merge_method: ties\nbase_model: {b}\nmodels:\n  - model: {m}\n    parameters:\n      weight: 1\n"
-            "parameters:\n  density: [0.1, 0.5]\n",
-            "parameters.density: a gradient over layers",
+            "parameters:\n  density: {{a: 1}}\n",
+            "density: expected a value or a list of {filter, value}",
+        ),
+        ("merge_method: linear\nmodules:\n  x: 1\n", "modules: modules are not supported"),
+        (
+            "merge_method: della\nbase_model: {b}\nmodels:\n  - model: {m}\n    parameters:\n      weight: 1\n"
+            "      density: 0.9\n      epsilon: 0.2\n",
+            "density +/- epsilon must be inside (0, 1)",
         ),
         (
             "merge_method: linear\nmodels:\n  - model: {m}\n",
