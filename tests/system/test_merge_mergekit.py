@@ -262,8 +262,8 @@ def test_mergekit_dare_with_seed(ckpts):
         ),
         ("merge_method: linear\nmodules:\n  x: 1\n", "modules: modules are not supported"),
         (
-            "merge_method: della\nbase_model: {b}\nmodels:\n  - model: {m}\n    parameters:\n      weight: 1\n"
-            "      density: 0.9\n      epsilon: 0.2\n",
+            "merge_method: della\nbase_model: {b}\nmodels:\n  - model: {m}\n    parameters:\n"
+            "      weight: 1\n      density: 0.9\n      epsilon: 0.2\n",
             "density +/- epsilon must be inside (0, 1)",
         ),
         (
