@@ -181,35 +181,40 @@ class CausalLMTask:
 
     # ------------------------------------------------------------------ what was loaded
 
+    def _get(self, key: str) -> Any:
+        # What __post_init__ loaded (model, params, tokenizer, documents): no dataclass field, so
+        # it takes no part in the task's equality and hash.
+        return self.__dict__["_loaded"][key]
+
     @property
     def folder(self) -> Path:
         """The model folder the task loaded."""
-        return self._loaded["folder"]
+        return self._get("folder")
 
     @property
     def vocab_size(self) -> int:
         """The model's vocabulary size."""
-        return int(self._loaded["lm"].config.vocab_size)
+        return int(self._get("lm").config.vocab_size)
 
     @property
     def domains(self) -> tuple[str, ...]:
         """The domain names, in order (node i's domain is ``domains[i % D]``)."""
-        return self._loaded["domains"]
+        return self._get("domains")
 
     @property
     def documents(self) -> tuple[lm_corpus.Document, ...]:
         """Every document of the corpus with its domain and role."""
-        return self._loaded["docs"]
+        return self._get("docs")
 
     @property
     def tokenizer(self) -> Any:
         """The model folder's ``tokenizers.Tokenizer``."""
-        return self._loaded["tokenizer"]
+        return self._get("tokenizer")
 
     @property
     def eos_token_id(self) -> int | None:
         """The token that ends every document in a stream (config.json's ``eos_token_id``), or None."""
-        return self._loaded["eos"]
+        return self._get("eos")
 
     def record(self) -> dict[str, Any]:
         """What a run records about the task for export: the model folder, the domains, the options.
@@ -217,7 +222,7 @@ class CausalLMTask:
         Returns:
           A JSON-safe dict.
         """
-        lm = self._loaded["lm"]
+        lm = self._get("lm")
         return {
             "task": self.name,
             "model": self.model,
@@ -245,7 +250,7 @@ class CausalLMTask:
           The params (a nested dict; layer indices as string keys).
         """
         del key
-        return self._loaded["params"]
+        return self._get("params")
 
     def logical_axes(self, params: PyTree | None = None) -> PyTree:
         """Logical axis names of every parameter dimension (the model's).
@@ -256,7 +261,7 @@ class CausalLMTask:
         Returns:
           A tree like the params with a tuple of names per leaf.
         """
-        return self._loaded["axes"]
+        return self._get("axes")
 
     def apply(self, params: PyTree, inputs: Array, *, train: bool = False, key: Array | None = None) -> Array:
         """Next-token logits (B, T, vocab) in the params' dtype.
@@ -275,7 +280,7 @@ class CausalLMTask:
         """
         if inputs.shape[-1] > self.context:
             raise ValueError(f"inputs have {inputs.shape[-1]} tokens, more than context={self.context}")
-        return self._loaded["lm"].apply(params, inputs)
+        return self._get("lm").apply(params, inputs)
 
     def _token_nll(self, params: PyTree, x: Array, y: Array) -> tuple[Array, Array]:
         logits = self.apply(params, x)
@@ -455,7 +460,7 @@ class CausalLMTask:
                     f"text: domain {name!r} has {private} private documents for its {nodes} nodes "
                     f"(num_nodes={num_nodes}); every node needs one: add documents or use fewer nodes"
                 )
-        node_docs = assign_files(docs, num_nodes, num_domains)
+        node_docs = assign_files(docs, num_nodes, num_domains)  # type: ignore[arg-type]  # same fields
         length = self.context + 1
 
         def shared_pool(role: str, count: int, offset: int) -> tuple[dict[str, np.ndarray], np.ndarray]:

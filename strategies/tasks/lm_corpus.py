@@ -243,8 +243,8 @@ def list_documents(
             files = list_corpus(root=root, max_bytes_per_file=max_bytes, split_seed=split_seed)
         except ValueError as e:
             raise TaskError(f"the default corpus: {e}") from None
-        docs = [Document(os.path.join(root, f.path), 0, f.family, f.size, f.role) for f in files]
-        return tuple(name for name, _ in FAMILIES), tuple(docs)
+        stdlib = [Document(os.path.join(root, f.path), 0, f.family, f.size, f.role) for f in files]
+        return tuple(name for name, _ in FAMILIES), tuple(stdlib)
     names = tuple(name for name, _ in domains)
     docs: list[Document] = []
     for d, (name, patterns) in enumerate(domains):

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 
@@ -104,9 +105,14 @@ def test_no_node_sees_another_nodes_documents(task):
     assert [d.tolist() for d in part.meta["node_docs"]] == [d.tolist() for d in data.meta["node_docs"][2:]]
 
 
+@functools.cache
+def _hf_model(folder):
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+
+
 def _reference(folder, batch):
-    """Per-row (sum of token NLL, correct tokens) in float64 from the transformers model."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    """Per-token NLL and correctness in float64 from the transformers model's logits."""
+    model = _hf_model(folder)
     with torch.no_grad():
         logits = model(torch.as_tensor(np.asarray(batch["x"]), dtype=torch.long)).logits.double().numpy()
     top = logits.max(-1, keepdims=True)
@@ -117,7 +123,7 @@ def _reference(folder, batch):
     return nll, correct
 
 
-@pytest.mark.parametrize("chunk_rows", [None, 3])
+@pytest.mark.parametrize("chunk_rows", [pytest.param(None, marks=pytest.mark.slow), 3])
 def test_metrics_equal_a_float64_recomputation_per_domain(task, folder, monkeypatch, chunk_rows):
     if chunk_rows is not None:  # chunks of 3 rows: 10 test rows give a padded last chunk
         monkeypatch.setattr(clm, "METRICS_LOGITS", chunk_rows * task.context * task.vocab_size)
@@ -182,6 +188,7 @@ def test_bare_lora_targets_select_what_peft_wraps(task, folder):
     assert len(select_targets(task.init(None), [r"layers/0/.*proj/kernel$"])) == 7  # a regex still works
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2"])
 def test_gpt2_folders_load_and_their_metrics_match(tmp_path, text, family):
     folder = model_folder(tmp_path / family, family=family)
