@@ -47,6 +47,22 @@ DEFAULT_METHODS = (
     "model_stock",
 )
 
+# mergekit 0.1.5's methods that run tensor by tensor from ``--mergekit-config`` (no --method of their
+# own), with the per-model and shared parameters each benchmark config gives them.
+MERGEKIT_ONLY: dict[str, tuple[dict[str, Any], dict[str, Any], int | None]] = {
+    "breadcrumbs": ({"weight": 0.5, "density": 0.5, "gamma": 0.01}, {}, None),
+    "breadcrumbs_ties": ({"weight": 0.5, "density": 0.5, "gamma": 0.01}, {}, None),
+    "della": ({"weight": 0.5, "density": 0.5, "epsilon": 0.1}, {}, None),
+    "della_linear": ({"weight": 0.5, "density": 0.5, "epsilon": 0.1}, {}, None),
+    "ties_per_model": ({"weight": 0.5, "density": [0.3, 0.7]}, {}, None),  # ties with a density gradient
+    "sce": ({}, {"select_topk": 0.5}, None),
+    "ram": ({}, {"epsilon": 1e-5}, None),
+    "nuslerp": ({"weight": 0.5}, {}, 2),
+    "multislerp": ({"weight": 0.5}, {}, None),
+    "nearswap": ({}, {"t": 1e-4}, 1),
+    "arcee_fusion": ({}, {}, 1),
+}
+
 MERGEKIT_SOURCES = {
     "readme": "github:arcee-ai/mergekit README.md ('out-of-core approach', 'Lazy loading of tensors for "
     "low memory use', 'Merges can be run entirely on CPU')",
@@ -65,6 +81,16 @@ MERGEKIT = {
     "median": "no median method",
     "model_stock": "model_stock: per tensor, cosines of the n deltas, then a base/average interpolation",
 }
+
+
+def _mergekit_yaml(name: str, inputs: list[str], base: str, per: dict, shared: dict) -> str:
+    """A mergekit configuration merging ``inputs`` over ``base`` with ``name`` (JSON is YAML)."""
+    method = "ties" if name == "ties_per_model" else name
+    models = [{"model": m, **({"parameters": per} if per else {})} for m in inputs]
+    doc = {"merge_method": method, "base_model": base, "models": models, "parameters": shared}
+    if name == "nuslerp":
+        doc.pop("base_model")
+    return json.dumps(doc)
 
 
 def model_config(quick: bool) -> dict[str, int]:
@@ -110,6 +136,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p: argparse.ArgumentParser = parser(__doc__, "a tiny GPT-2 (about 0.7 MB), 5 fine-tunes")
     p.add_argument("--models", type=int, default=5)
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated merge methods")
+    p.add_argument(
+        "--mergekit-methods",
+        default=",".join(MERGEKIT_ONLY),
+        help="comma-separated mergekit methods run from a --mergekit-config (tensor by tensor); '' for none",
+    )
     p.add_argument(
         "--shard-mb", type=int, default=None, help="save_pretrained shard size (default 100; quick 1)"
     )
@@ -164,6 +195,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{method}: {r['wall_s']:.1f} s, {r['peak_rss_gb']:.3f} GB" + ("" if r["ok"] else " FAILED"),
                 flush=True,
             )
+        for name in [m for m in args.mergekit_methods.split(",") if m]:
+            per, shared, count = MERGEKIT_ONLY[name]
+            cfg = folder / f"{name}.yml"
+            cfg.write_text(_mergekit_yaml(name, inputs[: count or len(inputs)], base, per, shared))
+            cmd = [
+                *_merge_io("--child-cli", "merge", "--quiet", "--mergekit-config", str(cfg)),
+                *("--out", str(folder / f"out_{name}"), "--seed", "1"),
+            ]
+            try:
+                r = run_child(cmd)
+                r["ok"] = True
+            except RuntimeError as e:
+                r = {"ok": False, "error": str(e)[-500:], "wall_s": float("nan"), "peak_rss_gb": float("nan")}
+            r["base"] = True
+            runs[f"mergekit:{name}"] = r
+            shutil.rmtree(folder / f"out_{name}", ignore_errors=True)
+            print(
+                f"mergekit:{name}: {r['wall_s']:.1f} s, {r['peak_rss_gb']:.3f} GB"
+                + ("" if r["ok"] else " FAILED"),
+                flush=True,
+            )
     finally:
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
@@ -186,7 +238,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "wall_s_without_jax_startup": max(r["wall_s"] - start["seconds"], 0.0),
             "peak_rss_gb": r["peak_rss_gb"],
             "rss_ratio_to_reference": r["peak_rss_gb"] / ref_rss,
-            "mergekit": MERGEKIT.get(method, "not listed"),
+            "mergekit": MERGEKIT.get(
+                method,
+                "mergekit 0.1.5 method, run from --mergekit-config"
+                if method.startswith("mergekit:")
+                else "not listed",
+            ),
             **({} if r["ok"] else {"error": r["error"]}),
         }
     floor_rows = {
