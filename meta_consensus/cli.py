@@ -5,6 +5,8 @@
     meta-consensus run [--config FILE | --preset NAME] [--set key=value ...] [--plugin MODULE ...]
                        [--resume | --overwrite] [--quiet] [--init FILE]
     meta-consensus report runs/<name>
+    meta-consensus export runs/<name> [--out DIR]
+    meta-consensus models fetch smollm2
     meta-consensus merge --method NAME [--set method.PARAM=VALUE ...] [--plugin MODULE ...] [--base BASE]
                          --out DIR INPUT...
 
@@ -154,6 +156,13 @@ def _parser() -> argparse.ArgumentParser:
 
     merging.add_parser(sub)
     models_cli.add_parser(sub)
+    exp = sub.add_parser(
+        "export",
+        help="write a finished run's consensus as a Hugging Face folder (RUN/hf) and, for LoRA runs, a "
+        "PEFT adapter (RUN/adapter)",
+    )
+    exp.add_argument("run_dir", metavar="RUN", help="the run folder, e.g. runs/smollm2")
+    exp.add_argument("--out", metavar="DIR", help="write hf/ and adapter/ under DIR instead of RUN")
     _add_plugin_option(sub.choices["merge"])
     for command in sub.choices.values():
         _add_debug_option(command)
@@ -381,7 +390,40 @@ def merge_cmd(args: argparse.Namespace) -> int:
         raise UserError(str(e)) from e
 
 
-COMMANDS = {"run": run, "report": report_cmd, "merge": merge_cmd, "models": models_cli.models_cmd}
+def export_cmd(args: argparse.Namespace) -> int:
+    """``meta-consensus export``: see :mod:`meta_consensus.export`.
+
+    Args:
+      args: the parsed ``export`` arguments (``run_dir``, ``out``).
+
+    Returns:
+      0; the folders written are printed, one per line.
+
+    Raises:
+      UserError: for a folder that is not a finished run of a Hugging Face model, or an output
+        folder that exists.
+    """
+    from meta_consensus.export import ExportError, export_run
+
+    try:
+        done = export_run(args.run_dir, out=args.out)
+    except ExportError as e:
+        raise UserError(f"export: {e}") from e
+    for note in done.notes:
+        print(f"meta-consensus: {note}", file=sys.stderr)
+    print(done.model)
+    if done.adapter is not None:
+        print(done.adapter)
+    return 0
+
+
+COMMANDS = {
+    "run": run,
+    "report": report_cmd,
+    "merge": merge_cmd,
+    "models": models_cli.models_cmd,
+    "export": export_cmd,
+}
 
 
 def _check_environment() -> None:
