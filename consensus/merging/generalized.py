@@ -11,6 +11,7 @@ mergekit's configurations give.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -126,6 +127,33 @@ def generalized_task_arithmetic(
             )
         deltas[i] = d
         del d
+    return mix(base, deltas, weights, consensus=consensus, normalize=normalize, scale=scale)
+
+
+def mix(
+    base: np.ndarray,
+    deltas: np.ndarray,
+    weights: Sequence[float],
+    *,
+    consensus: str | None = None,
+    normalize: bool = False,
+    scale: float = 1.0,
+) -> np.ndarray:
+    """The second half of :func:`generalized_task_arithmetic`: weigh, elect, sum and add to the base.
+
+    Element-wise over the model axis, so a chunk of the entries gives that chunk of the result.
+
+    Args:
+      base: The base (or a chunk of it).
+      deltas: (n, ...) the sparsified task vectors (overwritten).
+      weights: One weight per model.
+      consensus: None, ``"sum"`` or ``"count"``.
+      normalize: Divide by the (kept) weights' sum.
+      scale: mergekit's ``lambda``.
+
+    Returns:
+      ``base + mixed``, in ``base``'s dtype.
+    """
     w = as_weights(weights, base.dtype, base.ndim)
     deltas *= w
     if consensus is not None:
@@ -145,6 +173,31 @@ def generalized_task_arithmetic(
     if scale != 1:
         mixed = mixed * np.asarray(scale, np.float64).astype(base.dtype)
     return (base + mixed).astype(base.dtype)
+
+
+def masked_delta(x: np.ndarray, base: np.ndarray, mask: np.ndarray | None, factor: Any, work: Any) -> np.ndarray:
+    """One model's sparsified task vector from its mask (:func:`~consensus.merging.sparsify.sparsify_mask`).
+
+    Element-wise: ``((x - b) in work dtype * mask) * factor``, back in ``base``'s dtype, the same
+    operations as :func:`~consensus.merging.sparsify.sparsify` (so a chunk equals that chunk of it).
+
+    Args:
+      x: The model's tensor or chunk (flat).
+      base: The base's (flat).
+      mask: The chunk of the flat mask, or None (nothing dropped).
+      factor: The L1 rescale factor, or None.
+      work: The work dtype.
+
+    Returns:
+      The sparsified task vector chunk.
+    """
+    d = x.astype(base.dtype, copy=False) - base
+    if mask is None:
+        return d
+    kept = d.astype(work, copy=False) * mask.astype(work)
+    if factor is not None:
+        kept = kept * factor
+    return kept.astype(base.dtype, copy=False)
 
 
 def linear(models: Sequence[np.ndarray], weights: Sequence[float], normalize: bool = True) -> np.ndarray:

@@ -13,6 +13,8 @@ in distribution (each entry kept independently with its probability), not bit fo
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from consensus.merging._numeric import reduce_sum
@@ -92,13 +94,28 @@ def magnitude(delta: np.ndarray, density: float, rescale: bool = False) -> np.nd
     Returns:
       The sparsified task vector.
     """
+    mask = magnitude_mask(delta, density)
+    return delta if mask is None else _apply(delta, mask, rescale)
+
+
+def magnitude_mask(delta: np.ndarray, density: float) -> np.ndarray | None:
+    """The entries :func:`magnitude` keeps, flat (None: all).
+
+    Args:
+      delta: One model's task vector.
+      density: The kept fraction.
+
+    Returns:
+      A flat bool mask, or None when ``density >= 1``.
+    """
     if density >= 1:
-        return delta
+        return None
     if density <= 0 or delta.size == 0:
-        return np.zeros_like(delta)
+        return np.zeros(delta.size, bool)
     k = max(1, int(density * delta.size))
     a = np.abs(delta).reshape(-1).astype(np.float32)
-    return _apply(delta, rank_window(-a, 0, k), rescale)
+    np.negative(a, out=a)  # descending order: ranks of -|d|, in place (a copy of the tensor saved)
+    return rank_window(a, 0, k)
 
 
 def magnitude_outliers(
@@ -123,13 +140,27 @@ def magnitude_outliers(
       Davari and Belilovsky 2024, ECCV, "Model Breadcrumbs: Scaling Multi-Task Model Merging with
       Sparse Masks".
     """
+    mask = outliers_mask(delta, density, gamma)
+    return delta if mask is None else _apply(delta, mask, rescale)
+
+
+def outliers_mask(delta: np.ndarray, density: float, gamma: float) -> np.ndarray | None:
+    """The entries :func:`magnitude_outliers` keeps, flat (None: all).
+
+    Args:
+      delta: One model's task vector.
+      density: The kept fraction.
+      gamma: The fraction of largest magnitudes dropped.
+
+    Returns:
+      A flat bool mask, or None when ``density >= 1``.
+    """
     if density >= 1:
-        return delta
+        return None
     n = delta.size
     target, top = int(density * n), int(gamma * n)
     bottom = max(0, n - target - top)
-    a = np.abs(delta).reshape(-1).astype(np.float32)
-    return _apply(delta, rank_window(a, bottom, bottom + target), rescale)
+    return rank_window(np.abs(delta).reshape(-1).astype(np.float32), bottom, bottom + target)
 
 
 def bernoulli(
@@ -154,8 +185,21 @@ def bernoulli(
     if density >= 1:
         return delta
     work = delta.astype(np.float32) if delta.dtype == np.float16 else delta
-    mask = rng.random(delta.shape, dtype=np.float32) < np.float32(density)
-    return _apply(work, mask, rescale).astype(delta.dtype)
+    return _apply(work, bernoulli_mask(delta, density, rng), rescale).astype(delta.dtype)
+
+
+def bernoulli_mask(delta: np.ndarray, density: float, rng: np.random.Generator) -> np.ndarray:
+    """The entries :func:`bernoulli` keeps (drawn from ``rng``), flat.
+
+    Args:
+      delta: One model's task vector (its size is used).
+      density: The keep probability.
+      rng: The random generator.
+
+    Returns:
+      A flat bool mask.
+    """
+    return rng.random(delta.size, dtype=np.float32) < np.float32(density)
 
 
 def della_magprune(
@@ -196,23 +240,44 @@ def della_magprune(
         return delta
     if density <= 0:
         return np.zeros_like(delta)
+    work = delta.astype(np.float32) if delta.dtype == np.float16 else delta
+    return _apply(work, della_mask(delta, density, epsilon, rng, rows), rescale).astype(delta.dtype)
+
+
+def della_mask(
+    delta: np.ndarray, density: float, epsilon: float, rng: np.random.Generator, rows: int = 4096
+) -> np.ndarray:
+    """The entries :func:`della_magprune` keeps (drawn from ``rng``), flat.
+
+    Args:
+      delta: One model's task vector.
+      density: The mean keep probability (in (0, 1)).
+      epsilon: Half the spread of the keep probabilities.
+      rng: The random generator.
+      rows: Rows ranked at a time.
+
+    Returns:
+      A flat bool mask.
+
+    Raises:
+      ValueError: If ``density +/- epsilon`` is not inside (0, 1).
+    """
     if density + epsilon >= 1 or density - epsilon <= 0:
         raise ValueError(
             f"della: epsilon {epsilon} with density {density}: density +/- epsilon must be inside (0, 1)"
         )
-    work = delta.astype(np.float32) if delta.dtype == np.float16 else delta
-    mat = work.reshape(1, -1) if work.ndim < 2 else work.reshape(work.shape[0], -1)
+    mat = delta.reshape(1, -1) if delta.ndim < 2 else delta.reshape(delta.shape[0], -1)
     m = mat.shape[1]
     mask = np.empty(mat.shape, bool)
     for start in range(0, mat.shape[0], rows):
-        block = np.abs(mat[start : start + rows])
+        block = np.abs(mat[start : start + rows]).astype(np.float32)
         rank = np.argsort(np.argsort(block, axis=1, kind="stable"), axis=1).astype(np.float32)
         # mergekit: (rank - min) / (max - min) with ranks 1..m, clamped to [0, 1]; a row of one
         # entry (0 / 0 there) gets the middle, probability density
         norm_rank = np.clip(rank / np.float32(m - 1), 0, 1) if m > 1 else np.full_like(rank, 0.5)
         probs = np.float32(density - epsilon) + norm_rank * np.float32(2 * epsilon)
         mask[start : start + rows] = rng.random(block.shape, dtype=np.float32) < probs
-    return _apply(work, mask, rescale).astype(delta.dtype)
+    return mask.reshape(-1)
 
 
 def sparsify(
@@ -253,3 +318,65 @@ def sparsify(
             return bernoulli(delta, density, rng, rescale)
         return della_magprune(delta, density, epsilon, rng, rescale)
     raise ValueError(f"sparsify: unknown method {method!r}")
+
+
+def sparsify_mask(
+    delta: np.ndarray,
+    method: str,
+    density: float,
+    *,
+    rescale: bool,
+    gamma: float = 0.01,
+    epsilon: float = 0.15,
+    rng: np.random.Generator | None = None,
+) -> tuple[np.ndarray | None, Any, Any]:
+    """What :func:`sparsify` does to ``delta``, as (mask, factor, work dtype), for applying it in chunks.
+
+    ``sparsify(delta) == ((delta.astype(work) * mask) * factor).astype(delta.dtype)`` element by
+    element, so a caller may keep the mask (1 byte per entry) instead of the sparsified tensor and
+    apply it to row chunks (the L1 rescale factor is a whole-tensor quantity, found here).
+
+    Args:
+      delta: One model's task vector.
+      method: As for :func:`sparsify`.
+      density: The kept fraction.
+      rescale: Keep the L1 norm.
+      gamma: Breadcrumbs' outlier fraction.
+      epsilon: DELLA's spread.
+      rng: The generator of the random ones.
+
+    Returns:
+      (flat bool mask, or None for "keep all, unscaled"; the factor as a scalar of the work
+      dtype, or None for none; the work dtype).
+
+    Raises:
+      ValueError: As :func:`sparsify`.
+    """
+    random = method in ("random", "della_magprune")
+    work = np.dtype(np.float32) if (random and delta.dtype == np.float16) else delta.dtype
+    if density >= 1:
+        return None, None, work
+    if method == "magnitude":
+        mask = magnitude_mask(delta, density)
+    elif method == "magnitude_outliers":
+        mask = outliers_mask(delta, density, gamma)
+    elif random:
+        if rng is None:
+            raise ValueError(f"sparsify: {method} is random; pass a numpy Generator")
+        if method == "random":
+            mask = bernoulli_mask(delta, density, rng)
+        elif density <= 0:
+            mask = np.zeros(delta.size, bool)
+        else:
+            mask = della_mask(delta, density, epsilon, rng)
+    else:
+        raise ValueError(f"sparsify: unknown method {method!r}")
+    assert mask is not None
+    if not rescale:
+        return mask, None, work
+    d = delta.reshape(-1).astype(work, copy=False)
+    before = float(reduce_sum(np.abs(d)))
+    after = float(reduce_sum(np.abs(np.where(mask, d, work.type(0)))))
+    if before < RESCALE_EPS or after < RESCALE_EPS:
+        return mask, None, work
+    return mask, work.type(before) / work.type(after), work

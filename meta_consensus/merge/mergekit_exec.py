@@ -284,16 +284,8 @@ def plan_tensors(
     return out, layers
 
 
-def _merge_one(
-    cfg: MergekitConfig,
-    tensor: Tensor,
-    arrays: list[np.ndarray],
-    rng: np.random.Generator,
-    float32_spherical: bool,
-) -> tuple[np.ndarray, dict[str, Any]]:
-    """Merge one tensor's inputs (already in the compute dtype) by the configuration's method."""
-    from consensus.merging import generalized, spherical
-
+def _resolve(cfg: MergekitConfig, tensor: Tensor) -> tuple[dict[str, Any], dict[str, list[Any]], str | None]:
+    """One tensor's parameters: (shared ones, per-model ones over the non-base models, the base)."""
     shared, per, base_policy, _ = method_table(cfg.method)
     s = tensor.slice
     base = cfg.base_of(s) if base_policy != "none" else None
@@ -301,8 +293,6 @@ def _merge_one(
         k: cfg.parameter(k, s, source=None, tensor=tensor.name, t=tensor.t, default=d, required=d is None)
         for k, d in shared.items()
     }
-    models = [(src, a) for (src, _), a in zip(tensor.inputs, arrays, strict=True) if src.model != base]
-    base_arr = next((a for (src, _), a in zip(tensor.inputs, arrays, strict=True) if src.model == base), None)
 
     def each(name: str) -> list[Any]:
         d = per[name]
@@ -320,7 +310,105 @@ def _merge_one(
             if src.model != base or base_policy == "none"
         ]
 
-    per_values = {k: each(k) for k in per}
+    return p, {k: each(k) for k in per}, base
+
+
+CHUNK = 1 << 20  # entries per chunk of the task-vector merges' second pass
+
+
+def _gta_streamed(
+    cfg: MergekitConfig,
+    tensor: Tensor,
+    readers: Mapping[str, Any],
+    compute: Any,
+    rng: np.random.Generator,
+    out_dtype: Any,
+    chunk: int = CHUNK,
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """A task-vector merge (TIES, DARE, breadcrumbs, DELLA, ...) of one tensor in two passes.
+
+    Pass 1 reads one model at a time and keeps only its sparsification (a bool mask and the L1
+    rescale factor, :func:`~consensus.merging.sparsify.sparsify_mask`); pass 2 reads the models
+    and the base in flat chunks and merges each (:func:`~consensus.merging.generalized.mix`,
+    element-wise over the models). The result equals
+    :func:`~consensus.merging.generalized.generalized_task_arithmetic` of the whole tensors, with
+    a few copies of the tensor in memory instead of 2n.
+    """
+    from consensus.merging import generalized
+    from consensus.merging.sparsify import sparsify_mask
+
+    p, per, base = _resolve(cfg, tensor)
+    sparse, consensus, _, _ = generalized.GTA_METHODS[cfg.method]
+    record = {**p, **{k: v for k, v in per.items()}}
+    assert base is not None  # the task-vector methods require one (_check_method)
+    base_in = next(k for src, k in tensor.inputs if src.model == base)
+    base_reader = readers[base]
+    models = [(readers[src.model], k) for src, k in tensor.inputs if src.model != base]
+    shape = tuple(base_reader.specs[base_in][0])
+    size = int(np.prod(shape, dtype=np.int64))
+    plans: list[tuple[Any, Any, Any]] = []
+    for i, (reader, key) in enumerate(models):
+        if sparse is None:
+            plans.append((None, None, np.dtype(compute)))
+            continue
+        d = _read(reader, key).astype(compute, copy=False)
+        b = _read(base_reader, base_in).astype(compute, copy=False)
+        d = np.subtract(d, b, out=d) if d.flags.writeable else d - b
+        del b
+        plans.append(
+            sparsify_mask(
+                d,
+                sparse,
+                float(per["density"][i]),
+                rescale=bool(p["rescale"]),
+                gamma=float(per["gamma"][i]) if "gamma" in per else 0.01,
+                epsilon=float(per["epsilon"][i]) if "epsilon" in per else 0.15,
+                rng=rng,
+            )
+        )
+        del d
+    out = np.empty(size, out_dtype)
+    weights = [float(w) for w in per["weight"]]
+    for start in range(0, size, chunk):
+        stop = min(size, start + chunk)
+        b = _read_range(base_reader, base_in, start, stop).astype(compute, copy=False)
+        deltas = np.empty((len(models), stop - start), np.dtype(compute))
+        for i, ((reader, key), (mask, factor, work)) in enumerate(zip(models, plans, strict=True)):
+            x = _read_range(reader, key, start, stop)
+            deltas[i] = generalized.masked_delta(
+                x, b, None if mask is None else mask[start:stop], factor, work
+            )
+        merged = generalized.mix(
+            b, deltas, weights, consensus=consensus, normalize=bool(p["normalize"]), scale=float(p["lambda"])
+        )
+        out[start:stop] = merged.astype(out_dtype, copy=False)
+    return out.reshape(shape), record
+
+
+def _read_range(reader: Any, key: str, start: int, stop: int) -> np.ndarray:
+    """Entries ``[start, stop)`` of a tensor, flat (a reader without range reads: the whole, sliced)."""
+    dtype = reader.specs[key][1]
+    if hasattr(reader, "read_range_into"):
+        out = np.empty(stop - start, dtype)
+        reader.read_range_into(key, start, out)
+        return out
+    return _read(reader, key).reshape(-1)[start:stop]
+
+
+def _merge_one(
+    cfg: MergekitConfig,
+    tensor: Tensor,
+    arrays: list[np.ndarray],
+    rng: np.random.Generator,
+    float32_spherical: bool,
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """Merge one tensor's inputs (already in the compute dtype) by the configuration's method."""
+    from consensus.merging import generalized, spherical
+
+    shared, per, base_policy, _ = method_table(cfg.method)
+    p, per_values, base = _resolve(cfg, tensor)
+    models = [(src, a) for (src, _), a in zip(tensor.inputs, arrays, strict=True) if src.model != base]
+    base_arr = next((a for (src, _), a in zip(tensor.inputs, arrays, strict=True) if src.model == base), None)
     record = {**p, **per_values}
     xs = [a for _, a in models]
     m = cfg.method
@@ -402,6 +490,15 @@ def _merge_one(
     return out, {k: v for k, v in record.items() if v is not None}
 
 
+def _leaf_entry(t: Tensor, params: Mapping[str, Any]) -> dict[str, Any]:
+    """A tensor's report entry: its sources, its layer position and the parameters it got."""
+    return {
+        "sources": [f"{src.model}:{k}" for src, k in t.inputs],
+        **({"t": round(t.t, 8)} if t.layer is not None else {}),
+        "params": {k: v for k, v in params.items() if v is not None},
+    }
+
+
 def _float(dtype: Any) -> bool:
     """Whether a dtype is a float one (bfloat16 included)."""
     return np.dtype(dtype).kind == "f" or np.dtype(dtype).name == "bfloat16"
@@ -429,6 +526,7 @@ def run_job(
     from tqdm.auto import tqdm
 
     from consensus import io as ckpt
+    from consensus.merging.generalized import GTA_METHODS
     from meta_consensus.merge.inputs import copy_model_files, open_input
     from meta_consensus.merge.plan import output_dtype
     from meta_consensus.merge.report import write_report
@@ -487,8 +585,24 @@ def run_job(
             )
             try:
                 for index, t in enumerate(tensors):
-                    arrays = [np.asarray(_read(readers[src.model], k)) for src, k in t.inputs]
                     shape, dtype = specs[t.name]
+                    first = readers[t.inputs[0][0].model].specs[t.inputs[0][1]][1]
+                    if _float(first) and cfg.method in GTA_METHODS:  # two passes, a few copies in memory
+                        compute = (
+                            (cfg_dtype if cfg_dtype is not None else first)
+                            if job.compute == "config"
+                            else (np.float64 if np.dtype(first) == np.float64 else np.float32)
+                        )
+                        rng = np.random.default_rng([job.seed, index])
+                        try:
+                            merged, params = _gta_streamed(cfg, t, readers, compute, rng, dtype)
+                        except ValueError as e:
+                            raise MergeError(f"{cfg.path}: {t.name}: {e}") from None
+                        writer.write(t.name, merged)
+                        report["leaves"][t.name] = _leaf_entry(t, params)
+                        bar.update(1)
+                        continue
+                    arrays = [np.asarray(_read(readers[src.model], k)) for src, k in t.inputs]
                     if not _float(arrays[0].dtype):
                         if not all(np.array_equal(arrays[0], a) for a in arrays[1:]):
                             raise MergeError(
@@ -510,11 +624,7 @@ def run_job(
                     except ValueError as e:  # a formula's refusal (DELLA's epsilon, Multi-SLERP's antipodes)
                         raise MergeError(f"{cfg.path}: {t.name}: {e}") from None
                     writer.write(t.name, np.ascontiguousarray(np.asarray(merged).astype(dtype, copy=False)))
-                    report["leaves"][t.name] = {
-                        "sources": [f"{src.model}:{k}" for src, k in t.inputs],
-                        **({"t": round(t.t, 8)} if t.layer is not None else {}),
-                        "params": params,
-                    }
+                    report["leaves"][t.name] = _leaf_entry(t, params)
                     bar.update(1)
             finally:
                 writer.abort()
