@@ -175,7 +175,9 @@ def mix(
     return (base + mixed).astype(base.dtype)
 
 
-def masked_delta(x: np.ndarray, base: np.ndarray, mask: np.ndarray | None, factor: Any, work: Any) -> np.ndarray:
+def masked_delta(
+    x: np.ndarray, base: np.ndarray, mask: np.ndarray | None, factor: Any, work: Any
+) -> np.ndarray:
     """One model's sparsified task vector from its mask (:func:`~consensus.merging.sparsify.sparsify_mask`).
 
     Element-wise: ``((x - b) in work dtype * mask) * factor``, back in ``base``'s dtype, the same

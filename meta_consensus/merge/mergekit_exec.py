@@ -385,6 +385,41 @@ def _gta_streamed(
     return out.reshape(shape), record
 
 
+# The methods whose output entry depends only on the inputs' same entry: merged chunk by chunk.
+ELEMENTWISE = ("linear", "nearswap", "ram", "passthrough")
+
+
+def _elementwise_streamed(
+    cfg: MergekitConfig,
+    tensor: Tensor,
+    readers: Mapping[str, Any],
+    job: MergekitJob,
+    cfg_dtype: Any,
+    index: int,
+    out_dtype: Any,
+    chunk: int = CHUNK,
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """An element-wise method (:data:`ELEMENTWISE`) on one tensor, in flat chunks of every input."""
+    reader0, key0 = readers[tensor.inputs[0][0].model], tensor.inputs[0][1]
+    shape, first = reader0.specs[key0]
+    size = int(np.prod(shape, dtype=np.int64))
+    if job.compute == "config":
+        compute = cfg_dtype if cfg_dtype is not None else first
+    else:
+        compute = np.float64 if np.dtype(first) == np.float64 else np.float32
+    out = np.empty(size, out_dtype)
+    params: dict[str, Any] = {}
+    for start in range(0, size, chunk):
+        stop = min(size, start + chunk)
+        arrays = [
+            _read_range(readers[src.model], k, start, stop).astype(compute, copy=False)
+            for src, k in tensor.inputs
+        ]
+        merged, params = _merge_one(cfg, tensor, arrays, np.random.default_rng([job.seed, index]), False)
+        out[start:stop] = np.asarray(merged).astype(out_dtype, copy=False)
+    return out.reshape(shape), params
+
+
 def _read_range(reader: Any, key: str, start: int, stop: int) -> np.ndarray:
     """Entries ``[start, stop)`` of a tensor, flat (a reader without range reads: the whole, sliced)."""
     dtype = reader.specs[key][1]
@@ -598,6 +633,12 @@ def run_job(
                             merged, params = _gta_streamed(cfg, t, readers, compute, rng, dtype)
                         except ValueError as e:
                             raise MergeError(f"{cfg.path}: {t.name}: {e}") from None
+                        writer.write(t.name, merged)
+                        report["leaves"][t.name] = _leaf_entry(t, params)
+                        bar.update(1)
+                        continue
+                    if _float(first) and cfg.method in ELEMENTWISE:  # entry by entry: in flat chunks
+                        merged, params = _elementwise_streamed(cfg, t, readers, job, cfg_dtype, index, dtype)
                         writer.write(t.name, merged)
                         report["leaves"][t.name] = _leaf_entry(t, params)
                         bar.update(1)
