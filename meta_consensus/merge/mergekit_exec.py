@@ -323,7 +323,7 @@ def _gta_streamed(
     compute: Any,
     rng: np.random.Generator,
     out_dtype: Any,
-    chunk: int = CHUNK,
+    chunk: int | None = None,
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """A task-vector merge (TIES, DARE, breadcrumbs, DELLA, ...) of one tensor in two passes.
 
@@ -337,6 +337,7 @@ def _gta_streamed(
     from consensus.merging import generalized
     from consensus.merging.sparsify import sparsify_mask
 
+    chunk = chunk or CHUNK
     p, per, base = _resolve(cfg, tensor)
     sparse, consensus, _, _ = generalized.GTA_METHODS[cfg.method]
     record = {**p, **{k: v for k, v in per.items()}}
@@ -397,9 +398,10 @@ def _elementwise_streamed(
     cfg_dtype: Any,
     index: int,
     out_dtype: Any,
-    chunk: int = CHUNK,
+    chunk: int | None = None,
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """An element-wise method (:data:`ELEMENTWISE`) on one tensor, in flat chunks of every input."""
+    chunk = chunk or CHUNK
     reader0, key0 = readers[tensor.inputs[0][0].model], tensor.inputs[0][1]
     shape, first = reader0.specs[key0]
     size = int(np.prod(shape, dtype=np.int64))

@@ -407,3 +407,29 @@ parameters:
         want = _slerp(0.25, np.asarray(stage[k], np.float64), m["wizard"][k])
         np.testing.assert_allclose(got[k], want, rtol=1e-6, atol=1e-7)
     assert len(report["stages"]) == 1
+
+
+def test_chunked_passes_equal_whole_tensors(models, monkeypatch):
+    """The two-pass task-vector merge and the element-wise methods read in chunks (here 37 entries,
+    so chunks cut rows): the same bits as one chunk per tensor."""
+    from meta_consensus.merge import mergekit_exec
+
+    tmp, _ = models
+    text = f"""models:
+  - model: {tmp}/orca
+    parameters: {{weight: [0.2, 1.0], density: [0.9, 0.3]}}
+  - model: {tmp}/platypus
+    parameters: {{weight: 0.5, density: 0.5, gamma: 0.05}}
+merge_method: breadcrumbs_ties
+base_model: {tmp}/llama2
+"""
+    swap = f"merge_method: nearswap\nbase_model: {tmp}/llama2\nmodels:\n  - model: {tmp}/orca\n"
+    swap += "parameters:\n  t: 0.01\n"
+    whole, _ = _run(tmp, text, "bc_whole")
+    whole_swap, _ = _run(tmp, swap, "swap_whole")
+    monkeypatch.setattr(mergekit_exec, "CHUNK", 37)
+    chunked, _ = _run(tmp, text, "bc_chunked")
+    chunked_swap, _ = _run(tmp, swap, "swap_chunked")
+    for k in whole:
+        np.testing.assert_array_equal(whole[k], chunked[k])
+        np.testing.assert_array_equal(whole_swap[k], chunked_swap[k])
