@@ -13,6 +13,7 @@ in distribution (each entry kept independently with its probability), not bit fo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,9 @@ from consensus.merging._numeric import reduce_sum
 RESCALE_EPS = 1e-7  # mergekit's rescaled_masked_tensor: no rescale when a norm is below it
 
 
-def rank_window(a: np.ndarray, lo: int, hi: int) -> np.ndarray:
+def rank_window(
+    a: np.ndarray, lo: int, hi: int, refill: Callable[[np.ndarray], None] | None = None
+) -> np.ndarray:
     """Which entries of a flat array have ascending (stable) rank in ``[lo, hi)``.
 
     The entries of rank ``lo`` and ``hi - 1`` are found by one ``np.partition``; entries equal
@@ -32,6 +35,8 @@ def rank_window(a: np.ndarray, lo: int, hi: int) -> np.ndarray:
       a: A 1-D float array.
       lo: The first rank kept.
       hi: One past the last rank kept.
+      refill: Given, ``a`` is partitioned in place (no copy of it) and ``refill(a)`` then writes
+        its values back (the caller recomputes them, e.g. ``|d|`` from ``d``).
 
     Returns:
       A bool array like ``a`` with ``max(0, min(hi, a.size) - max(lo, 0))`` entries True.
@@ -41,9 +46,14 @@ def rank_window(a: np.ndarray, lo: int, hi: int) -> np.ndarray:
     keep = np.zeros(n, bool)
     if hi <= lo:
         return keep
-    part = np.partition(a, [lo, hi - 1])
-    v_lo, v_hi = part[lo], part[hi - 1]
-    del part
+    if refill is None:
+        part = np.partition(a, [lo, hi - 1])
+        v_lo, v_hi = part[lo], part[hi - 1]
+        del part
+    else:
+        a.partition([lo, hi - 1])
+        v_lo, v_hi = a[lo], a[hi - 1]
+        refill(a)
     keep = (a > v_lo) & (a < v_hi)
     for v in {float(v_lo), float(v_hi)}:
         at = np.flatnonzero(a == v)
@@ -113,9 +123,14 @@ def magnitude_mask(delta: np.ndarray, density: float) -> np.ndarray | None:
     if density <= 0 or delta.size == 0:
         return np.zeros(delta.size, bool)
     k = max(1, int(density * delta.size))
-    a = np.abs(delta).reshape(-1).astype(np.float32)
-    np.negative(a, out=a)  # descending order: ranks of -|d|, in place (a copy of the tensor saved)
-    return rank_window(a, 0, k)
+
+    def fill(a: np.ndarray) -> None:  # -|d| in float32: descending magnitude is ascending rank
+        np.abs(delta.reshape(-1), out=a, casting="unsafe")
+        np.negative(a, out=a)
+
+    a = np.empty(delta.size, np.float32)
+    fill(a)
+    return rank_window(a, 0, k, fill)
 
 
 def magnitude_outliers(
@@ -160,7 +175,13 @@ def outliers_mask(delta: np.ndarray, density: float, gamma: float) -> np.ndarray
     n = delta.size
     target, top = int(density * n), int(gamma * n)
     bottom = max(0, n - target - top)
-    return rank_window(np.abs(delta).reshape(-1).astype(np.float32), bottom, bottom + target)
+
+    def fill(a: np.ndarray) -> None:
+        np.abs(delta.reshape(-1), out=a, casting="unsafe")
+
+    a = np.empty(n, np.float32)
+    fill(a)
+    return rank_window(a, bottom, bottom + target, fill)
 
 
 def bernoulli(

@@ -356,18 +356,18 @@ def _gta_streamed(
         b = _read(base_reader, base_in).astype(compute, copy=False)
         d = np.subtract(d, b, out=d) if d.flags.writeable else d - b
         del b
-        plans.append(
-            sparsify_mask(
-                d,
-                sparse,
-                float(per["density"][i]),
-                rescale=bool(p["rescale"]),
-                gamma=float(per["gamma"][i]) if "gamma" in per else 0.01,
-                epsilon=float(per["epsilon"][i]) if "epsilon" in per else 0.15,
-                rng=rng,
-            )
+        mask, factor, work = sparsify_mask(
+            d,
+            sparse,
+            float(per["density"][i]),
+            rescale=bool(p["rescale"]),
+            gamma=float(per["gamma"][i]) if "gamma" in per else 0.01,
+            epsilon=float(per["epsilon"][i]) if "epsilon" in per else 0.15,
+            rng=rng,
         )
-        del d
+        # packed 8 entries a byte: the masks of n models cost n/8 bytes per entry until pass 2
+        plans.append((None if mask is None else np.packbits(mask), factor, work))
+        del d, mask
     out = np.empty(size, out_dtype)
     weights = [float(w) for w in per["weight"]]
     for start in range(0, size, chunk):
@@ -376,9 +376,8 @@ def _gta_streamed(
         deltas = np.empty((len(models), stop - start), np.dtype(compute))
         for i, ((reader, key), (mask, factor, work)) in enumerate(zip(models, plans, strict=True)):
             x = _read_range(reader, key, start, stop)
-            deltas[i] = generalized.masked_delta(
-                x, b, None if mask is None else mask[start:stop], factor, work
-            )
+            bits = None if mask is None else _unpack(mask, start, stop)
+            deltas[i] = generalized.masked_delta(x, b, bits, factor, work)
         merged = generalized.mix(
             b, deltas, weights, consensus=consensus, normalize=bool(p["normalize"]), scale=float(p["lambda"])
         )
@@ -420,6 +419,13 @@ def _elementwise_streamed(
         merged, params = _merge_one(cfg, tensor, arrays, np.random.default_rng([job.seed, index]), False)
         out[start:stop] = np.asarray(merged).astype(out_dtype, copy=False)
     return out.reshape(shape), params
+
+
+def _unpack(packed: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """Entries ``[start, stop)`` of a ``np.packbits`` mask, as bools."""
+    b0 = start // 8
+    bits = np.unpackbits(packed[b0 : (stop + 7) // 8])
+    return bits[start - 8 * b0 : stop - 8 * b0].astype(bool)
 
 
 def _read_range(reader: Any, key: str, start: int, stop: int) -> np.ndarray:
