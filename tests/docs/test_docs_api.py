@@ -1,8 +1,10 @@
 """Every public name of ``consensus``, ``strategies`` and ``meta_consensus`` is in the API reference.
 
 So is every name of the submodules a user imports from directly (``consensus.io``,
-``consensus.lora``, ``strategies.tasks``, ``meta_consensus.flower``): listed with its dotted name,
-or under the package's flat name when the package exports the same object.
+``consensus.lora``, ``strategies.tasks``, ``strategies.models``, ``meta_consensus.flower``,
+``meta_consensus.export``, ...): listed with its dotted name, or under the package's flat name when
+the package exports the same object. A submodule without ``__all__`` exports the functions and
+classes it defines whose names do not start with an underscore.
 
 The reference pages (docs/api/<package>.md) list names in autosummary blocks, grouped by topic;
 autosummary generates one page per name from its docstring when the site is built
@@ -27,8 +29,8 @@ DOCS = ROOT / "docs"
 PACKAGES = ("consensus", "strategies", "meta_consensus")
 SUBMODULES = {
     "consensus": ("consensus.io", "consensus.lora"),
-    "strategies": ("strategies.tasks",),
-    "meta_consensus": ("meta_consensus.flower", "meta_consensus.merge"),
+    "strategies": ("strategies.tasks", "strategies.models", "strategies.models.hub"),
+    "meta_consensus": ("meta_consensus.flower", "meta_consensus.merge", "meta_consensus.export"),
 }
 
 
@@ -51,6 +53,15 @@ def listed(package: str) -> list[str]:
 
 def public(package: str) -> list[str]:
     module = importlib.import_module(package)
+    if not hasattr(module, "__all__"):
+        # A module without __all__: the functions and classes it defines, less the private ones.
+        return [
+            n
+            for n, obj in vars(module).items()
+            if not n.startswith("_")
+            and (inspect.isclass(obj) or inspect.isfunction(obj))
+            and obj.__module__ == package
+        ]
     return [n for n in module.__all__ if not (n.startswith("__") and n.endswith("__"))]
 
 
