@@ -1,8 +1,8 @@
 """A finished run's consensus back to Hugging Face: a model folder, and a PEFT adapter for LoRA runs.
 
-``meta-consensus export RUN`` (and the end of every run of a Hugging Face model, the
-``causal_lm`` task) reads the run's ``consensus.safetensors`` and ``task.json`` (the model
-folder the task started from, and a LoRA run's settings) and writes:
+``meta-consensus export RUN`` reads a finished run's ``consensus.safetensors`` and ``task.json``
+(which runs of a Hugging Face model, the ``causal_lm`` task, write: the model folder the task
+started from, and a LoRA run's settings) and writes:
 
 * ``RUN/hf/``: the consensus as a model folder that ``AutoModelForCausalLM.from_pretrained``
   loads (:func:`strategies.models.save`: ``config.json`` and the tokenizer files of the source
