@@ -24,7 +24,15 @@ def test_quick_mode_writes_time_and_rss_per_method(tmp_path):
     from benchmarks.speed import merge_methods_hf
 
     try:
-        args = ["--quick", "--methods", "ties,median", "--out", str(tmp_path)]
+        args = [
+            "--quick",
+            "--methods",
+            "ties,median",
+            "--mergekit-methods",
+            "nearswap",
+            "--out",
+            str(tmp_path),
+        ]
         merge_methods_hf.main([*args, "--workdir", str(tmp_path / "work")])
     finally:
         harness.parse(harness.parser(None), [])  # back to the default results folder
@@ -32,7 +40,7 @@ def test_quick_mode_writes_time_and_rss_per_method(tmp_path):
     assert record["command"].startswith("python -m benchmarks merge_methods_hf --quick")
     assert record["settings"]["fine_tunes"] == 5 and record["settings"]["parameters"] > 0
     assert set(record["floor"]) == {"inputs", "inputs + base"}
-    assert set(record["results"]) == {"ties", "median"}
+    assert set(record["results"]) == {"ties", "median", "mergekit:nearswap"}
     for method, r in record["results"].items():
         assert r["ok"], (method, r.get("error"))
         assert r["wall_s"] > 0 and r["peak_rss_gb"] > 0 and math.isfinite(r["ratio_to_floor"])
