@@ -290,6 +290,7 @@ def ram(
     plus: bool = False,
     r: float = 0.1,
     alpha: float = 0.2,
+    boost: np.ndarray | None = None,
 ) -> np.ndarray:
     """Mergekit's ``ram`` (and ``ramplus_tl`` with ``plus``): Reinforced Agent Merging.
 
@@ -306,6 +307,9 @@ def ram(
       plus: ``ramplus_tl`` instead of ``ram``.
       r: ``ramplus_tl``'s boost.
       alpha: ``ramplus_tl``'s cap on the shared/unique ratio.
+      boost: ``ramplus_tl``'s per-model factor counted over the whole tensor
+        (:func:`~consensus.merging.streamed.ramplus_boost`), when ``base`` and ``models`` are a
+        chunk of it; None: counted here.
 
     Returns:
       The merged tensor.
@@ -322,7 +326,9 @@ def ram(
     tvz = tv * nz.astype(base.dtype)
     shared_part = tvz * overlap.astype(base.dtype) / np.maximum(counts, 1).astype(base.dtype)
     unique_part = tvz * unique.astype(base.dtype)
-    if plus:
+    if plus and boost is not None:
+        unique_part = unique_part * np.asarray(boost).astype(base.dtype)[:, None]
+    elif plus:
         shared_n = (nz & overlap).sum(axis=1).astype(np.float32)
         unique_n = (nz & unique).sum(axis=1).astype(np.float32)
         rho = shared_n / np.maximum(unique_n, np.float32(epsilon))
