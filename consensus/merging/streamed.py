@@ -264,9 +264,10 @@ def sce(
     """:func:`consensus.merging.generalized.sce` over chunks.
 
     With ``0 < select_topk < 1`` a first pass writes the variances across models into one
-    tensor-sized float32 array, whose top-k (:func:`~consensus.merging.sparsify.rank_window`)
-    becomes a mask packed 8 entries a byte; a second pass sums each model's mean square; the
-    last merges chunk by chunk.
+    tensor-sized float32 array, whose top-k (:func:`~consensus.merging.sparsify.rank_window`,
+    partitioning that array in place, then a pass that writes the variances back) becomes a mask
+    packed 8 entries a byte; a next pass sums each model's mean square; the last merges chunk by
+    chunk.
 
     Args:
       base: The base tensor.
@@ -295,17 +296,24 @@ def sce(
     if 0 < select_topk < 1:
         from consensus.merging.sparsify import rank_window
 
+        nonzero = [0]
+
+        def variances(flat: np.ndarray) -> None:
+            """Write ``-|var|`` (the formula's ``-flat``) into ``flat``, counting the nonzero ones."""
+            nonzero[0] = 0
+            for s, e in spans:
+                tv, _ = tvs(s, e)
+                mean = reduce_sum(tv, axis=0) / np.asarray(n, dtype)
+                var = reduce_sum(np.square(tv - mean), axis=0) / np.asarray(n, dtype)
+                nonzero[0] += int(np.count_nonzero(var))
+                flat[s:e] = np.abs(var)
+                np.negative(flat[s:e], out=flat[s:e])
+
         flat = np.empty(size, np.float32)
-        nonzero = 0
-        for s, e in spans:
-            tv, _ = tvs(s, e)
-            mean = reduce_sum(tv, axis=0) / np.asarray(n, dtype)
-            var = reduce_sum(np.square(tv - mean), axis=0) / np.asarray(n, dtype)
-            nonzero += int(np.count_nonzero(var))
-            flat[s:e] = np.abs(var)
-        k = int(nonzero * select_topk)
-        np.negative(flat, out=flat)
-        keep = rank_window(flat, 0, k) if k > 0 else np.zeros(size, bool)
+        variances(flat)
+        k = int(nonzero[0] * select_topk)
+        # partitioned in place and refilled by a pass over the inputs: no second tensor-sized copy
+        keep = rank_window(flat, 0, k, refill=variances) if k > 0 else np.zeros(size, bool)
         del flat
         packed = np.packbits(keep)
         del keep

@@ -421,6 +421,98 @@ def _elementwise_streamed(
     return out.reshape(shape), params
 
 
+# The methods that need statistics of the whole tensor (norms, dot products, a variance rank, a
+# quantile, counts) before any entry: their passes read chunks (consensus.merging.streamed).
+STREAMED = ("slerp", "nuslerp", "multislerp", "sce", "arcee_fusion", "ramplus_tl")
+
+
+def _can_stream(tensor: Tensor, readers: Mapping[str, Any]) -> bool:
+    """Whether every input of a tensor is read by range and it has entries (and an axis: Arcee Fusion)."""
+    shape = readers[tensor.inputs[0][0].model].specs[tensor.inputs[0][1]][0]
+    return (
+        len(shape) > 0
+        and int(np.prod(shape, dtype=np.int64)) > 0
+        and all(hasattr(readers[src.model], "read_range_into") for src, _ in tensor.inputs)
+    )
+
+
+def _stats_streamed(
+    cfg: MergekitConfig,
+    tensor: Tensor,
+    readers: Mapping[str, Any],
+    job: MergekitJob,
+    cfg_dtype: Any,
+    index: int,
+    out_dtype: Any,
+    chunk: int | None = None,
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """A method of :data:`STREAMED` on one tensor: its statistics pass by pass, then the merge, in chunks.
+
+    The same operations as :func:`_merge_one` on whole tensors (whole-tensor sums accumulated
+    chunk by chunk, see :mod:`consensus.merging.streamed`), with one chunk per input alive
+    instead of every input's whole tensor.
+    """
+    from consensus.merging import generalized, streamed
+
+    chunk = chunk or CHUNK
+    reader0, key0 = readers[tensor.inputs[0][0].model], tensor.inputs[0][1]
+    shape, first = reader0.specs[key0]
+    size = int(np.prod(shape, dtype=np.int64))
+    if job.compute == "config":
+        compute = cfg_dtype if cfg_dtype is not None else first
+    else:
+        compute = np.float64 if np.dtype(first) == np.float64 else np.float32
+    m = cfg.method
+    # as _merge_one: mergekit's slerp computes in float32 whatever the configuration's dtype
+    then = np.float32 if (m == "slerp" and job.compute == "config") else None
+
+    def read(model: str, key: str) -> streamed.Read:
+        reader = readers[model]
+
+        def entries(start: int, stop: int) -> np.ndarray:
+            a = _read_range(reader, key, start, stop).astype(compute, copy=False)
+            return a if then is None else a.astype(then, copy=False)
+
+        return entries
+
+    p, per, base = _resolve(cfg, tensor)
+    record = {k: v for k, v in {**p, **per}.items() if v is not None}
+    xs = [read(src.model, k) for src, k in tensor.inputs if src.model != base]
+    b = next((read(src.model, k) for src, k in tensor.inputs if src.model == base), None)
+    out = np.empty(size, out_dtype)
+    if m == "slerp":
+        assert b is not None
+        streamed.slerp(float(p["t"]), b, xs[0], size, out, chunk=chunk)
+    elif m == "nuslerp":
+        w = [float(v) for v in per["weight"]]
+        t = 0.5 if abs(sum(w)) < 1e-6 else w[1] / sum(w)
+        row_wise, flatten = bool(p["nuslerp_row_wise"]), bool(p["nuslerp_flatten"])
+        streamed.nuslerp(t, xs[0], xs[1], shape, out, base=b, row_wise=row_wise, flatten=flatten, chunk=chunk)
+    elif m == "multislerp":
+        weights = [float(v) for v in per["weight"]]
+        normalize, eps = bool(p["normalize_weights"]), float(p["eps"])
+        streamed.multislerp(xs, weights, size, out, base=b, normalize_weights=normalize, eps=eps, chunk=chunk)
+    elif m == "sce":
+        assert b is not None
+        streamed.sce(b, xs, size, out, select_topk=float(p["select_topk"]), chunk=chunk)
+    elif m == "arcee_fusion":
+        assert b is not None
+        rng = np.random.default_rng([job.seed, index])
+        streamed.arcee_fusion(b, xs[0], shape, out, rng, chunk=chunk)
+    elif m == "ramplus_tl":
+        assert b is not None
+        eps, r, alpha = float(p["epsilon"]), float(p["r"]), float(p["alpha"])
+        boost = streamed.ramplus_boost(b, xs, size, eps, r, alpha, chunk=chunk)
+        for start in range(0, size, chunk):
+            stop = min(size, start + chunk)
+            bb = b(start, stop)
+            merged = generalized.ram(bb, [x(start, stop) for x in xs], eps, True, r, alpha, boost=boost)
+            out[start:stop] = merged.astype(out_dtype, copy=False)
+    else:  # pragma: no cover - STREAMED lists the methods above
+        raise MergeError(f"merge_method {m!r} is not streamed")
+    return out.reshape(shape), record
+
+
 def _unpack(packed: np.ndarray, start: int, stop: int) -> np.ndarray:
     """Entries ``[start, stop)`` of a ``np.packbits`` mask, as bools."""
     b0 = start // 8
@@ -647,6 +739,15 @@ def run_job(
                         continue
                     if _float(first) and cfg.method in ELEMENTWISE:  # entry by entry: in flat chunks
                         merged, params = _elementwise_streamed(cfg, t, readers, job, cfg_dtype, index, dtype)
+                        writer.write(t.name, merged)
+                        report["leaves"][t.name] = _leaf_entry(t, params)
+                        bar.update(1)
+                        continue
+                    if _float(first) and cfg.method in STREAMED and _can_stream(t, readers):
+                        try:  # statistics of the whole tensor first, then the merge: passes over chunks
+                            merged, params = _stats_streamed(cfg, t, readers, job, cfg_dtype, index, dtype)
+                        except ValueError as e:  # Multi-SLERP's antipodes
+                            raise MergeError(f"{cfg.path}: {t.name}: {e}") from None
                         writer.write(t.name, merged)
                         report["leaves"][t.name] = _leaf_entry(t, params)
                         bar.update(1)
