@@ -9,7 +9,10 @@ DELLA, SCE, NuSLERP, Multi-SLERP, NearSwap, RAM, Arcee Fusion, passthrough), and
 Each output tensor is read from its sources (one tensor per model at a time), merged by the
 numpy formula of :mod:`consensus.merging.generalized`, :mod:`~consensus.merging.spherical` or
 :mod:`~consensus.merging.sparsify`, cast to the output dtype and written; memory is a few
-copies of the largest tensor, never a model. Layers are found by name: the tensors
+copies of the largest tensor, never a model. Float tensors are read in chunks: element-wise
+methods chunk by chunk, the task-vector ones in two passes (masks, then the merge), and those
+needing a tensor-wide statistic (SLERP, NuSLERP, Multi-SLERP, SCE, Arcee Fusion, RAM+) in a
+pass per statistic (:mod:`consensus.merging.streamed`). Layers are found by name: the tensors
 ``PREFIX.N.REST`` under the prefix with the most numbered entries (``model.layers``,
 ``transformer.h``); tensors outside it come before the layers (embeddings) or after them
 (final norm, head: names holding ``norm``, ``ln_f``, ``lm_head``), from the first slice's or
