@@ -61,6 +61,8 @@ MERGEKIT_ONLY: dict[str, tuple[dict[str, Any], dict[str, Any], int | None]] = {
     "multislerp": ({"weight": 0.5}, {}, None),
     "nearswap": ({}, {"t": 1e-4}, 1),
     "arcee_fusion": ({}, {}, 1),
+    "slerp": ({}, {"t": [0.0, 0.5, 1.0]}, 1),  # a gradient: tensor by tensor, not the plan-based merge
+    "ramplus_tl": ({}, {"epsilon": 1e-5}, None),
 }
 
 MERGEKIT_SOURCES = {
