@@ -107,6 +107,9 @@ def _assert_equal(multi, hist_m, single):
     assert [h.node_accuracy for h in hist_m] == [h.node_accuracy for h in single.history]
 
 
+# Two minutes of make test's wall time on 2 cores (two jax.distributed processes, twice): in the slow
+# tier, which CI runs after make test, like the other two-process tests (tests/strategies/test_multihost.py).
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_processes_equal_one_and_resume_bit_exact(tmp_path):
     """2 rounds on two processes == one process; then both --resume from round 1's checkpoint == again.
