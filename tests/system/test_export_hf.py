@@ -66,7 +66,7 @@ def _fake_run(run: Path, folder: Path, flat: dict, lora: dict | None = None) -> 
     return run
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_a_full_consensus_exports_a_folder_that_transformers_loads_with_equal_logits(tmp_path, family):
     from strategies import models
 
