@@ -5,6 +5,7 @@ solve time, fallback); :func:`convex_merge` wraps one as an aggregator.
 """
 
 from consensus.convex.curvature import LossModel, empirical_fisher, softmax_gauss_newton
+from consensus.convex.firstorder import accelerated_projected_gradient, frank_wolfe_gap, linear_minimizer
 from consensus.convex.merge import (
     ConvexMergeState,
     SolverFailure,
@@ -42,11 +43,14 @@ __all__ = [
     "ProblemCache",
     "ProblemKey",
     "SolverFailure",
+    "accelerated_projected_gradient",
     "Weigher",
     "anchor_weigher",
     "anchor_weights",
     "convex_merge",
     "empirical_fisher",
+    "frank_wolfe_gap",
+    "linear_minimizer",
     "mixture_nll_weigher",
     "mixture_nll_weights",
     "project_capped_simplex",

@@ -453,9 +453,13 @@ def project_capped_simplex(v: np.ndarray, lb: np.ndarray, ub: np.ndarray) -> np.
 
     The projection is ``clip(v - tau, lb, ub)`` for the tau with sum 1. The sum
     s(tau) is non-increasing and piecewise linear with breakpoints at
-    ``v - ub`` and ``v - lb``: evaluate it at all 2n breakpoints, find the
-    segment where it crosses 1 and interpolate linearly (O(n^2) flops, which
-    at n <= a few hundred is faster than bisection in Python).
+    ``v - ub`` (a coordinate leaves its cap) and ``v - lb`` (it reaches its
+    floor); between breakpoints its slope is minus the number of coordinates
+    strictly inside their bounds. Sorting the 2n breakpoints and accumulating
+    slope times length gives s at every breakpoint in O(n log n); tau is the
+    linear interpolation on the segment where s crosses 1. (The cross-device
+    solvers project hundreds of times per round at n in the hundreds, where
+    evaluating the sum at every breakpoint, O(n^2), was the cost.)
 
     Args:
       v: (n,) the point to project.
@@ -466,8 +470,16 @@ def project_capped_simplex(v: np.ndarray, lb: np.ndarray, ub: np.ndarray) -> np.
       (n,) float64, the projection.
     """
     v = np.asarray(v, np.float64)
-    taus = np.unique(np.concatenate([v - ub, v - lb]))
-    sums = np.clip(v[None, :] - taus[:, None], lb, ub).sum(axis=1)  # non-increasing in tau
+    lb = np.asarray(lb, np.float64)
+    ub = np.asarray(ub, np.float64)
+    width = (ub > lb).astype(np.float64)  # a fixed coordinate (lb == ub) never changes the slope
+    points = np.concatenate([v - ub, v - lb])
+    order = np.argsort(points, kind="stable")
+    taus = points[order]
+    inside = np.cumsum(np.concatenate([width, -width])[order])  # free coordinates right of each point
+    sums = np.empty_like(taus)
+    sums[0] = ub.sum()  # left of every breakpoint each coordinate sits at its cap
+    sums[1:] = sums[0] - np.cumsum(inside[:-1] * np.diff(taus))
     k = int(np.searchsorted(-sums, -1.0, side="left"))  # first breakpoint with sum <= 1
     if k == 0:
         tau = taus[0]

@@ -80,8 +80,9 @@ class ConvexWeights:
         mixture_nll: mean NLL; anchor: squared distance), ridge included.
       status: the solver's status ("optimal", "optimal_inaccurate", or why it
         failed).
-      solve_time: seconds spent in ``problem.solve`` (all Newton steps for the
-        Newton method); building statistics is not included.
+      solve_time: seconds spent in ``problem.solve`` (for the mixture NLL's Newton method:
+        its first-order and Newton iterations and any cvxpy solve); building statistics is
+        not included.
       fallback: True when the weights are the uniform fallback.
       message: why the fallback was taken, or notes ("" when none).
       accepted: (n,) bool, the nodes allowed a positive weight.
@@ -89,6 +90,8 @@ class ConvexWeights:
       solver: the cvxpy solver used.
       built: True when this call compiled the problem (False: a DPP re-solve).
       iterations: solves performed (1, or the Newton steps).
+      gap: an upper bound on ``objective - min objective`` (the Frank-Wolfe duality gap at
+        ``weights``; mixture_nll only), NaN where not computed.
     """
 
     weights: np.ndarray
@@ -102,6 +105,7 @@ class ConvexWeights:
     solver: str = DEFAULT_SOLVER
     built: bool = False
     iterations: int = 1
+    gap: float = math.nan
 
 
 # ----------------------------------------------------------------------------- QP

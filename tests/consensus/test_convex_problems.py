@@ -139,21 +139,32 @@ def test_nan_point_with_optimal_status_falls_back(monkeypatch):
     assert np.all(np.isfinite(res.weights))
 
 
-def test_newton_fallback_when_a_step_fails(monkeypatch):
-    cache = ProblemCache()
+def test_newton_falls_back_to_cvxpy_then_to_uniform(monkeypatch):
     p = random_probs(7, 4, 30)
-    mixture_nll_weights(p, cache=cache, method="newton")
-    compiled = cache[cache.keys()[0]]
+    real_solve = problems.solve
 
-    def boom(*args, **kwargs):
-        raise cp.error.SolverError("step failed")
+    def failing(kinds):
+        def solve(compiled, values, **kwargs):
+            if compiled.key.objective in kinds:
+                return problems.SolveOutcome(
+                    None, float("nan"), "solver_error", 0.0, "solver raised: step failed"
+                )
+            return real_solve(compiled, values, **kwargs)
 
-    monkeypatch.setattr(compiled.problem, "solve", boom)
+        return solve
+
     # The KKT-certified active-set step would solve this small QP without the solver: decline it,
-    # so the step goes to cvxpy, which fails.
+    # so every Newton step goes to cvxpy's QP, which fails; the conic form then solves the problem.
     monkeypatch.setattr(mixture, "_kkt_step", lambda *a: None)
-    res = mixture_nll_weights(p, cache=cache, method="newton")
-    assert res.fallback and "Newton step 1" in res.message
+    monkeypatch.setattr(problems, "solve", failing({"qp"}))
+    res = mixture_nll_weights(p, cache=ProblemCache(), method="newton")
+    conic = mixture_nll_weights(p, cache=ProblemCache(), method="conic")
+    assert not res.fallback and "Newton step 1" in res.message and "kept cvxpy's point" in res.message
+    np.testing.assert_array_equal(res.weights, conic.weights)
+    # Both fail: the uniform fallback, with both reasons.
+    monkeypatch.setattr(problems, "solve", failing({"qp", "mixture_nll"}))
+    res = mixture_nll_weights(p, cache=ProblemCache(), method="newton")
+    assert res.fallback and "Newton step 1" in res.message and res.message.count("step failed") == 2
     np.testing.assert_array_equal(res.weights, np.full(4, 0.25))
 
 
