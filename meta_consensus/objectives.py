@@ -8,10 +8,12 @@ data is the coordinator's own, never node data.
 Adding an objective is one function ``build(weights_cfg, task, heldout) -> Weigher``
 declared with ``@OBJECTIVES.declare("name")`` (the docstring's first line is its
 summary); ``traits={"classification": True}`` says it needs per-class logits, which
-the pipeline checks against the task's ``kind``. ``mixture_nll`` reads the probability of
-every held-out target; a task with a large output (the causal LM's vocabulary) provides
-``target_probs(params, batch)``, computed in chunks, and the nodes are then evaluated one
-after the other. A user's module declares one the same
+the pipeline checks against the task's ``kind``; ``traits={"reads_vote_output": True}`` says it
+weighs the nodes towards the vote's output (``voted``), so a vote that keeps every node still
+shapes the merge (the pipeline's report says when the weights replaced a vote's output).
+``mixture_nll`` reads the probability of every held-out target; a task with a large output (the
+causal LM's vocabulary) provides ``target_probs(params, batch)``, computed in chunks, and the
+nodes are then evaluated one after the other. A user's module declares one the same
 way and names itself as a plug-in (:mod:`consensus.plugins`).
 """
 
@@ -160,7 +162,7 @@ def _mixture_nll(cfg, task, heldout) -> Weigher:
     return weigh
 
 
-@OBJECTIVES.declare("anchor")
+@OBJECTIVES.declare("anchor", traits={"reads_vote_output": True})
 def _anchor(cfg, task, heldout) -> Weigher:
     """The convex combination of accepted nodes closest to the vote's output."""
     cache = ProblemCache()

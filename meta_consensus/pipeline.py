@@ -10,10 +10,16 @@ section building its part:
    nodes of one host). f is ``floor(fault_tolerance * answered)`` or the absolute
    ``num_byzantine`` (see :class:`~meta_consensus.config.VoteConfig`), so the vote is
    built for the round's f (and cached per f).
-2. **weights** (``[weights]``): :func:`consensus.convex.convex_merge` with the
+2. **weights** (``[weights]``): with ``objective = "vote"`` the vote's output is the
+   merge. Any other objective is :func:`consensus.convex.convex_merge` with the
    objective's weigher (:mod:`meta_consensus.objectives`) and ``vote=`` the vote
-   above: only the nodes the vote accepted may get weight. ``objective = "vote"``
-   keeps the vote's output. A cap below ``1 / accepted`` is raised to it.
+   above: the weights re-weigh the nodes the vote kept, and the vote's own output
+   is used only by an objective that reads it (``anchor``: the convex combination
+   of the kept nodes closest to it). A rule that keeps every node (the median, the
+   trimmed mean, the geometric median, ...) therefore changes nothing under a
+   mask-only objective (``mixture_nll``, ``quadratic``, ``uniform``): the round's
+   :class:`MergeReport` says so in one line (``note``, warned once), and the run's
+   table repeats it. A cap below ``1 / accepted`` is raised to it.
 3. **DP** (``[dp]``): :func:`consensus.dp.privatize` with ``project=True``: node
    updates are clipped to C around the last consensus, the merged update is
    projected onto the C-ball and Gaussian noise of std ``z * 2C`` is added
@@ -21,16 +27,23 @@ section building its part:
    (vote "mean", objective "vote" or "uniform", no groups, no pre-aggregators)
    uses :func:`consensus.dp.dp_fedavg` and its sensitivity C / n.
 
+The coordinator's server step (``vote.server_step``) comes after all of them, as
+post-processing; :func:`relative_move` measures how far it moved the consensus
+relative to the merge's own move.
+
 :class:`MergePipeline` is the system's handle on that aggregator: it injects the
 round's DP key, says what the round will cost in privacy, and reads the round's
-report (accepted nodes, weights, timings, DP numbers) from the state, so the
-coordinator never looks inside the states.
+report (accepted nodes, weights, each node's share of the merge, the stage whose
+output is the merge, timings, DP numbers) from the state, so the coordinator never
+looks inside the states.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, cast
 
@@ -93,6 +106,15 @@ def build_vote(cfg: Config, answered: int | None = None) -> Aggregator:
     return grouped_vote(inner, top, v.groups)
 
 
+#: ``MergeReport.share_kind``: how to read the per-node share of the consensus.
+SHARE_WEIGHTS = "weights"  # a linear merge: the consensus is sum_i share_i x_i
+SHARE_COORDINATES = "coordinates"  # an order-statistic rule: node i's weight averaged over coordinates
+SHARE_NONE = "not a weighted rule"  # a non-linear rule whose output is no weighting of the nodes
+
+#: ``MergeReport.decided_by``: the stage whose output is the merge.
+STAGE_VOTE, STAGE_WEIGHTS, STAGE_SERVER = "vote", "weights", "server step"
+
+
 @dataclasses.dataclass
 class MergeReport:
     """What the merge did in one round, read from its state (host values).
@@ -105,6 +127,16 @@ class MergeReport:
       weight_cap: the weight cap in effect, ``max(max_weight, 1 / accepted)`` (NaN without one).
       clip_norm: the DP clipping norm (NaN without DP).
       noise_std: the DP noise standard deviation (NaN without DP).
+      share: (n,) float64, the share of the merge each node carried (see ``share_kind``); 0 for
+        the nodes left out, NaN everywhere for a rule that weighs no node (:data:`SHARE_NONE`).
+      share_kind: :data:`SHARE_WEIGHTS` (a linear merge, ``merged = sum_i share_i x_i`` with the
+        shares summing to 1), :data:`SHARE_COORDINATES` (the coordinate-wise median or trimmed
+        mean: per coordinate, each kept order statistic has weight ``1 / kept``; the share is
+        node i's weight averaged over the coordinates, summing to 1) or :data:`SHARE_NONE`.
+      decided_by: the stage whose output is the merge: :data:`STAGE_VOTE` (``weights.objective
+        = "vote"``) or :data:`STAGE_WEIGHTS` (the weights re-weighed the nodes the vote kept).
+      note: one line when the vote kept every valid node and the weights replaced its output
+        (the rule changed nothing but the names in the table), else "".
     """
 
     accepted: np.ndarray
@@ -114,6 +146,96 @@ class MergeReport:
     weight_cap: float = math.nan
     clip_norm: float = math.nan
     noise_std: float = math.nan
+    share: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0,)))
+    share_kind: str = SHARE_WEIGHTS
+    decided_by: str = STAGE_VOTE
+    note: str = ""
+
+
+def linear_share(weights: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """The shares of a linear merge: its weights over the valid nodes, normalized to sum to 1.
+
+    Args:
+      weights: (n,) the merge's node weights (``AggregationInfo.weights``).
+      valid: (n,) bool, the nodes that took part.
+
+    Returns:
+      (n,) float64 shares, 0 outside ``valid``, summing to 1 (all 0 when no weight is positive).
+    """
+    w = np.where(valid, np.abs(np.asarray(weights, np.float64)), 0.0)
+    total = w.sum()
+    return w / total if total > 0 else w
+
+
+def kept_ranks(rule: str, m: int, f: int) -> tuple[int, int] | None:
+    """The order statistics an order-statistic rule keeps at every coordinate, or None for other rules.
+
+    Args:
+      rule: the vote's rule.
+      m: the number of valid nodes.
+      f: the vote's f.
+
+    Returns:
+      ``(lo, hi)``, the ranks kept (0-based, inclusive): the middle one or two for ``median``,
+      ``f .. m - f - 1`` for ``trimmed_mean``; None for any other rule.
+    """
+    if rule == "median":
+        return ((m - 1) // 2, m // 2) if m > 0 else None
+    if rule == "trimmed_mean":
+        return (f, m - f - 1) if m > 2 * f else None
+    return None
+
+
+# Order-statistic shares read at most this many coordinates (an even stride over each leaf): the
+# share is an average over coordinates, and ranking a billion coordinates every round would cost
+# more than the merge.
+MAX_SHARE_COORDINATES = 1 << 20
+
+
+@functools.partial(jax.jit, static_argnames=("lo", "hi"))
+def _rank_share(x: jax.Array, lo: int, hi: int) -> jax.Array:
+    """(m,) each row's weight ``1 / (hi - lo + 1)`` where its rank is kept, summed over x's columns."""
+    m = x.shape[0]
+    idx = jnp.arange(m)[:, None]
+
+    def count(j, rank):
+        xj = x[j][None]
+        return rank + ((xj < x) | ((xj == x) & (j < idx))).astype(jnp.int32)  # ties: lower index first
+
+    rank = jax.lax.fori_loop(0, m, count, jnp.zeros(x.shape, jnp.int32))
+    kept = (rank >= lo) & (rank <= hi)
+    return kept.sum(axis=1).astype(jnp.float32) / (hi - lo + 1)
+
+
+def coordinate_share(stacked: PyTree, valid: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Each node's weight in an order-statistic merge, averaged over the coordinates.
+
+    At every coordinate the valid nodes' values are ranked (ties by node index) and the ranks
+    ``lo..hi`` carry weight ``1 / (hi - lo + 1)`` each (the median's middle value or two, the
+    trimmed mean's kept values). Large models are read at an even stride of at most
+    :data:`MAX_SHARE_COORDINATES` coordinates.
+
+    Args:
+      stacked: the nodes' stacked candidates.
+      valid: (n,) bool, the nodes that took part.
+      lo: the lowest kept rank.
+      hi: the highest kept rank.
+
+    Returns:
+      (n,) float64 shares, 0 outside ``valid``, summing to 1.
+    """
+    rows = np.flatnonzero(valid)
+    leaves = jax.tree.leaves(stacked)
+    total = sum(int(np.prod(x.shape[1:])) for x in leaves)
+    stride = max(1, math.ceil(total / MAX_SHARE_COORDINATES))
+    sums, count = np.zeros((len(rows),), np.float64), 0
+    for leaf in leaves:
+        x = jnp.reshape(jnp.asarray(leaf)[rows], (len(rows), -1))[:, ::stride]
+        sums += np.asarray(to_host(_rank_share(x, lo, hi)), np.float64)
+        count += x.shape[1]
+    out = np.zeros(np.shape(valid), np.float64)
+    out[rows] = sums / max(count, 1)
+    return out
 
 
 class MergePipeline:
@@ -147,6 +269,8 @@ class MergePipeline:
         self.noise_multiplier = noise_multiplier
         self.plain_fedavg = plain_fedavg(cfg)
         self._by_f: dict[int, Aggregator] = {}
+        self._coordinate_share: tuple[Any, np.ndarray] | None = None  # (state, shares) of the last update
+        self._warned = False  # the note of a vote whose output the weights replaced, warned once
         self.vote = build_vote(cfg)
         self.aggregator = self.for_answered(cfg.nodes.vote_size())
 
@@ -265,9 +389,25 @@ class MergePipeline:
           RoundFailure: when the solver fails or the vote is empty.
           consensus.base.ByzantineToleranceError: when the rule's precondition fails for this round.
         """
-        agg = self.for_answered(int(np.sum(valid)))
+        answered = int(np.sum(valid))
+        agg = self.for_answered(answered)
         merged, state = agg.update(stacked, state, params, mask=jnp.asarray(valid), **extra)
-        return jax.block_until_ready(merged), state
+        merged = jax.block_until_ready(merged)
+        self._coordinate_share = None
+        ranks = self._order_statistics(answered)
+        if ranks is not None:
+            vote_valid = np.asarray(to_host(get_info(state).valid), bool)
+            self._coordinate_share = (state, coordinate_share(stacked, vote_valid, *ranks))
+        return merged, state
+
+    def _order_statistics(self, answered: int) -> tuple[int, int] | None:
+        """The ranks the vote keeps when its output is the merge and it is an order-statistic rule."""
+        cfg, v = self.cfg, self.cfg.vote
+        # Clipping (DP) changes the nodes' ranks, pre-aggregators and groups mix the nodes: their
+        # outputs are no order statistic of the candidates.
+        if self._weigher is not None or cfg.dp.enabled or v.pre or v.groups > 1:
+            return None
+        return kept_ranks(v.rule, answered, vote_f(cfg, answered))
 
     def report(self, state: Any) -> MergeReport:
         """The round's accepted nodes, weights, timings and DP numbers, read from the state.
@@ -287,6 +427,7 @@ class MergePipeline:
             weights=np.asarray(to_host(info.weights), np.float64),
             seconds=dict(getattr(merge_state, "seconds", {})),
         )
+        self._shares(rep, state, merge_state, info)
         if result is not None:
             rep.solve_ms = 1e3 * result.solve_time
             k = int(rep.accepted.sum())
@@ -296,3 +437,59 @@ class MergePipeline:
             rep.clip_norm = float(state.dp.clip_norm)
             rep.noise_std = float(state.dp.noise_std)
         return rep
+
+    def _shares(self, rep: MergeReport, state: Any, merge_state: Any, info: Any) -> None:
+        """Fill the report's shares, deciding stage and note (see :class:`MergeReport`)."""
+        valid = np.asarray(to_host(info.valid), bool)
+        cached = getattr(self, "_coordinate_share", None)
+        if cached is not None and cached[0] is state:
+            rep.share, rep.share_kind = cached[1], SHARE_COORDINATES
+        elif info.linear:
+            rep.share = linear_share(rep.weights, valid)
+        else:
+            rep.share, rep.share_kind = np.full(valid.shape, math.nan), SHARE_NONE
+        if self._weigher is None:
+            return
+        rep.decided_by = STAGE_WEIGHTS
+        vinfo = get_info(merge_state.vote)
+        kept = np.asarray(to_host(vinfo.selected & vinfo.valid), bool)
+        rule = registry.RULES[self.cfg.vote.rule]
+        spec = OBJECTIVES[self.cfg.weights.objective]
+        if spec.traits.get("reads_vote_output", False) or rule.traits.get("uniform_mean", False):
+            return  # the weights lean on the vote's output, or the rule is the plain mean (weights alone)
+        if kept.sum() == np.asarray(to_host(vinfo.valid), bool).sum():
+            rep.note = (
+                f"vote.rule = {rule.name!r} kept every valid node, so weights.objective = {spec.name!r} "
+                f"re-weighed all of them and the rule's own output was not used (weights.objective = "
+                f"'vote' merges with it, 'anchor' weighs the nodes towards it)"
+            )
+            if not self._warned:
+                self._warned = True
+                warnings.warn(rep.note, stacklevel=2)
+
+
+def relative_move(before: PyTree, after: PyTree, params: PyTree) -> float:
+    """How far a stage moved the consensus relative to the merge's own move from the round's start.
+
+    ``|after - before| / |before - params|`` over all leaves.
+
+    The server step logs it: 0.5 means it moved the consensus half as far as the nodes' merge did.
+
+    Args:
+      before: the consensus before the stage (the merge).
+      after: the consensus after it.
+      params: the round's starting consensus.
+
+    Returns:
+      The ratio of the two Euclidean norms over all leaves (inf when the merge did not move).
+    """
+
+    def sq(a: PyTree, b: PyTree) -> float:
+        def one(x: jax.Array, y: jax.Array) -> jax.Array:
+            return jnp.sum(jnp.square(x.astype(jnp.float32) - y.astype(jnp.float32)))
+
+        parts = jax.tree.map(one, a, b)
+        return float(sum(np.asarray(to_host(v), np.float64) for v in jax.tree.leaves(parts)))
+
+    moved, merge = math.sqrt(sq(after, before)), math.sqrt(sq(before, params))
+    return moved / merge if merge > 0 else (0.0 if moved == 0 else math.inf)
