@@ -41,8 +41,125 @@ def roles(cfg: Config) -> list[str]:
     return [f"{s} + {cfg.byzantine.attack} (Byzantine)" if i in byz else s for i, s in enumerate(strategies)]
 
 
+# The share labels of the table and the plot, by MergeReport.share_kind (pipeline.SHARE_*).
+_SHARE_LABELS = {
+    "weights": ("share", "share: each node's weight in the merge (a linear rule), mean over rounds"),
+    "coordinates": (
+        "coord share",
+        "coord share: each node's weight per coordinate (the kept order statistics), mean over "
+        "coordinates and rounds",
+    ),
+    "not a weighted rule": ("share", "share: n/a, the vote's rule is not a weighted rule"),
+    "logged weights": ("mean weight", "mean weight: the logged merge weights (a run from before shares)"),
+}
+
+
+def shares(history: Sequence[RoundInfo]) -> tuple[np.ndarray, str]:
+    """Each node's share of the consensus per successful round, and how to read it.
+
+    Runs from before shares were logged read their merge weights instead (``"logged weights"``).
+
+    Args:
+      history: the rounds logged.
+
+    Returns:
+      ``(shares, kind)``: (rounds, n) float64 (NaN where a round's rule weighs no node) and the
+      kind of the last successful round (``"weights"``, ``"coordinates"``, ``"not a weighted
+      rule"`` or ``"logged weights"``).
+    """
+    done = [h for h in history if h.ok]
+    if not done:
+        return np.zeros((0, 0)), "weights"
+    rows, kind = [], "weights"
+    for h in done:
+        share = getattr(h, "share", None)
+        if share:
+            rows.append(share)
+            kind = getattr(h, "share_kind", "") or "weights"
+        else:
+            rows.append(h.weights)
+            kind = "logged weights"
+    return np.array(rows, np.float64), kind
+
+
+def let_through(cfg: Config, history: Sequence[RoundInfo]) -> dict[int, float]:
+    """The Byzantine nodes the vote accepted in some successful round, with the share of rounds.
+
+    Args:
+      cfg: the run config (``byzantine.nodes``).
+      history: the rounds logged.
+
+    Returns:
+      Node index -> fraction of successful rounds in which the vote accepted it (only those above 0).
+    """
+    done = [h for h in history if h.ok]
+    if not done:
+        return {}
+    accepted = np.array([h.accepted for h in done], bool)
+    return {i: float(accepted[:, i].mean()) for i in cfg.byzantine.nodes if accepted[:, i].any()}
+
+
+def deciding_stage(cfg: Config, history: Sequence[RoundInfo]) -> str:
+    """One line: which stage decided the consensus in this run (the vote, the weights, the server step).
+
+    The merge is the vote's output when ``weights.objective = "vote"``, else the weights' (they
+    re-weigh the nodes the vote kept). The server step then moves the merge by ``vote.server_step``
+    times the coordinator's own update; when that move is at least as long as the merge's own
+    move from the round's start (mean over rounds), the server step decided the result.
+
+    Args:
+      cfg: the run config.
+      history: the rounds logged.
+
+    Returns:
+      The footer line.
+    """
+    done = [h for h in history if h.ok]
+    rule, objective = cfg.vote.rule, cfg.weights.objective
+    logged = [getattr(h, "decided_by", "") for h in done]
+    merge_stage = next((d for d in reversed(logged) if d), "vote" if objective == "vote" else "weights")
+    if merge_stage == "vote":
+        merge = f"the vote (vote.rule = {rule!r}; its output is the merge, weights.objective = 'vote')"
+    else:
+        merge = (
+            f"the weights (weights.objective = {objective!r} re-weighed the nodes vote.rule = {rule!r} kept)"
+        )
+    moves = [getattr(h, "server_move", math.nan) for h in done]
+    moves = [m for m in moves if isinstance(m, float) and math.isfinite(m)]
+    step = cfg.vote.server_step
+    if step <= 0:
+        server = ""
+    elif not moves:
+        server = f"; then the server step (vote.server_step = {step:g}; its move was not logged)"
+    else:
+        ratio = float(np.mean(moves))
+        if ratio >= 1.0:
+            return (
+                f"decided by: the server step (vote.server_step = {step:g} moved the consensus {ratio:.2f}x "
+                f"as far as the merge did, mean over rounds); before it, {merge}"
+            )
+        server = f"; then the server step moved it {ratio:.2f}x as far as the merge did (mean over rounds)"
+    dp = "; DP noise on the merge" if cfg.dp.enabled and cfg.dp.level == "node" else ""
+    return f"decided by: {merge}{server}{dp}"
+
+
+def _stage_notes(history: Sequence[RoundInfo]) -> list[str]:
+    """The pipeline's notes (a vote whose output the weights replaced), once each, with their rounds."""
+    done = [h for h in history if h.ok]
+    notes: dict[str, int] = {}
+    for h in done:
+        note = getattr(h, "stage_note", "")
+        if note:
+            notes[note] = notes.get(note, 0) + 1
+    return [f"note ({k} of {len(done)} rounds): {note}" for note, k in notes.items()]
+
+
 def table(cfg: Config, history: Sequence[RoundInfo], seconds: float | None = None) -> str:
     """The end-of-run table: every node, plain FedAvg and the consensus, epsilon and time.
+
+    Per node: the share of rounds its candidate was accepted by the vote and its share of the
+    consensus (:func:`shares`); Byzantine nodes the vote let through are flagged. The footer
+    names the stage that decided the result (:func:`deciding_stage`).
 
     Args:
       cfg: the run config.
@@ -59,19 +176,24 @@ def table(cfg: Config, history: Sequence[RoundInfo], seconds: float | None = Non
     if last is None:
         lines.append("no successful round: nothing to report")
         return "\n".join(lines)
-    weights = np.array([h.weights for h in history if h.ok], np.float64)
+    share, kind = shares(history)
+    label, legend = _SHARE_LABELS.get(kind, _SHARE_LABELS["weights"])
     accepted = np.array([h.accepted for h in history if h.ok], bool)
+    through = let_through(cfg, history)
     # A language task's perplexity goes beside the accuracy (the base model's too, when pretrained).
     ppl = "perplexity" in last.consensus_metrics
     base = next((h.base_metrics for h in history if h.base_metrics), {})
     w = f"{'node':>6}  {'strategy':<34}{'test acc':>9}" + (f"{'test ppl':>10}" if ppl else "")
-    w += f"{'accepted':>10}{'mean weight':>13}"
+    w += f"{'accepted':>10}{label:>13}"
     lines += [w, "-" * len(w)]
     for i, role in enumerate(roles(cfg)):
         node_ppl = f"{_at(last.node_metrics.get('perplexity'), i):>10.3f}" if ppl else ""
+        mean = _finite_mean(share[:, i])
+        mean_share = f"{mean:>13.3f}" if math.isfinite(mean) else f"{'n/a':>13}"
+        flag = "  <- attacker let through" if i in through else ""
         lines.append(
             f"{i:>6}  {role:<34}{last.node_accuracy[i]:>9.3f}{node_ppl}{accepted[:, i].mean():>10.0%}"
-            f"{weights[:, i].mean():>13.3f}"
+            f"{mean_share}{flag}"
         )
     lines.append("-" * len(w))
     if base and ppl:
@@ -84,6 +206,15 @@ def table(cfg: Config, history: Sequence[RoundInfo], seconds: float | None = Non
     consensus_ppl = f"{last.consensus_metrics['perplexity']:>10.3f}" if ppl else ""
     lines.append(f"{'':>6}  {'meta-consensus':<34}{last.consensus_accuracy:>9.3f}{consensus_ppl}")
     lines += _per_domain(cfg, last, base)
+    lines.append(f"accepted: share of rounds the vote kept the node; {legend}")
+    lines.append(deciding_stage(cfg, history))
+    if through:
+        carried = {i: _finite_mean(share[:, i]) for i in through}
+        lines.append(
+            "attackers the vote let through: "
+            + ", ".join(f"node {i} in {f:.0%} of rounds (share {carried[i]:.3f})" for i, f in through.items())
+        )
+    lines += _stage_notes(history)
     if cfg.dp.enabled and cfg.dp.level == "example":
         # The same numbers as privacy.json and metrics.jsonl (the last round's node epsilons).
         lines.append(
@@ -112,6 +243,11 @@ def table(cfg: Config, history: Sequence[RoundInfo], seconds: float | None = Non
     for h in fails[-3:]:
         lines.append(f"round {h.round + 1} (attempt {h.attempt}) failed: {h.reason}")
     return "\n".join(lines)
+
+
+def _finite_mean(values: np.ndarray) -> float:
+    finite = values[np.isfinite(values)]
+    return float(finite.mean()) if finite.size else math.nan
 
 
 def _at(values: Sequence[float] | None, i: int) -> float:
@@ -161,7 +297,11 @@ def _both_accountants(history: Sequence[RoundInfo], last: RoundInfo) -> str:
 
 
 def plot(cfg: Config, history: Sequence[RoundInfo], run_dir: Path) -> list[Path]:
-    """Write accuracy.png (nodes, FedAvg, consensus per round) and weights.png (each node's weight per round).
+    """Write accuracy.png, weights.png (each node's share of the consensus per round) and perplexity.png.
+
+    weights.png stacks each node's share (:func:`shares`), one distinct colour per node
+    (:func:`node_colours`), Byzantine nodes hatched and those the vote let through outlined.
+    perplexity.png is written for language tasks only.
 
     Args:
       cfg: the run config.
@@ -206,36 +346,93 @@ def plot(cfg: Config, history: Sequence[RoundInfo], run_dir: Path) -> list[Path]
     fig.savefig(paths[0], dpi=110)
     plt.close(fig)
 
-    weights = np.array([h.weights for h in done])
+    share, kind = shares(history)
     rounds = np.array([h.round + 1 for h in done])
+    through = let_through(cfg, history)
+    colours = node_colours(share.shape[1])
     fig, ax = plt.subplots(figsize=(7, 4.2))
     bottom = np.zeros(len(done))
-    cmap = plt.get_cmap("tab10")
-    for i in range(weights.shape[1]):
+    drawn = np.nan_to_num(share, nan=0.0)  # a round whose rule weighs no node draws no bar
+    for i in range(share.shape[1]):
+        flag = f", let through in {through[i]:.0%} of rounds" if i in through else ""
         ax.bar(
             rounds,
-            weights[:, i],
+            drawn[:, i],
             bottom=bottom,
-            color=cmap(i % 10),
-            label=f"{i}: {labels[i]}",
+            color=colours[i],
+            label=f"{i}: {labels[i]}{flag}",
             hatch="//" if i in byz else None,
-            edgecolor="white",
-            lw=0.3,
+            edgecolor="black" if i in through else "white",
+            lw=0.8 if i in through else 0.3,
         )
-        bottom += weights[:, i]
+        bottom += drawn[:, i]
+    titles = {
+        "coordinates": "share of each node per round (kept order statistics, mean over coordinates)",
+        "logged weights": "weight of each node per round",
+    }
     ax.set(
         xlabel="round",
-        ylabel="weight in the consensus",
-        title="weight of each node per round",
+        ylabel="share of the consensus",
+        title=titles.get(kind, "share of the consensus of each node per round"),
         ylim=(0, 1.05),
     )
+    if kind == "not a weighted rule":
+        ax.text(0.5, 0.5, f"{cfg.vote.rule}: not a weighted rule", ha="center", transform=ax.transAxes)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     paths.append(run_dir / "weights.png")
     fig.savefig(paths[1], dpi=110)
     plt.close(fig)
+    if any("perplexity" in h.consensus_metrics for h in evaluated):
+        paths.append(_perplexity_plot(cfg, evaluated, run_dir / "perplexity.png"))
     return paths
+
+
+def node_colours(n: int) -> list[tuple[float, ...]]:
+    """One colour per node, distinct up to 60 nodes (tab10; tab20 + tab20b + tab20c), hues beyond.
+
+    Args:
+      n: the number of nodes.
+
+    Returns:
+      One RGBA tuple per node.
+    """
+    import matplotlib
+
+    if n <= 10:
+        return [tuple(c) for c in matplotlib.colormaps["tab10"].colors[:n]]
+    if n <= 60:
+        names = ("tab20", "tab20b", "tab20c")
+        palette = [tuple(c) for name in names for c in matplotlib.colormaps[name].colors]
+        return palette[:n]
+    hsv = matplotlib.colormaps["hsv"]
+    return [tuple(hsv(i / n)) for i in range(n)]
+
+
+def _perplexity_plot(cfg: Config, evaluated: Sequence[RoundInfo], path: Path) -> Path:
+    """perplexity.png: a language task's test perplexity per round (nodes, consensus), log scale."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    rounds = np.array([h.round + 1 for h in evaluated])
+    byz = set(cfg.byzantine.nodes)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    nodes = np.array([h.node_metrics.get("perplexity", [math.nan] * cfg.nodes.count) for h in evaluated])
+    for i in range(nodes.shape[1]):
+        style: dict[str, Any] = {"color": "tab:red", "ls": ":"} if i in byz else {"color": "0.6", "ls": "-"}
+        ax.plot(rounds, nodes[:, i], lw=0.9, alpha=0.8, label="nodes" if i == 0 else None, **style)
+    consensus = [h.consensus_metrics.get("perplexity", math.nan) for h in evaluated]
+    ax.plot(rounds, consensus, color="tab:blue", lw=2.5, label="meta-consensus")
+    ax.set(xlabel="round", ylabel="test perplexity", title=f"{cfg.name}: test perplexity per round")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 class RunLog:
@@ -316,6 +513,9 @@ class RunLog:
             if math.isfinite(a):
                 tb.add_scalar(f"accuracy/node_{i}", a, step)
             tb.add_scalar(f"weights/node_{i}", w, step)
+        for i, share in enumerate(getattr(info, "share", None) or []):
+            if math.isfinite(share):
+                tb.add_scalar(f"share/node_{i}", share, step)
 
     def close(self) -> None:
         """Wait for the TensorBoard writes and close the writer; the first failed write raises here."""
