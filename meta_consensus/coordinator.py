@@ -20,10 +20,8 @@ is fresh for every attempt.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
-import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -32,25 +30,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from consensus import tree
-from consensus.base import ByzantineToleranceError
 from consensus.mesh import to_host
 from consensus.privacy import PrivacyLedger, calibrate_noise, pld_epsilon, rdp_epsilon
-from meta_consensus import example_level_dp, sampling
+from meta_consensus import example_level_dp, sampling, stages
 from meta_consensus import lora as lora_run
 from meta_consensus.config import Config, ConfigError
 from meta_consensus.fleet import Fleet
-from meta_consensus.pipeline import MergePipeline, MergeReport, RoundFailure
+from meta_consensus.pipeline import MergePipeline, MergeReport
 from meta_consensus.server import (
     SERVER_UPDATE,
     ServerReference,
-    round_extra,
     round_needs,
-    server_step,
     split_root,
     vote_needs,
 )
 from meta_consensus.statistics import check_config as check_statistics_config
-from meta_consensus.statistics import round_statistics
 from strategies.tasks.base import Task
 from strategies.trainer import TrainState
 
@@ -217,8 +211,7 @@ def _bools(x: Any) -> list[bool]:
     return [bool(v) for v in np.asarray(x).reshape(-1)]
 
 
-# The metrics RoundInfo has fields of its own; the others go to its *_metrics dicts.
-_OWN_METRICS = ("loss", "accuracy")
+_OWN_METRICS = stages.OWN_METRICS
 
 
 class Coordinator:
@@ -252,6 +245,15 @@ class Coordinator:
         self._baseline_frozen: PyTree | None = None  # the FedAvg baseline's frozen part (LoRA)
         # A pretrained task's base model on the test set, evaluated once (the first round logs it).
         self._base_metrics: dict[str, float] | None = None
+        # The optional settings' parts in the round's stages, and the round's merge.
+        self.features: list[stages.Feature] = []
+        if self.lora is not None:
+            self.features.append(stages.FrozenBase())
+        if getattr(self.fleet.task, "pretrained", False):
+            self.features.append(stages.PretrainedBase())
+        if self.example is not None:
+            self.features.append(stages.ExampleLevelDP())
+        self.merger: stages.Merge = stages.AdapterMerge() if self.lora is not None else stages.PipelineMerge()
 
     def _server_reference(self, process_count: int) -> ServerReference | None:
         """Server-guided rules: split the root set off the held-out data (before anything reads it)."""
@@ -422,157 +424,21 @@ class Coordinator:
         Raises:
           PrivacyBudgetStop: example-level DP whose next round would go over the budget.
         """
-        n = self.cfg.nodes.count
-        if evaluate is None:  # every eval_every rounds, and the last one
-            evaluate = state.round + 1 >= self.cfg.rounds or (state.round + 1) % self.cfg.eval_every == 0
-        key = self.round_key(state, attempt)
-        k_fit, k_dp = jax.random.split(key)
-        # Client sampling: the round's nodes (None: all); only they train, vote and are charged.
-        sample = sampling.draw(self.cfg.nodes, key)
-        asked = None if sample is None else max(sample.count, 1)
-        secs: dict[str, float] = {}
-        if self.example is not None:
-            why = self.example.over_budget(self.example_steps(state))
-            if why:
-                raise PrivacyBudgetStop(f"round {state.round}: {why}")
-
-        # 1-2. broadcast + node fit (each node with its strategy; Byzantine nodes attack)
-        if self.lora is not None:
-            self.lora.frozen = state.frozen  # the base every fit and evaluation reads
-        out = self.fleet.fit(state.nodes, state.consensus, k_fit, sample)
-        secs["fit"] = out.seconds
-
-        # 3. validate: structure and dtype, finiteness, quality gate on held-out data
-        t = time.perf_counter()
-        tree.check_stacked_against(out.submitted, state.consensus)
-        finite = np.asarray(to_host(tree.finite_mask(out.submitted)), bool)
-        valid = out.answered & finite
-        errors = {str(i): e for i, e in out.errors.items()}
-        for i in np.flatnonzero(out.answered & ~finite):
-            errors[str(i)] = "non-finite candidate"
-        node_test = self.fleet.evaluate_nodes(out.submitted, "test") if evaluate else None
-        if self.cfg.quality_threshold is not None:
-            held = self.fleet.evaluate_nodes(out.submitted, "heldout")["accuracy"]
-            low = valid & ~(held >= self.cfg.quality_threshold)
-            for i in np.flatnonzero(low):
-                errors[str(i)] = f"held-out accuracy {held[i]:.3f} below quality_threshold"
-            valid &= ~low
-        secs["validate"] = time.perf_counter() - t
-
-        info = self._info(state, attempt, n, out, valid, errors, node_test, secs)
-        self._wire_info(info, state)
-        if state.round == 0 and getattr(self.fleet.task, "pretrained", False):
-            info.base_metrics = self.base_metrics(state)
-        if self.example is not None:
-            self._example_epsilons(info, self.example_steps(state), pld=False)
-        why = too_few_answers(self.cfg, valid, asked)
+        w = stages.start(self, state, attempt, evaluate)
+        stages.fit(self, w)
+        why = stages.validate(self, w)
         if why:
-            return state, self._fail(info, why)
-
-        # 4-6. vote -> weights -> DP (a LoRA run: the adapter merge, meta_consensus.lora)
-        frozen = state.frozen
-        if self.lora is not None:
-            t = time.perf_counter()
-            assert state.frozen is not None  # a LoRA run's init made it
-            try:
-                lm = self.lora.merge(state.frozen, out.submitted, valid, k_dp, state.consensus)
-            except (ValueError, ByzantineToleranceError) as e:
-                # Adapters the method refuses, or too few valid nodes for the rule: nothing released.
-                secs["merge"] = time.perf_counter() - t
-                return state, self._fail(info, str(e))
-            secs.update(vote=time.perf_counter() - t, weights=0.0, dp=0.0)
-            merged, frozen, new_agg, ledger = lm.params, lm.frozen, state.aggregator, state.ledger
-            self._lora_info(info, lm, valid)
-        else:
-            t = time.perf_counter()
-            # A fresh noise key for every (round, attempt): a retry never reuses noise.
-            agg_state = self.pipeline.with_key(state.aggregator, k_dp)
-            ledger = state.ledger
-            event = self.pipeline.privacy_event(agg_state)
-            if event is not None:
-                assert ledger is not None  # an event means node-level DP, for which init made the ledger
-                if not ledger.can_spend(event):
-                    raise PrivacyBudgetStop(
-                        f"round {state.round}: epsilon would reach {ledger.epsilon_after(event):.3g}, "
-                        f"over the budget {ledger.budget}"
-                    )
-            try:
-                extra = round_extra(self.round_needs, self.server, state.consensus, key)
-                # vote.server_step's update is the round's, not the vote's, unless a rule asks for it.
-                g = extra[SERVER_UPDATE] if self.cfg.vote.server_step > 0 else None
-                if SERVER_UPDATE not in self.vote_needs:
-                    extra.pop(SERVER_UPDATE, None)
-                # The nodes' Fisher / input Grams when the vote needs them (meta_consensus.statistics).
-                extra.update(
-                    round_statistics(self.round_needs, self.fleet.task, self.fleet.data, out.submitted)
-                )
-                merged, new_agg = self.pipeline.update(
-                    out.submitted, agg_state, state.consensus, valid, **extra
-                )
-                if g is not None:  # after the vote, the weights and the DP release (post-processing)
-                    merged = server_step(merged, g, float(self.cfg.vote.server_step))
-            except (RoundFailure, ByzantineToleranceError) as e:
-                # Solver failure, or too few valid nodes left for the rule's precondition (Krum needs
-                # m > 2f + 2 of the nodes that answered). The pipeline stopped before the noise was
-                # drawn: nothing was released, nothing is charged.
-                secs["merge"] = time.perf_counter() - t
-                return state, self._fail(info, str(e))
-            if event is not None:
-                # The DP release happened: it is charged even if the round is rejected below.
-                assert ledger is not None  # checked before the merge
-                ledger = copy.deepcopy(ledger)
-                ledger.spend(event)
-            merge = time.perf_counter() - t
-            report = self.pipeline.report(new_agg)
-            vote = report.seconds.get("vote", merge)
-            weights = report.seconds.get("weights", 0.0)
-            secs.update(vote=vote, weights=weights, dp=max(merge - vote - weights, 0.0))
-            self._merge_info(info, report, ledger, second_accountant=self.second_accountant_due(state.round))
-
-        accepted = np.asarray(info.accepted, bool)
-        why = too_few_accepted(self.cfg, accepted, asked)
+            return stages.fail(w, why)
+        why = stages.merge(self, w)
         if why:
-            return state._replace(ledger=ledger), self._fail(info, why)
-        if not bool(to_host(tree.is_finite(merged))) or (
-            frozen is not None and frozen is not state.frozen and not bool(to_host(tree.is_finite(frozen)))
-        ):
-            return state._replace(ledger=ledger), self._fail(info, "the new consensus is not finite")
-
-        # 7. the plain FedAvg baseline (same nodes, same keys, uniform mean of the valid answers)
-        fedavg, fedavg_nodes = state.fedavg, state.fedavg_nodes
-        if fedavg is not None:
-            t = time.perf_counter()
-            assert fedavg_nodes is not None  # the baseline's params and nodes are set together
-            if self.lora is not None:
-                self.lora.frozen = self._baseline_frozen  # FedIT's mean on the first base
-            b = self.fleet.fit(fedavg_nodes, fedavg, k_fit, sample)
-            if self.lora is not None:
-                self.lora.frozen = state.frozen
-            ok = b.answered & np.asarray(to_host(tree.finite_mask(b.submitted)), bool)
-            if ok.any():
-                fedavg = tree.weighted_sum(b.submitted, jnp.asarray(ok / ok.sum(), jnp.float32))
-                fedavg = jax.tree.map(lambda a, p: a.astype(p.dtype), fedavg, state.fedavg)
-            fedavg_nodes = b.state
-            secs["baseline"] = time.perf_counter() - t
-
-        # 8. evaluate
-        if evaluate:
-            t = time.perf_counter()
-            ev = self._evaluate_consensus(merged, fedavg, frozen)
-            info.consensus_accuracy, info.consensus_loss = ev["test"]["accuracy"], ev["test"]["loss"]
-            info.heldout_accuracy = ev["heldout"]["accuracy"]
-            info.consensus_metrics = {k: v for k, v in ev["test"].items() if k not in _OWN_METRICS}
-            if fedavg is not None:
-                info.fedavg_accuracy = ev["fedavg"]["accuracy"]
-            secs["evaluate"] = time.perf_counter() - t
-        merged = jax.tree.map(lambda a, p: a.astype(p.dtype), merged, state.consensus)
-        new_state = CoordinatorState(
-            state.round + 1, merged, out.state, new_agg, fedavg, fedavg_nodes, ledger, state.key, frozen
-        )
-        if self.example is not None:
-            due = self.second_accountant_due(state.round)
-            self._example_epsilons(info, self.example_steps(new_state), pld=due)
-        return new_state, info
+            return stages.fail(w, why)
+        why = stages.accept(self, w)
+        if why:
+            return stages.fail(w, why, charged=True)
+        stages.baseline(self, w)
+        stages.evaluate(self, w)
+        assert w.out is not None
+        return stages.finish(self, w, w.out.state)
 
     def base_metrics(self, state: CoordinatorState) -> dict[str, float]:
         """The test metrics of the run's base model: the initial consensus (LoRA: ``b = 0``).
