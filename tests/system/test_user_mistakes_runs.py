@@ -250,7 +250,7 @@ def test_options_of_the_default_follow_their_owner_with_a_note():
 def test_the_presets_ship_with_the_package_and_configs_point_to_them():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "presets/*.toml" in meta["tool"]["setuptools"]["package-data"]["meta_consensus"]
-    assert config.preset_names() == ["lora", "private", "robust", "smollm2"]
+    assert config.preset_names() == ["lora", "private", "robust", "robust-noserver", "smollm2"]
     assert set(cli._preset_names()) == set(config.preset_names())
     for name in config.preset_names():
         assert config.load(ROOT / "configs" / f"{name}.toml") == config.load(preset=name)

@@ -1,0 +1,464 @@
+"""The attack suite: the default, each preset and plain FedAvg under every attack, two alphas, three seeds.
+
+Run ``python -m benchmarks attack_suite [--quick]`` (the report) or ``python -m benchmarks attack_suite
+--select default`` / ``--select noserver`` (the selection of ``meta_consensus/default.toml``'s and
+``configs/robust-noserver.toml``'s vote, weights and server step). Writes
+benchmarks/results/attack_suite.json and .md (``attack_suite_select_default.*``,
+``attack_suite_select_noserver.*`` for a selection; ``_quick`` with ``--quick``).
+
+Every run goes through :class:`meta_consensus.MetaConsensus` with the config's own file and
+``--set`` overrides: the attack (``byzantine.attack`` and its options; clean is
+``byzantine.nodes=[]``), the Dirichlet alpha, the seed. Every run has ``baseline_fedavg = true``:
+plain FedAvg runs alongside on the same nodes, shards and keys, under the same attack, so each run
+gives the consensus and FedAvg side by side. "Clean FedAvg" is FedAvg in the clean run of the same
+config, alpha and seed. The suite: clean, mimic, ALIE (its z_max, and z = 10), IPM (epsilon 0.1
+and 2), sign flip (scale 1 and 4), label flip, min-max, min-sum, Gaussian (std 1 and 0.1).
+
+Compiled functions are reused across the runs of one process (the same config shapes hit jax's
+caches), which is what keeps the suite within its CPU budget. The selection runs on seed 100 with
+``task.data_seed = 100`` (another node split), which the reported runs (seeds 0-2, data_seed 0)
+do not use.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks import harness
+from benchmarks.harness import add_task_option, markdown_table, use_task
+
+# (label, attack, options as an inline TOML table). The first strength of an attack is its default.
+SUITE: list[tuple[str, str, str]] = [
+    ("clean", "none", "{}"),
+    ("mimic", "mimic", "{}"),
+    ("alie", "alie", "{}"),
+    ("alie z=10", "alie", "{z = 10.0}"),
+    ("ipm", "ipm", "{}"),
+    ("ipm eps=2", "ipm", "{epsilon = 2.0}"),
+    ("sign_flip", "sign_flip", "{}"),
+    ("sign_flip x4", "sign_flip", "{scale = 4.0}"),
+    ("label_flip", "label_flip", "{}"),
+    ("min_max", "min_max", "{}"),
+    ("min_sum", "min_sum", "{}"),
+    ("gaussian", "gaussian", "{}"),
+    ("gaussian std=0.1", "gaussian", "{std = 0.1}"),
+]
+QUICK_SUITE = ("clean", "alie z=10", "sign_flip", "ipm eps=2")
+
+CONFIGS: dict[str, str] = {
+    "default": "meta_consensus/default.toml",
+    "robust": "configs/robust.toml",
+    "robust-noserver": "configs/robust-noserver.toml",
+}
+ALPHAS = (0.3, 1.0)
+SELECTION_SEED = 100
+
+
+def _vote(rule: str, pre: Sequence[str] = (), options: str = "{}", f: str = "none") -> list[str]:
+    """The --set overrides of a vote alone: its output is the merge (no weights, no server step)."""
+    pre_list = "[" + ", ".join(f'"{p}"' for p in pre) + "]"
+    return [
+        f"vote.rule={rule}", f"vote.pre={pre_list}", f"vote.options={options}", f"vote.num_byzantine={f}",
+        "weights.objective=vote", "weights.max_weight=none", "weights.lambda_reg=0.0", "vote.server_step=0",
+    ]  # fmt: skip
+
+
+_CC = "{clip_radius = 1.0, iterations = 3}"
+_MIXTURE = ["weights.objective=mixture_nll", "weights.max_weight=0.4", "weights.lambda_reg=0.0"]
+
+
+def _with(vote: list[str], extra: list[str]) -> list[str]:
+    keys = {s.split("=", 1)[0] for s in extra}
+    return [s for s in vote if s.split("=", 1)[0] not in keys] + extra
+
+
+# The default's candidates (8 nodes, f = 2 of the default's fault_tolerance 0.25): its shipped
+# Multi-Krum + mixture-NLL weights, votes alone, and held-out weights or a server step after a vote.
+DEFAULT_CANDIDATES: dict[str, list[str]] = {
+    "multi_krum+mixture_nll": _with(_vote("multi_krum"), _MIXTURE),
+    "multi_krum": _vote("multi_krum"),
+    "median": _vote("median"),
+    "trimmed_mean": _vote("trimmed_mean"),
+    "nnm+trimmed_mean": _vote("trimmed_mean", pre=["nnm"]),
+}
+# No coordinator data: votes alone (no held-out weights, no server step), f = 4 of 16. The
+# heterogeneity-aware ones (NNM, ARC) and the two no-server votes that did best in
+# results/robust_preset.md's selection at alpha 0.3 (SignGuard, DnC).
+NOSERVER_CANDIDATES: dict[str, list[str]] = {
+    "nnm+centered_clipping": _vote("centered_clipping", pre=["nnm"], options=_CC, f="4"),
+    "arc+nnm+centered_clipping": _vote("centered_clipping", pre=["arc", "nnm"], options=_CC, f="4"),
+    "arc+nnm+trimmed_mean": _vote("trimmed_mean", pre=["arc", "nnm"], f="4"),
+    "signguard": _vote("signguard", f="4"),
+    "dnc": _vote("dnc", f="4"),
+}
+# What meta_consensus/default.toml and the robust-noserver preset ship (a test checks they agree).
+DEFAULT_CHOSEN = "multi_krum+mixture_nll"
+NOSERVER_CHOSEN = "nnm+centered_clipping"
+SELECT = {
+    "default": ("default", DEFAULT_CANDIDATES, (0.5, 0.3)),
+    "noserver": ("robust-noserver", NOSERVER_CANDIDATES, (0.3,)),
+}
+
+
+def attack_sets(label: str) -> list[str]:
+    """The --set overrides of one condition of the suite (``"clean"``: no Byzantine nodes)."""
+    _, attack, options = next(c for c in SUITE if c[0] == label)
+    if attack == "none":
+        return ["byzantine.nodes=[]", "byzantine.options={}"]
+    return [f"byzantine.attack={attack}", f"byzantine.options={options}"]
+
+
+def run_once(path: str, sets: Sequence[str]) -> dict[str, float]:
+    """The consensus's and plain FedAvg's test accuracy after the last round of one run.
+
+    Args:
+        path: the config file.
+        sets: ``--set`` overrides.
+
+    Returns:
+        ``{"consensus": ..., "fedavg": ..., "seconds": ...}``.
+    """
+    from meta_consensus import MetaConsensus, config
+
+    t0 = time.perf_counter()
+    cfg = config.load(path, ["checkpoint_every=0", "baseline_fedavg=true", *sets])
+    result = MetaConsensus(cfg, write=False, progress=False).train()
+    last = [h for h in result.history if h.ok][-1]
+    return {
+        "consensus": float(last.consensus_accuracy),
+        "fedavg": float(last.fedavg_accuracy),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def sweep(
+    path: str, sets: Sequence[str], labels: Sequence[str], alpha: float, seed: int, extra: Sequence[str] = ()
+) -> dict[str, dict[str, float]]:
+    """Every condition of ``labels`` for one config, alpha and seed."""
+    base = [f"seed={seed}", f"task.alpha={alpha:g}", *extra, *sets]
+    return {label: run_once(path, [*base, *attack_sets(label)]) for label in labels}
+
+
+def summarize(runs: Mapping[str, Mapping[str, float]]) -> dict[str, Any]:
+    """One sweep's numbers: the worst attack, its gap to clean FedAvg, the margin over FedAvg.
+
+    Args:
+        runs: condition label -> ``{"consensus", "fedavg"}`` (with ``"clean"`` among them).
+
+    Returns:
+        ``worst`` (the lowest consensus accuracy under an attack), ``worst_attack``, ``gap`` (clean
+        FedAvg minus ``worst``, in points), ``margin`` (the smallest consensus minus FedAvg under the
+        same attack, in points; negative: it lost to FedAvg there), ``margin_attack``, ``clean_gap``
+        (clean FedAvg minus the clean consensus, in points).
+    """
+    clean_fedavg = runs["clean"]["fedavg"]
+    attacks = [a for a in runs if a != "clean"]
+    worst_attack = min(attacks, key=lambda a: runs[a]["consensus"])
+    margin_attack = min(attacks, key=lambda a: runs[a]["consensus"] - runs[a]["fedavg"])
+    return {
+        "worst": runs[worst_attack]["consensus"],
+        "worst_attack": worst_attack,
+        "gap": 100 * (clean_fedavg - runs[worst_attack]["consensus"]),
+        "margin": 100 * (runs[margin_attack]["consensus"] - runs[margin_attack]["fedavg"]),
+        "margin_attack": margin_attack,
+        "clean_gap": 100 * (clean_fedavg - runs["clean"]["consensus"]),
+    }
+
+
+def _select(which: str, labels: Sequence[str], rounds: int | None, t0: float) -> dict[str, Any]:
+    config_name, candidates, alphas = SELECT[which]
+    path = CONFIGS[config_name]
+    extra = [f"task.data_seed={SELECTION_SEED}", *([] if rounds is None else [f"rounds={rounds}"])]
+    out: dict[str, Any] = {}
+    for name, sets in candidates.items():
+        per_alpha = {}
+        for alpha in alphas:
+            runs = sweep(path, sets, labels, alpha, SELECTION_SEED, extra)
+            per_alpha[f"{alpha:g}"] = {"runs": runs, **summarize(runs)}
+        out[name] = per_alpha
+        s = " ".join(
+            f"a={a}: gap {v['gap']:.1f} margin {v['margin']:.1f} clean {v['clean_gap']:.1f}"
+            for a, v in per_alpha.items()
+        )
+        print(f"{name:28s} {s} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return out
+
+
+def choose(which: str, selection: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
+    """The selection's rule.
+
+    ``default``: among the candidates that never lose to FedAvg under an attack (margin >= 0 at
+    every alpha) and are within 1 point of clean FedAvg clean, the best worst-case accuracy
+    (mean over alphas); if none qualifies, the best smallest margin. ``noserver``: the smallest
+    largest gap to clean FedAvg over the alphas.
+
+    Args:
+        which: ``"default"`` or ``"noserver"``.
+        selection: candidate -> alpha -> :func:`summarize`'s fields.
+
+    Returns:
+        The chosen candidate's name.
+    """
+    if which == "noserver":
+        return min(selection, key=lambda k: max(v["gap"] for v in selection[k].values()))
+    ok = [
+        k
+        for k, per in selection.items()
+        if all(v["margin"] >= 0 and v["clean_gap"] <= 1.0 for v in per.values())
+    ]
+    if ok:
+        return max(ok, key=lambda k: float(np.mean([v["worst"] for v in selection[k].values()])))
+    return max(selection, key=lambda k: min(v["margin"] for v in selection[k].values()))
+
+
+def combine(parts: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One report from reports of disjoint configs run apart (same conditions, alphas and seeds).
+
+    Args:
+        parts: the saved result dicts of ``--configs`` runs.
+
+    Returns:
+        ``(result, settings)``: the reports side by side; total_s is the sum of the parts' (CPU-bound
+        runs in parallel: their total work, not the wall time).
+
+    Raises:
+        ValueError: if two parts report the same config or differ in conditions, alphas, seeds,
+            rounds or task.
+    """
+    report: dict[str, Any] = {}
+    same = ("conditions", "alphas", "seeds", "rounds", "task")
+    first = parts[0]["settings"]
+    for part in parts:
+        st = part["settings"]
+        differ = [k for k in same if st.get(k) != first.get(k)]
+        if differ:
+            raise ValueError(f"--combine: the parts differ in {differ}")
+        twice = set(report) & set(part["report"])
+        if twice:
+            raise ValueError(f"--combine: {sorted(twice)} reported twice")
+        report.update(part["report"])
+    settings = {**first, "configs": list(report)}
+    return {"kind": "report", "report": report, "total_s": sum(p["total_s"] for p in parts)}, settings
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = harness.parser(__doc__, f"{len(QUICK_SUITE)} conditions, the default only, one seed, alpha 0.3")
+    parser.add_argument("--select", choices=sorted(SELECT), default=None, help="run a selection instead")
+    parser.add_argument("--configs", default=None, help="the reported configs, comma-separated (default all)")
+    parser.add_argument("--seeds", default=None, help="the reported seeds, comma-separated (default 0,1,2)")
+    parser.add_argument("--alphas", default=None, help="the reported alphas, comma-separated (default 0.3,1)")
+    parser.add_argument("--rounds", type=int, default=None, help="override every config's rounds")
+    parser.add_argument(
+        "--combine", nargs="+", type=Path, default=None,
+        help="write one report from reports of disjoint configs (run in parallel with --configs and --out)",
+    )  # fmt: skip
+    add_task_option(parser)
+    args = harness.parse(parser, argv)
+    results_name = use_task(args.task, "attack_suite")
+    task_sets = [] if args.task == "digits" else [f"task.name={args.task}"]
+    labels = [c[0] for c in SUITE if not args.quick or c[0] in QUICK_SUITE]
+    t0 = time.perf_counter()
+    res: dict[str, Any]
+    settings: dict[str, Any]
+    if args.combine is not None:
+        res, settings = combine([json.loads(p.read_text(encoding="utf-8")) for p in args.combine])
+        name = results_name
+    elif args.select is not None:
+        if task_sets:
+            parser.error("--select runs on digits (the defaults' own task); drop --task")
+        selection = _select(args.select, labels, args.rounds, t0)
+        chosen = choose(args.select, selection)
+        config_name, candidates, alphas = SELECT[args.select]
+        settings = {"quick": args.quick, "select": args.select, "config": CONFIGS[config_name],
+                    "alphas": list(alphas), "seed": SELECTION_SEED, "data_seed": SELECTION_SEED,
+                    "rounds": args.rounds, "conditions": labels}  # fmt: skip
+        res = {
+            "kind": "selection", "which": args.select, "selection": selection, "chosen": chosen,
+            "sets": candidates[chosen], "total_s": time.perf_counter() - t0,
+        }  # fmt: skip
+        name = f"attack_suite_select_{args.select}"
+    else:
+        configs = ["default"] if args.quick else list(CONFIGS)
+        if args.configs is not None:
+            configs = [c.strip() for c in args.configs.split(",")]
+            unknown = [c for c in configs if c not in CONFIGS]
+            if unknown:
+                parser.error(f"--configs: unknown {unknown}; valid: {list(CONFIGS)}")
+        seeds = [0] if args.quick else [0, 1, 2]
+        if args.seeds is not None:
+            try:
+                seeds = [int(v) for v in args.seeds.split(",")]
+            except ValueError:
+                parser.error(f"--seeds: comma-separated integers, got {args.seeds!r}")
+        report_alphas: Sequence[float] = (0.3,) if args.quick else ALPHAS
+        if args.alphas is not None:
+            try:
+                report_alphas = [float(v) for v in args.alphas.split(",")]
+            except ValueError:
+                parser.error(f"--alphas: comma-separated numbers, got {args.alphas!r}")
+        extra = [*task_sets, *([] if args.rounds is None else [f"rounds={args.rounds}"])]
+        report: dict[str, Any] = {}
+        for c in configs:
+            report[c] = {}
+            for alpha in report_alphas:
+                report[c][f"{alpha:g}"] = {
+                    str(s): sweep(CONFIGS[c], [], labels, alpha, s, extra) for s in seeds
+                }
+                print(f"{c} alpha {alpha:g} done ({time.perf_counter() - t0:.0f} s)", flush=True)
+        settings = {"quick": args.quick, "task": args.task, "configs": configs, "alphas": list(report_alphas),
+                    "seeds": seeds, "rounds": args.rounds, "conditions": labels}  # fmt: skip
+        res = {"kind": "report", "report": report, "total_s": time.perf_counter() - t0}
+        name = results_name
+    md = markdown({**res, "settings": settings})
+    harness.save(name, args.quick, res, md, settings=settings, benchmark="attack_suite")
+    print(md)
+    return res
+
+
+def _report_rows(report: Mapping[str, Any]) -> list[list[Any]]:
+    rows: list[list[Any]] = []
+    for c, per_alpha in report.items():
+        for alpha, per_seed in per_alpha.items():
+            seeds = list(per_seed)
+            sums = [summarize(per_seed[s]) for s in seeds]
+            clean_fedavg = np.array([per_seed[s]["clean"]["fedavg"] for s in seeds])
+            attacks = [a for a in per_seed[seeds[0]] if a != "clean"]
+            # FedAvg's own worst attack, same seeds: the baseline row of this config's setting.
+            fed_worst = np.array([min(per_seed[s][a]["fedavg"] for a in attacks) for s in seeds])
+            fed_worst_attack = min(attacks, key=lambda a: np.mean([per_seed[s][a]["fedavg"] for s in seeds]))
+            worst = np.array([v["worst"] for v in sums])
+            gap = np.array([v["gap"] for v in sums])
+            margin = np.array([v["margin"] for v in sums])
+            clean = np.array([per_seed[s]["clean"]["consensus"] for s in seeds])
+            worst_attack = min(attacks, key=lambda a: np.mean([per_seed[s][a]["consensus"] for s in seeds]))
+            rows.append([
+                c, alpha, f"{np.mean(clean):.3f} ± {np.std(clean):.3f}",
+                f"{np.mean(worst):.3f} ± {np.std(worst):.3f}", worst_attack,
+                f"{np.mean(gap):.2f} (max {np.max(gap):.2f})",
+                f"{np.mean(margin):.2f} (min {np.min(margin):.2f})",
+                f"{np.mean(clean_fedavg):.3f} ± {np.std(clean_fedavg):.3f}",
+                f"{np.mean(fed_worst):.3f} ± {np.std(fed_worst):.3f}", fed_worst_attack,
+            ])  # fmt: skip
+    return rows
+
+
+def _per_attack_rows(report: Mapping[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    labels: list[str] = []
+    rows: list[list[Any]] = []
+    for c, per_alpha in report.items():
+        for alpha, per_seed in per_alpha.items():
+            seeds = list(per_seed)
+            labels = list(per_seed[seeds[0]])
+            for who in ("consensus", "fedavg"):
+                rows.append(
+                    [c if who == "consensus" else f"{c}: plain FedAvg", alpha]
+                    + [float(np.mean([per_seed[s][a][who] for s in seeds])) for a in labels]
+                )
+    return labels, rows
+
+
+def markdown(res: Mapping[str, Any]) -> str:
+    """The results page of a run of this benchmark (a report or a selection), rendered from its result file.
+
+    Args:
+        res: the result dict as saved (``kind``, ``report`` or ``selection``, ``settings``).
+
+    Returns:
+        The markdown page.
+    """
+    st = res.get("settings", {})
+    if res.get("kind") == "selection":
+        which = res["which"]
+        lines = harness.header(
+            f"Attack suite: the selection of {'the default' if which == 'default' else 'robust-noserver'}",
+            "attack_suite",
+            bool(st.get("quick", False)),
+            st,
+        )
+        lines += [
+            f"`{st.get('config')}` with only the vote, the weights and the server step changed; seed "
+            f"{st.get('seed')} and node split (task.data_seed) {st.get('data_seed')}, which the reported "
+            f"runs do not use; {len(st.get('conditions', []))} conditions; alphas {st.get('alphas')}. "
+            "gap = clean FedAvg minus the worst attack's consensus; margin = the smallest consensus minus "
+            "plain FedAvg under the same attack (negative: it lost to FedAvg there); clean gap = clean "
+            "FedAvg minus the clean consensus (all in points). "
+            + (
+                "Rule: never below FedAvg under an attack and within 1 point clean, at every alpha; "
+                "among those, the best worst-case accuracy."
+                if which == "default"
+                else "Rule: the smallest largest gap over the alphas (target: 3 points)."
+            ),
+            "",
+        ]
+        rows = []
+        for k, per in res["selection"].items():
+            for a, v in per.items():
+                rows.append(
+                    [k + (" (chosen)" if k == res["chosen"] else ""), a, v["worst"], v["worst_attack"],
+                     v["gap"], v["margin"], v["margin_attack"], v["clean_gap"]]
+                )  # fmt: skip
+        lines.append(
+            markdown_table(
+                [
+                    "candidate",
+                    "alpha",
+                    "worst",
+                    "worst attack",
+                    "gap",
+                    "margin",
+                    "margin attack",
+                    "clean gap",
+                ],
+                rows,
+            )
+        )
+        lines.append(f"Chosen: **{res['chosen']}**. Total time {res.get('total_s', 0):.0f} s.")
+        return "\n".join(lines) + "\n"
+    lines = harness.header(
+        "Attack suite: the default, the presets and plain FedAvg", "attack_suite", bool(st.get("quick")), st
+    )
+    rounds = st.get("rounds")
+    lines += [
+        "Every config as shipped (" + ", ".join(f"`{CONFIGS[c]}`" for c in res["report"]) + ") under "
+        f"{len(st.get('conditions', [])) - 1} attacks and clean, Dirichlet alphas {st.get('alphas')}, "
+        f"seeds {st.get('seeds')}"
+        + (f", {rounds} rounds" if rounds else ", each config's own rounds")
+        + ". Plain FedAvg runs alongside every run on the same nodes, shards and keys "
+        "(baseline_fedavg). Per config and alpha, mean ± spread (std) over seeds: the clean consensus, "
+        "the worst attack's consensus and which attack (worst on average), its gap to clean FedAvg "
+        "(points; mean and the largest over seeds), the margin over FedAvg under the same attack "
+        "(points; the smallest over attacks, mean over seeds and the smallest seed; negative: it "
+        "lost to FedAvg), then clean FedAvg and FedAvg's own worst attack.",
+        "",
+        markdown_table(
+            [
+                "config",
+                "alpha",
+                "clean",
+                "worst",
+                "worst attack",
+                "gap to clean FedAvg",
+                "margin over FedAvg",
+                "clean FedAvg",
+                "FedAvg worst",
+                "FedAvg worst attack",
+            ],
+            _report_rows(res["report"]),
+        ),  # fmt: skip
+        "Per attack (test accuracy, mean over seeds):",
+        "",
+    ]
+    labels, rows = _per_attack_rows(res["report"])
+    lines.append(markdown_table(["config", "alpha", *labels], rows))
+    lines.append(f"Total time {res.get('total_s', 0):.0f} s.")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
