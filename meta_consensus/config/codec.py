@@ -136,6 +136,10 @@ def _convert(key: str, value: Any, hint: Any) -> Any:
             raise ConfigError(f"{key} = {value!r} must be a number")
         return float(value)
     if hint is str:
+        if value is None:
+            # `--set key=none` on a key that takes a name: the name "none", so that the check of
+            # the key's choices lists the valid names (the key has no "off" value of None).
+            return "none"
         if not isinstance(value, str):
             raise ConfigError(f"{key} = {value!r} must be a string")
         return value

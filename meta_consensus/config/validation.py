@@ -228,6 +228,40 @@ def load_config_plugins(cfg: Config) -> None:
         raise ConfigError(f"plugins: {e}") from None
 
 
+def _check_schedule(cfg: Config) -> None:
+    """The ``[schedule]`` section; in async mode the vote's precondition on a buffer of K updates."""
+    s, n = cfg.schedule, cfg.nodes.count
+    _check_literal("schedule", s, "mode")
+    _check_literal("schedule", s, "staleness")
+    _check_literal("schedule", s, "speeds")
+    _check(s.staleness_exponent >= 0, "schedule.staleness_exponent", s.staleness_exponent, "need >= 0")
+    _check(s.staleness_hinge >= 0, "schedule.staleness_hinge", s.staleness_hinge, "need >= 0")
+    if s.max_staleness is not None:
+        _check(s.max_staleness >= 0, "schedule.max_staleness", s.max_staleness, "need >= 0 (or none)")
+    _check(s.speed_spread >= 1, "schedule.speed_spread", s.speed_spread, "need >= 1")
+    _check(s.speed_jitter >= 0, "schedule.speed_jitter", s.speed_jitter, "need >= 0")
+    has_trace = s.speeds != "trace" or bool(s.speed_trace)
+    _check(has_trace, "schedule.speed_trace", s.speed_trace, "a file for speeds = 'trace'")
+    if not s.asynchronous:
+        return
+    _check(1 <= s.buffer <= n, "schedule.buffer", s.buffer, f"need 1 <= buffer <= nodes.count = {n}")
+    sync_only = {
+        "nodes.sampling": (cfg.nodes.sampled, cfg.nodes.sampling),
+        "vote.groups": (cfg.vote.groups > 1, cfg.vote.groups),
+        "nodes.lora": (cfg.nodes.lora is not None, "a [nodes.lora] table"),
+        "dp.level": (cfg.dp.enabled and cfg.dp.level == "example", cfg.dp.level),
+        "baseline_fedavg": (cfg.baseline_fedavg, cfg.baseline_fedavg),
+    }
+    for key, (on, value) in sync_only.items():
+        _check(not on, key, value, "runs with synchronous rounds only (schedule.mode = 'sync')")
+    v = cfg.vote
+    f = v.f(s.buffer)
+    for p in v.pre:
+        options = v.pre_options.get(p, {})
+        _check_rule(f"vote.pre[{p}]", p, f, s.buffer, options, "a buffer", "vote.pre_options")
+    _check_rule("vote.rule", v.rule, f, s.buffer, v.options, "a buffer", "vote.options")
+
+
 def validate(cfg: Config) -> None:
     """Check every value of a config (ConfigError names the key and what is valid).
 
@@ -323,6 +357,11 @@ def validate(cfg: Config) -> None:
     _check_vote(cfg)
     # weights
     w = cfg.weights
+    if w.objective in ("none", "off"):
+        raise ConfigError(
+            f"weights.objective = {w.objective!r} is not valid; choose one of {OBJECTIVES.names()} "
+            "('vote': no weights, the vote's output is the merge)"
+        )
     _choices("weights.objective", w.objective, OBJECTIVES.names())
     if w.max_weight is not None:
         _check(0.0 < w.max_weight <= 1.0, "weights.max_weight", w.max_weight, "need (0, 1]")
@@ -355,6 +394,7 @@ def validate(cfg: Config) -> None:
         _check(0 < d.target_quantile < 1, "dp.target_quantile", d.target_quantile, "need (0, 1)")
         _check(d.adaptive_lr > 0, "dp.adaptive_lr", d.adaptive_lr, "need > 0")
     _check_lora(cfg)
+    _check_schedule(cfg)
     # faults
     f = cfg.faults
     _check(0.0 <= f.drop_rate < 1.0, "faults.drop_rate", f.drop_rate, "need [0, 1)")

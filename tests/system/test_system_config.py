@@ -54,6 +54,10 @@ def test_overrides_parse_toml_values():
             "weights.objective=entropy",
             "choose one of ['vote', 'uniform', 'quadratic', 'mixture_nll', 'anchor']",
         ),
+        # `none` on a key that takes a name lists the names (and says which one means "no weights")
+        ("weights.objective=none", "weights.objective = 'none' is not valid; choose one of ['vote'"),
+        ("weights.objective=none", "('vote': no weights, the vote's output is the merge)"),
+        ("vote.rule=none", "vote.rule = 'none' is not valid; choose one of ['mean'"),
         ("byzantine.attack=dance", "byzantine.attack = 'dance' is not valid"),
         ("nodes.strategies=['local', 'soup']", "nodes.strategies"),
         ("nodes.strategies=yoga", "nodes.strategies = 'yoga' is not valid; choose one of ['local'"),
