@@ -11,6 +11,12 @@ decorator (:mod:`consensus.specs`). It is loaded
 
 The current directory is importable, as with ``python -m``: a ``my_rules.py`` next to
 the config is found without setting ``PYTHONPATH``.
+
+A plug-in's vector rules are checked when it loads (:func:`check_vector_rule`): ``meta-consensus
+merge`` runs a vector rule on whole-model weights computed from an n x n embedding of the inputs,
+so a vector rule must report ``merged = sum_i weights[i] x_i`` in its ``AggregationInfo``, or
+declare ``traits={"linear": False}`` (it then serves as a vote only). A rule that breaks this
+fails its plug-in's load in one line, not in the middle of a merge.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import sys
 import traceback
 from collections.abc import Iterable
 from types import ModuleType
+from typing import Any
 
 ENTRY_POINT_GROUP = "meta_consensus.plugins"
 
@@ -81,6 +88,9 @@ def import_module(name: str, what: str = "plug-in") -> ModuleType:
 def load_plugins(modules: Iterable[str]) -> list[ModuleType]:
     """Import each named module (its declarations register its entries); a second import is a no-op.
 
+    The vector rules a module declares are checked against the merge contract
+    (:func:`check_vector_rule`) the first time it loads.
+
     Args:
       modules: Module names.
 
@@ -88,9 +98,107 @@ def load_plugins(modules: Iterable[str]) -> list[ModuleType]:
       The modules.
 
     Raises:
-      PluginError: If one cannot be imported.
+      PluginError: If one cannot be imported, or one of its vector rules breaks the contract.
     """
-    return [import_module(name) for name in modules]
+    loaded = []
+    for name in modules:
+        module = import_module(name)
+        check_declared_rules(module.__name__, f"plug-in {name!r}")
+        loaded.append(module)
+    return loaded
+
+
+_checked_modules: set[str] = set()
+
+
+def check_declared_rules(module: str, what: str) -> None:
+    """Check every vector rule ``module`` declared (once per module and process).
+
+    Args:
+      module: The declaring module's name (``Spec.module``; its submodules count too).
+      what: What to call the plug-in in messages.
+
+    Raises:
+      PluginError: If a declared vector rule breaks the contract of :func:`check_vector_rule`.
+    """
+    if module in _checked_modules:
+        return
+    from consensus.specs import RULES
+
+    for _name, spec in list(RULES.items()):
+        declared_here = spec.module == module or spec.module.startswith(module + ".")
+        if declared_here and spec.kind == "vector" and spec.traits.get("linear", True):
+            try:
+                check_vector_rule(spec)
+            except PluginError as e:
+                raise PluginError(f"{what}: {e}") from None
+    _checked_modules.add(module)
+
+
+def check_vector_rule(
+    spec: Any, rule: Any = None, n: int | None = None, num_byzantine: int | None = None
+) -> None:
+    """Check that a vector rule can serve as ``merge --method``: its output is its reported weighting.
+
+    The contract: ``update(stacked, state, params, mask=...)`` returns ``(merged, state)`` whose
+    ``AggregationInfo`` has ``linear`` True and (n,) finite ``weights`` with ``merged = sum_i
+    weights[i] x_i`` (the centre ``params`` is 0 here, so ``(1 - sum w) params`` vanishes). The
+    merge command relies on it: it runs the rule on an n x n embedding of the inputs and applies
+    the weights to every tensor. A rule whose output is no weighting of the inputs declares
+    ``traits={"linear": False}`` and is then a vote only. The check runs the rule once on n random
+    rows of dimension n (n: the fewest its precondition takes at f, at least 3).
+
+    Args:
+      spec: The rule's :class:`~consensus.specs.Spec` (kind ``"vector"``).
+      rule: The built rule (default: built from the spec with f and its declared defaults).
+      n: The number of rows (default: the fewest the precondition takes, at least 3).
+      num_byzantine: f (default 1 for a rule that takes f).
+
+    Raises:
+      PluginError: One line naming the rule and what it breaks. A rule that needs parameters
+        without defaults is not built here (the merge command checks it with its parameters).
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from consensus.base import get_info
+    from consensus.specs import least_count
+
+    f = (1 if spec.takes_f else 0) if num_byzantine is None else num_byzantine
+    if rule is None:
+        if spec.required or set(spec.needs) - {"params", "key"}:
+            return  # needs what only its caller has (parameters, a server update, weights)
+        rule = spec.build(f if spec.takes_f else None)
+    if n is None:
+        n = max(3, least_count(spec.precondition, f, 64))
+    where = f"vector rule {spec.name!r} cannot serve as a merge method"
+    fix = " (or declare it with traits={'linear': False}: a vote only)"
+    x = np.random.default_rng(0).normal(size=(n, n)).astype(np.float32)
+    centre = {"e": jnp.zeros((n,), jnp.float32)}
+    extra = {"key": jax.random.key(0)} if "key" in spec.needs else {}
+    try:
+        merged, state = rule.update(
+            {"e": jnp.asarray(x)}, rule.init(centre), centre, mask=jnp.ones((n,), bool), **extra
+        )
+        info = get_info(state)
+    except Exception as e:  # noqa: BLE001 - any failure of the user's rule is its plug-in's error
+        raise PluginError(f"{where}: its update on {n} rows raised {type(e).__name__}: {e}") from None
+    w = np.asarray(info.weights, np.float64)
+    if not info.linear:
+        raise PluginError(f"{where}: its AggregationInfo says linear=False{fix}")
+    if w.shape != (n,) or not np.all(np.isfinite(w)):
+        raise PluginError(
+            f"{where}: its AggregationInfo.weights must be {n} finite numbers, got shape {w.shape}"
+        )
+    got = np.asarray(merged["e"], np.float64)
+    want = w @ x.astype(np.float64)
+    err = float(np.max(np.abs(got - want)))
+    if not err <= 1e-4 * max(1.0, float(np.max(np.abs(x)))):
+        raise PluginError(
+            f"{where}: its output is not sum_i weights[i] x_i of its AggregationInfo (off by {err:.3g})"
+            f"; report the weights its output uses{fix}"
+        )
 
 
 def load_entry_points(group: str = ENTRY_POINT_GROUP) -> list[str]:
@@ -117,6 +225,9 @@ def load_entry_points(group: str = ENTRY_POINT_GROUP) -> list[str]:
             target = ep.load()
             if callable(target) and not isinstance(target, ModuleType):
                 target()
+            check_declared_rules(ep.value.split(":")[0].strip(), f"installed plug-in {ep.name!r}")
+        except PluginError:
+            raise
         except Exception as e:
             where = _where(e)
             raise PluginError(

@@ -400,12 +400,12 @@ def node_colours(n: int) -> list[tuple[float, ...]]:
     """
     import matplotlib
 
+    # The qualitative maps have 10 or 20 entries: sampling entry i of map m at (i + 0.5) / size.
     if n <= 10:
-        return [tuple(c) for c in matplotlib.colormaps["tab10"].colors[:n]]
+        return [tuple(matplotlib.colormaps["tab10"]((i + 0.5) / 10)) for i in range(n)]
     if n <= 60:
         names = ("tab20", "tab20b", "tab20c")
-        palette = [tuple(c) for name in names for c in matplotlib.colormaps[name].colors]
-        return palette[:n]
+        return [tuple(matplotlib.colormaps[names[i // 20]]((i % 20 + 0.5) / 20)) for i in range(n)]
     hsv = matplotlib.colormaps["hsv"]
     return [tuple(hsv(i / n)) for i in range(n)]
 
