@@ -127,6 +127,14 @@ class RoundInfo:
       consensus_metrics: the same for the new consensus.
       base_metrics: a pretrained task's base model (the run's initial consensus) on the test set,
         every metric, logged with the first round; empty otherwise.
+      share: per node, its share of the merge (:class:`~meta_consensus.pipeline.MergeReport`):
+        a linear merge's weights summing to 1, the kept order statistics' weight averaged over
+        coordinates, or NaN for a rule that weighs no node; empty in runs logged before it.
+      share_kind: how to read ``share`` ("weights", "coordinates", "not a weighted rule").
+      decided_by: the stage whose output is the merge ("vote" or "weights").
+      stage_note: one line when the weights replaced the output of a vote that kept every node.
+      server_move: ``vote.server_step``'s move of the consensus relative to the merge's own move
+        from the round's start (NaN without a server step).
     """
 
     round: int
@@ -163,6 +171,11 @@ class RoundInfo:
     node_metrics: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     consensus_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     base_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    share: list[float] = dataclasses.field(default_factory=list)
+    share_kind: str = ""
+    decided_by: str = ""
+    stage_note: str = ""
+    server_move: float = math.nan
 
     def to_json(self) -> dict[str, Any]:
         """The info as a JSON-safe dict (non-finite floats as the strings "nan", "inf", "-inf")."""
@@ -563,6 +576,12 @@ class Coordinator:
             info.accepted = _bools(sampling.place(report.accepted[:k], info.sampled, n, False))
             info.weights = _floats(sampling.place(report.weights[:k], info.sampled, n, 0.0))
         info.solve_ms, info.weight_cap = report.solve_ms, report.weight_cap
+        # Each node's share of the merge, how to read it, and the stage whose output is the merge.
+        info.share_kind, info.decided_by, info.stage_note = report.share_kind, report.decided_by, report.note
+        info.share = _floats(report.share)
+        if info.sampled:
+            k, n = len(info.sampled), self.cfg.nodes.count
+            info.share = _floats(sampling.place(np.asarray(report.share)[:k], info.sampled, n, 0.0))
         if ledger is not None:
             info.clip_norm, info.noise_std = report.clip_norm, report.noise_std
             rounds = ledger.rounds

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import time
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -34,7 +35,7 @@ from consensus.base import ByzantineToleranceError
 from consensus.mesh import to_host
 from consensus.privacy import PrivacyLedger
 from meta_consensus import sampling
-from meta_consensus.pipeline import RoundFailure
+from meta_consensus.pipeline import RoundFailure, relative_move
 from meta_consensus.sampling import ClientSample
 from meta_consensus.server import SERVER_UPDATE, round_extra, server_step
 from meta_consensus.statistics import round_statistics
@@ -228,8 +229,12 @@ class PipelineMerge(Merge):
             merged, new_agg = co.pipeline.update(
                 w.out.submitted, agg_state, state.consensus, w.valid, **extra
             )
+            server_move = math.nan
             if g is not None:  # after the vote, the weights and the DP release (post-processing)
-                merged = server_step(merged, g, float(co.cfg.vote.server_step))
+                moved = server_step(merged, g, float(co.cfg.vote.server_step))
+                # What the server step changed: its move relative to the merge's own (the table's footer).
+                server_move = relative_move(merged, moved, state.consensus)
+                merged = moved
         except (RoundFailure, ByzantineToleranceError) as e:
             # Solver failure, or too few valid nodes left for the rule's precondition (Krum needs
             # m > 2f + 2 of the nodes that answered). The pipeline stopped before the noise was
@@ -247,6 +252,7 @@ class PipelineMerge(Merge):
         weights = report.seconds.get("weights", 0.0)
         w.secs.update(vote=vote, weights=weights, dp=max(merge - vote - weights, 0.0))
         co._merge_info(w.info, report, ledger, second_accountant=co.second_accountant_due(state.round))
+        w.info.server_move = server_move
         w.merged, w.aggregator, w.ledger = merged, new_agg, ledger
         return ""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import jax
@@ -149,3 +150,22 @@ def test_relative_move_is_the_ratio_of_the_two_moves():
     before = {"a": jnp.array([3.0, 0.0, 0.0]), "b": jnp.array([0.0, 4.0])}  # |before - p| = 5
     after = {"a": jnp.array([3.0, 1.0, 0.0]), "b": jnp.array([0.0, 4.0])}  # |after - before| = 1
     assert relative_move(before, after, p) == pytest.approx(0.2)
+
+
+@pytest.mark.slow  # one round of the small config (about 10 s on 2 cores)
+def test_a_round_logs_shares_the_deciding_stage_and_the_server_steps_move(tmp_path):
+    from meta_consensus import Coordinator, report
+
+    cfg = small_config(
+        tmp_path, "dp.enabled=false", "vote.rule=median", "weights.objective=vote", "vote.server_step=0.5"
+    )
+    co = Coordinator(cfg)
+    state = co.init(cfg.seed)
+    _, info = co.round(state)
+    assert info.ok and info.share_kind == SHARE_COORDINATES and info.decided_by == STAGE_VOTE
+    assert abs(sum(info.share) - 1.0) < 1e-9 and info.stage_note == ""
+    assert 0.0 < info.server_move < math.inf
+    back = type(info).from_json(info.to_json())  # metrics.jsonl keeps them
+    assert back.share == info.share and back.server_move == info.server_move
+    footer = next(line for line in report.table(cfg, [info]).splitlines() if line.startswith("decided by:"))
+    assert "the vote (vote.rule = 'median'" in footer and "server step" in footer
