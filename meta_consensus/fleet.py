@@ -117,8 +117,8 @@ class Fleet:
       process_count: the processes of the run.
 
     Raises:
-      ConfigError: client sampling or an own held-out split over several processes, strategies
-        that train on an empty public pool, or public pool settings the task cannot meet.
+      ConfigError: client sampling over several processes, strategies that train on an empty
+        public pool, or public pool settings the task cannot meet.
       ValueError: nodes whose strategies take different numbers of snapshots.
     """
 
@@ -143,14 +143,14 @@ class Fleet:
             process_count=process_count,
         )
         own_heldout = np.asarray([st.own_heldout for st in self.settings], np.float64)
+        # Each node's own held-out rows by global node id (those that keep any), on every process.
+        self._own_batches: dict[int, dict[str, np.ndarray]] = {}
         if own_heldout.any():
-            if process_count > 1:
-                raise ConfigError(
-                    "a held-out split of the node's own shard (soup heldout = 'own') runs in one process; "
-                    "set nodes.options.soup.heldout = 'shared'"
-                )
-            # Rows a node scores its snapshots on: kept out of every level of its training.
+            # Rows a node scores its snapshots on: kept out of every level of its training. The
+            # draw is seeded by the node's global id, so the hosting process draws the rows one
+            # process would; they are then shared, since every process runs every node's scoring.
             self.data = self.data.hold_out_own(own_heldout[self.data.node_ids], cfg.task.data_seed)
+            self._own_batches = _own_heldout_batches(self.data, process_count)
         # Per round, each soup node's metrics on its held-out split: latest snapshot and soup.
         self.soup_log: list[dict[int, dict[str, Any]]] = []
         # Finite features, labels the model's logits can predict, a forward pass that fits the input.
@@ -484,8 +484,7 @@ class Fleet:
             node = int(i) if rows is None else int(rows[i])
             ingredients = [jax.tree.map(functools.partial(_row, i=int(i)), s) for s in snapshots]
             final = jax.tree.map(functools.partial(_row, i=int(i)), stacked)
-            pos = np.flatnonzero(self.data.node_ids == node)
-            own = self.data.own_heldout_batch(int(pos[0])) if pos.size else None
+            own = self._own_batches.get(node)
             split = "own" if own is not None else "shared"
             batch: Mapping[str, Any] = held if own is None else own
 
@@ -537,6 +536,47 @@ class Fleet:
         """
         out = mesh_lib.to_host(self._metrics(params, getattr(self.data, split)))
         return {k: float(v) for k, v in out.items()}
+
+
+def _own_heldout_batches(data: TaskData, process_count: int) -> dict[int, dict[str, np.ndarray]]:
+    """Every node's own held-out rows (its valid ones), keyed by global node id.
+
+    In a ``jax.distributed`` run a process holds only its nodes' shards, but every process
+    runs the same program for every soup node's scoring (a node's snapshots are rows of
+    arrays sharded across processes), so each needs the same batch: the hosts' rows are
+    gathered across processes (padded to common shapes first). One process: its own rows.
+    """
+    local = {
+        int(g): batch for i, g in enumerate(data.node_ids) if (batch := data.own_heldout_batch(i)) is not None
+    }
+    if process_count == 1:
+        return local
+    from jax.experimental import multihost_utils
+
+    ids = np.asarray(data.node_ids, np.int32)
+    arrays = {k: np.asarray(v) for k, v in (data.own_heldout or {}).items()}
+    counts = np.asarray(data.own_heldout_count, np.int32)
+    rows = max((a.shape[1] for a in arrays.values()), default=0)
+    # Process-local block sizes may differ: agree on the largest, pad to it, then gather.
+    size = np.asarray(multihost_utils.process_allgather(np.asarray([len(ids), rows], np.int32)))
+    n_max, rows_max = (int(x) for x in size.max(axis=0))
+
+    def pad(a: np.ndarray, fill: Any) -> np.ndarray:
+        widths = [(0, n_max - a.shape[0])] + ([(0, rows_max - a.shape[1])] if a.ndim > 1 else [])
+        return np.pad(a, widths + [(0, 0)] * (a.ndim - len(widths)), constant_values=fill)
+
+    gathered = multihost_utils.process_allgather(
+        {"ids": pad(ids, -1), "counts": pad(counts, 0), "rows": {k: pad(v, 0) for k, v in arrays.items()}}
+    )
+    # (processes, n_max, ...) -> one row per hosted node of any process
+    every = jax.tree.map(lambda v: np.asarray(v).reshape(-1, *np.shape(v)[2:]), gathered)
+    out: dict[int, dict[str, np.ndarray]] = {}
+    for j, g in enumerate(every["ids"]):
+        c = int(every["counts"][j])
+        if g >= 0 and c > 0:
+            # The gathered arrays come back in jax's dtypes; the batch keeps the host's.
+            out[int(g)] = {k: every["rows"][k][j, :c].astype(arrays[k].dtype) for k in arrays}
+    return out
 
 
 def _placed(shardings: TrainState | None) -> TrainState:
