@@ -7,6 +7,8 @@ One checkpoint per saved round, ``<run>/checkpoints/<round>/``, with two items:
   LoRA run, the frozen part (the base, which base deltas change, and FFA-LoRA's shared a).
   Restored against the shapes, dtypes and shardings of a freshly initialized
   state, so a sharded run restores sharded arrays, collectively on every process.
+* asynchronous rounds (:mod:`meta_consensus.async_rounds`): every in-flight fit's delta in
+  ``arrays``, and the clock, the versions sent, the arrival times and fit counts in ``meta``.
 * ``meta`` (JSON): the round counter, the root key, the aggregator state (small
   arrays: DP key and clip norm, vote diagnostics; stored as raw bytes so they
   come back bit for bit), the privacy ledger, the history of every round and a
@@ -43,6 +45,7 @@ import numpy as np
 
 from consensus.mesh import to_host
 from consensus.privacy import PrivacyLedger
+from meta_consensus.async_rounds import AsyncState
 from meta_consensus.config import Config, dumps, to_dict
 from meta_consensus.coordinator import CoordinatorState, RoundInfo
 from strategies.trainer import TrainState
@@ -262,6 +265,8 @@ class RunCheckpoints:
             "fedavg": state.fedavg,
             "fedavg_nodes": _nodes_dict(state.fedavg_nodes),
             "frozen": state.frozen,  # a LoRA run's base (and shared a): it changes with base deltas
+            # Asynchronous rounds: every in-flight fit's delta (the rest of the schedule is in meta).
+            "schedule_deltas": None if state.schedule is None else state.schedule.deltas,
         }
         arrays = {k: v for k, v in arrays.items() if v is not None}
         agg_leaves = jax.tree.leaves(state.aggregator)
@@ -273,6 +278,7 @@ class RunCheckpoints:
             "aggregator": [_encode(to_host(x) if isinstance(x, jax.Array) else x) for x in agg_leaves],
             "ledger": None if state.ledger is None else state.ledger.to_dict(),
             "history": [h.to_json() for h in history],
+            "schedule": None if state.schedule is None else state.schedule.meta(),
         }
         self.manager.save(
             int(state.round),
@@ -321,6 +327,7 @@ class RunCheckpoints:
             "fedavg": template.fedavg,
             "fedavg_nodes": _nodes_dict(template.fedavg_nodes),
             "frozen": template.frozen,
+            "schedule_deltas": None if template.schedule is None else template.schedule.deltas,
         }
         target = {k: v for k, v in target.items() if v is not None}
         arrays = self.manager.restore(
@@ -363,6 +370,11 @@ class RunCheckpoints:
             ledger=None if meta["ledger"] is None else PrivacyLedger.from_dict(meta["ledger"]),
             key=jnp.asarray(_decode(meta["key"])),
             frozen=arrays.get("frozen"),
+            schedule=(
+                None
+                if template.schedule is None
+                else AsyncState.from_meta(meta["schedule"], arrays["schedule_deltas"])
+            ),
         )
         history = [RoundInfo.from_json(h) for h in meta["history"]]
         return state, history

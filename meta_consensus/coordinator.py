@@ -32,7 +32,7 @@ import numpy as np
 from consensus import tree
 from consensus.mesh import to_host
 from consensus.privacy import PrivacyLedger, calibrate_noise, pld_epsilon, rdp_epsilon
-from meta_consensus import example_level_dp, sampling, stages
+from meta_consensus import async_rounds, example_level_dp, sampling, stages
 from meta_consensus import lora as lora_run
 from meta_consensus.config import Config, ConfigError
 from meta_consensus.fleet import Fleet
@@ -66,6 +66,8 @@ class CoordinatorState(NamedTuple):
       frozen: LoRA runs: the frozen part of the model, ``{"base": the base params, "a": the
         shared a of FFA-LoRA or {}}`` (``consensus`` and the nodes' params are then adapter
         trees, see :mod:`meta_consensus.lora`); None otherwise.
+      schedule: asynchronous rounds: the clock, the versions, the in-flight fits
+        (:class:`meta_consensus.async_rounds.AsyncState`); None for synchronous rounds.
     """
 
     round: int
@@ -77,6 +79,7 @@ class CoordinatorState(NamedTuple):
     ledger: PrivacyLedger | None
     key: jax.Array
     frozen: PyTree | None = None
+    schedule: Any = None
 
 
 @dataclasses.dataclass
@@ -127,6 +130,12 @@ class RoundInfo:
       consensus_metrics: the same for the new consensus.
       base_metrics: a pretrained task's base model (the run's initial consensus) on the test set,
         every metric, logged with the first round; empty otherwise.
+      virtual_time: the virtual clock at the end of the round (the schedule's speed model: a
+        synchronous round lasts as long as its slowest node's fit, an asynchronous one ends
+        when its buffer's last update arrives).
+      versions: asynchronous rounds: the version each buffered update was trained from.
+      staleness: asynchronous rounds: each buffered update's staleness (versions behind).
+      dropped: asynchronous rounds: updates dropped for staleness while the buffer filled.
       share: per node, its share of the merge (:class:`~meta_consensus.pipeline.MergeReport`):
         a linear merge's weights summing to 1, the kept order statistics' weight averaged over
         coordinates, or NaN for a rule that weighs no node; empty in runs logged before it.
@@ -171,6 +180,10 @@ class RoundInfo:
     node_metrics: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     consensus_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     base_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    virtual_time: float = math.nan
+    versions: list[int] = dataclasses.field(default_factory=list)
+    staleness: list[int] = dataclasses.field(default_factory=list)
+    dropped: int = 0
     share: list[float] = dataclasses.field(default_factory=list)
     share_kind: str = ""
     decided_by: str = ""
@@ -240,7 +253,11 @@ class Coordinator:
         self, cfg: Config, *, task: Task | None = None, process_index: int = 0, process_count: int = 1
     ):
         self.cfg = cfg
-        self.fleet = Fleet(cfg, task=task, process_index=process_index, process_count=process_count)
+        # Asynchronous rounds fit a buffer's worth of nodes per call (the fleet's chunk).
+        fleet_cfg = cfg
+        if cfg.schedule.asynchronous and cfg.nodes.chunk == 0:
+            fleet_cfg = cfg.replace(nodes=dataclasses.replace(cfg.nodes, chunk=cfg.schedule.buffer))
+        self.fleet = Fleet(fleet_cfg, task=task, process_index=process_index, process_count=process_count)
         # LoRA runs: the nodes train adapters of the task's model (meta_consensus.lora).
         self.lora = lora_run.attach(self.fleet) if lora_run.enabled(cfg) else None
         self.server = self._server_reference(process_count)
@@ -267,6 +284,9 @@ class Coordinator:
         if self.example is not None:
             self.features.append(stages.ExampleLevelDP())
         self.merger: stages.Merge = stages.AdapterMerge() if self.lora is not None else stages.PipelineMerge()
+        # The virtual clock's node speeds, and the asynchronous schedule (None: synchronous rounds).
+        self.speeds = async_rounds.SpeedModel(cfg)
+        self.schedule = async_rounds.AsyncSchedule(self) if cfg.schedule.asynchronous else None
 
     def _server_reference(self, process_count: int) -> ServerReference | None:
         """Server-guided rules: split the root set off the held-out data (before anything reads it)."""
@@ -389,7 +409,7 @@ class Coordinator:
         ledger = (
             PrivacyLedger(self.cfg.dp.delta, self.cfg.dp.budget, self.cfg.dp.accountant) if self.dp else None
         )
-        return CoordinatorState(
+        state = CoordinatorState(
             round=0,
             consensus=params,
             nodes=nodes,
@@ -400,6 +420,7 @@ class Coordinator:
             key=jax.random.key_data(key),
             frozen=frozen,
         )
+        return state if self.schedule is None else self.schedule.init(self, state)
 
     # ------------------------------------------------------------------ the round
 
@@ -437,6 +458,15 @@ class Coordinator:
         Raises:
           PrivacyBudgetStop: example-level DP whose next round would go over the budget.
         """
+        if self.schedule is not None:  # a buffer filled on the virtual clock, then the same stages
+            return self.schedule.round(self, state, attempt=attempt, evaluate=evaluate)
+        new_state, info = self._sync_round(state, attempt, evaluate)
+        info.virtual_time = self.speeds.sync_clock(state.round)
+        return new_state, info
+
+    def _sync_round(
+        self, state: CoordinatorState, attempt: int, evaluate: bool | None
+    ) -> tuple[CoordinatorState, RoundInfo]:
         w = stages.start(self, state, attempt, evaluate)
         stages.fit(self, w)
         why = stages.validate(self, w)

@@ -336,6 +336,48 @@ class FaultsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ScheduleConfig:
+    """When the coordinator merges: after every round, or whenever a buffer of updates is full.
+
+    See :mod:`meta_consensus.async_rounds` and docs/async.md.
+
+    Attributes:
+      mode: "sync" (every round waits for its nodes; the default) or "async" (buffered
+        asynchronous rounds, FedBuff: a merge whenever ``buffer`` updates have arrived; ``rounds``
+        then counts applied buffers).
+      buffer: K, the updates an applied buffer holds (async; 1 <= K <= nodes.count).
+      staleness: the weight of an update that is tau versions old: "constant" (1),
+        "polynomial" ((1 + tau)^-a, FedBuff's) or "hinge" (1 up to ``staleness_hinge``, then
+        1 / (1 + a (tau - hinge))).
+      staleness_exponent: a of the polynomial and the hinge's slope.
+      staleness_hinge: b of the hinge: updates up to b versions old keep weight 1.
+      max_staleness: updates more than this many versions old are dropped (and counted); None: none.
+      speeds: the virtual clock's node speeds: "lognormal" (each node's mean fit time from a
+        log-normal, the slowest ``speed_spread`` times the fastest), "constant" (every fit takes
+        1) or "trace" (``speed_trace``: one line per node of fit times, used in turn).
+      speed_spread: the slowest node's mean fit time over the fastest's ("lognormal").
+      speed_jitter: the standard deviation of the log of one fit's time around its node's mean.
+      speed_trace: the trace file ("trace").
+    """
+
+    mode: Literal["sync", "async"] = "sync"
+    buffer: int = 4
+    staleness: Literal["constant", "polynomial", "hinge"] = "polynomial"
+    staleness_exponent: float = 0.5
+    staleness_hinge: int = 4
+    max_staleness: int | None = None
+    speeds: Literal["lognormal", "constant", "trace"] = "lognormal"
+    speed_spread: float = 4.0
+    speed_jitter: float = 0.1
+    speed_trace: str | None = None
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether merges are buffered asynchronous rounds."""
+        return self.mode == "async"
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshSettings:
     """Device mesh of the node trainer: sizes of the ("node", "data", "model") axes (all 1: no mesh).
 
@@ -363,7 +405,7 @@ class Config:
       name: run name; outputs go to ``<output_dir>/<name>/``.
       output_dir: parent directory of runs.
       seed: the root PRNG seed (node init, sampling, attacks, faults, DP noise).
-      rounds: number of rounds.
+      rounds: number of rounds (asynchronous rounds: of applied buffers).
       consensus_threshold: fraction of the n nodes the vote must accept for the round to count.
       min_answers: fraction of the n nodes that must answer with a valid candidate.
       quality_threshold: minimum held-out accuracy of a candidate (None: no gate).
@@ -389,6 +431,7 @@ class Config:
       dp: the ``[dp]`` section.
       faults: the ``[faults]`` section.
       mesh: the ``[mesh]`` section.
+      schedule: the ``[schedule]`` section (synchronous or buffered asynchronous rounds).
 
     Raises:
       ConfigError: an invalid value (the message names the key); every Config is checked when made.
@@ -418,6 +461,7 @@ class Config:
     dp: DPConfig = dataclasses.field(default_factory=DPConfig)
     faults: FaultsConfig = dataclasses.field(default_factory=FaultsConfig)
     mesh: MeshSettings = dataclasses.field(default_factory=MeshSettings)
+    schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
 
     def __post_init__(self):
         validate(self)

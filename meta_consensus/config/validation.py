@@ -256,10 +256,13 @@ def _check_schedule(cfg: Config) -> None:
         _check(not on, key, value, "runs with synchronous rounds only (schedule.mode = 'sync')")
     v = cfg.vote
     f = v.f(s.buffer)
-    for p in v.pre:
-        options = v.pre_options.get(p, {})
-        _check_rule(f"vote.pre[{p}]", p, f, s.buffer, options, "a buffer", "vote.pre_options")
-    _check_rule("vote.rule", v.rule, f, s.buffer, v.options, "a buffer", "vote.options")
+    try:
+        for p in v.pre:
+            options = v.pre_options.get(p, {})
+            _check_rule(f"vote.pre[{p}]", p, f, s.buffer, options, "a buffer", "vote.pre_options")
+        _check_rule("vote.rule", v.rule, f, s.buffer, v.options, "a buffer", "vote.options")
+    except ConfigError as e:  # the vote runs on each buffer: a larger one is the other way out
+        raise ConfigError(f"{e}; or raise schedule.buffer (the vote's n in async mode)") from None
 
 
 def validate(cfg: Config) -> None:
