@@ -215,6 +215,8 @@ def index(pages: Sequence[Page]) -> str:
         "differs from its data. [Results](../results.md) discusses them.",
         "",
     ]
+    titles = {p.stem: p.text.splitlines()[0].removeprefix("# ") for p in pages}
+    repeated = {t for t in titles.values() if list(titles.values()).count(t) > 1}
     for purpose in ("quality", "speed", "tuning", "other"):
         group = [p for p in pages if p.purpose == purpose]
         if not group:
@@ -222,7 +224,10 @@ def index(pages: Sequence[Page]) -> str:
         lines += [f"## {purpose.capitalize()}", ""]
         for p in group:
             note = "" if p.rendered else "; tables as the run wrote them"
-            title = p.text.splitlines()[0].removeprefix("# ")
+            title = titles[p.stem]
+            if title in repeated:  # pages of one benchmark under other settings: say which
+                variant = p.stem.removeprefix(p.benchmark or "").strip("_").replace("_", " ")
+                title = f"{title} ({variant})" if variant else title
             lines.append(f"- [{title}]({p.stem}.md) (`{p.stem}`{note})")
         lines.append("")
     hidden = "\n".join(p.stem for p in pages)

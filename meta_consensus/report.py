@@ -43,14 +43,13 @@ def roles(cfg: Config) -> list[str]:
 
 # The share labels of the table and the plot, by MergeReport.share_kind (pipeline.SHARE_*).
 _SHARE_LABELS = {
-    "weights": ("share", "share: each node's weight in the merge (a linear rule), mean over rounds"),
+    "weights": ("share", "share: each node's weight in the merge, mean over rounds"),
     "coordinates": (
         "coord share",
-        "coord share: each node's weight per coordinate (the kept order statistics), mean over "
-        "coordinates and rounds",
+        "coord share: each node's weight per coordinate (kept order statistics), mean over coordinates",
     ),
     "not a weighted rule": ("share", "share: n/a, the vote's rule is not a weighted rule"),
-    "logged weights": ("mean weight", "mean weight: the logged merge weights (a run from before shares)"),
+    "logged weights": ("mean weight", "mean weight: the merge weights as logged"),
 }
 
 

@@ -617,15 +617,29 @@ def plot_rules(res: Mapping[str, Any]) -> str:
     return path.name
 
 
+# How a page names the task its run trained on (``--task``).
+TASK_LABELS = {"digits": "digits", "fashion_mnist": "Fashion-MNIST"}
+
+
+def task_of(res: Mapping[str, Any]) -> str:
+    """The task a result was run on: its settings' ``task``, else ``--task`` in its argv, else digits."""
+    task = res.get("settings", {}).get("task")
+    if task:
+        return str(task)
+    argv = [str(a) for a in res.get("argv", [])]
+    for i, arg in enumerate(argv):
+        if arg == "--task" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--task="):
+            return arg.split("=", 1)[1]
+    return NAME.removeprefix("robustness_") if "_" in NAME else "digits"
+
+
 def markdown(res: Mapping[str, Any]) -> str:
     st, cells, best = res["settings"], res["summary"]["cells"], res["best"]
     seeds = len(st["seeds"])
-    lines = header(
-        f"Byzantine robustness on {NAME.removeprefix('robustness_') if '_' in NAME else 'digits'}",
-        NAME,
-        st["quick"],
-        st,
-    )
+    task = task_of(res)
+    lines = header(f"Byzantine robustness on {TASK_LABELS.get(task, task)}", NAME, st["quick"], st)
     opts = (
         {k: dict(v) for k, v in st["rule_options"]}
         if "rule_options" in st  # results written before the options moved to the registry's names
