@@ -63,6 +63,10 @@ def test_quickstart_system_runs(tmp_path):
     accuracy = float(out.stdout.strip().splitlines()[-1])
     assert 0.5 < accuracy <= 1.0  # 3 classes: far above chance after 5 rounds
     assert (tmp_path / "runs" / "my_model" / "metrics.jsonl").is_file()
+    # Pasted again in the same folder it runs again: the earlier run is moved aside, not in the way.
+    again = run_block(python_blocks(README)["quickstart-system"], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (tmp_path / "runs" / "my_model.old-1" / "metrics.jsonl").is_file()
 
 
 def test_readme_links_lead_to_files():
