@@ -289,7 +289,7 @@ class AsyncSchedule:
     """
 
     def __init__(self, co: Coordinator):
-        if co.fleet.trainer.mesh is not None and jax.process_count() > 1:
+        if jax.process_count() > 1:
             raise ConfigError("schedule.mode = 'async' runs in one process (no jax.distributed)")
         self.cfg = co.cfg.schedule
         self.n = co.cfg.nodes.count

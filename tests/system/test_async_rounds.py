@@ -204,3 +204,15 @@ def test_bad_async_settings_are_one_line_and_exit_2(tmp_path, capsys, sets, phra
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and phrase in err[0], err
     assert not (tmp_path / "run").exists() and not (tmp_path / "tiny").exists()
+
+
+def test_a_crashed_node_never_blocks_a_merge(tmp_path):
+    co = Coordinator(tiny(tmp_path, "faults.crash_nodes=[0]", "schedule.speed_spread=1.5"))
+    state = co.init()
+    crashes = 0
+    for _ in range(3):
+        state, info = co.round(state)
+        assert info.ok, info.reason
+        assert 0 not in info.sampled and len(info.sampled) == 3
+        crashes += "simulated crash" in info.errors.get("0", "")
+    assert crashes > 0  # its failed fits arrived, and the merges went on without it
