@@ -133,15 +133,28 @@ def test_bad_options_are_one_line_errors(capsys):
         assert e.value.code == 2 and why in capsys.readouterr().err
 
 
-def test_combine_puts_disjoint_configs_side_by_side_and_refuses_mismatched_parts():
-    runs = {"0": _runs({"clean": (0.95, 0.96), "a": (0.90, 0.80)})}
+def test_combine_merges_parts_run_in_parallel_and_refuses_overlaps():
+    runs = _runs({"clean": (0.95, 0.96), "a": (0.90, 0.80)})
     st = {"conditions": ["clean", "a"], "alphas": [0.3], "seeds": [0], "rounds": None, "task": "digits"}
-    one = {"report": {"default": {"0.3": runs}}, "settings": st, "total_s": 10.0}
-    two = {"report": {"robust": {"0.3": runs}}, "settings": st, "total_s": 5.0}
-    res, settings = suite.combine([one, two])
-    assert list(res["report"]) == ["default", "robust"] and res["total_s"] == 15.0
-    assert settings["configs"] == ["default", "robust"]
-    with pytest.raises(ValueError, match=r"reported twice"):
+    one = {"kind": "report", "report": {"default": {"0.3": {"0": runs}}}, "settings": st, "total_s": 10.0}
+    two = {"kind": "report", "report": {"robust": {"0.3": {"0": runs}}}, "settings": st, "total_s": 5.0}
+    seed1 = {"kind": "report", "report": {"default": {"1": {"1": runs}}}, "settings": st, "total_s": 1.0}
+    res, settings = suite.combine([one, two, seed1])
+    assert res["report"]["default"] == {"0.3": {"0": runs}, "1": {"1": runs}} and res["total_s"] == 16.0
+    assert (settings["configs"], settings["seeds"], settings["alphas"]) == (
+        ["default", "robust"],
+        [0, 1],
+        [0.3, 1.0],
+    )
+    with pytest.raises(ValueError, match=r"default alpha 0.3 seeds \['0'\] reported twice"):
         suite.combine([one, one])
-    with pytest.raises(ValueError, match=r"differ in \['seeds'\]"):
-        suite.combine([one, {**two, "settings": {**st, "seeds": [1]}}])
+    with pytest.raises(ValueError, match=r"differ in \['rounds'\]"):
+        suite.combine([one, {**two, "settings": {**st, "rounds": 5}}])
+    # selections of disjoint candidates: chosen again over all of them
+    ok = {"0.5": {"worst": 0.9, "margin": 0.5, "clean_gap": 0.2, "gap": 5.0}}
+    bad = {"0.5": {"worst": 0.95, "margin": -1.0, "clean_gap": 0.2, "gap": 2.0}}
+    sel = {"kind": "selection", "which": "default", "settings": st, "total_s": 1.0}
+    res, _ = suite.combine([{**sel, "selection": {"median": ok}}, {**sel, "selection": {"multi_krum": bad}}])
+    assert res["chosen"] == "median" and res["sets"] == suite.DEFAULT_CANDIDATES["median"]
+    with pytest.raises(ValueError, match="mix kinds"):
+        suite.combine([one, {**sel, "selection": {}}])
