@@ -27,7 +27,7 @@ PROB_FLOOR = 1e-12
 # The duality gap (in nats of mean NLL) the first-order phase stops at: close enough for
 # the Newton steps after it to start on the optimum's support, where each step's QP is a
 # few small linear solves.
-WARM_GAP = 1e-6
+WARM_GAP = 1e-4
 
 
 def _mixture_objective(pt: np.ndarray, lam: float, u: np.ndarray, w: np.ndarray) -> float:
@@ -78,7 +78,7 @@ def mixture_nll_weights(
       ``problems.MAX_DPP_MIXTURE_SIZE``.
     * ``"newton"``: accelerated projected gradient (FISTA, see
       :func:`~consensus.convex.firstorder.accelerated_projected_gradient`) from
-      the uniform weights until the duality gap is below 1e-6, then damped
+      the uniform weights until the duality gap is below 1e-4, then damped
       Newton steps from there: each a QP over W with the exact gradient and
       Hessian ``(1/m) P diag(1/z^2) P^T`` (z = P^T w), solved by a primal
       active-set method on the current support (the cached cvxpy ``qp``
