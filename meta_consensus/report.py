@@ -502,6 +502,7 @@ class RunLog:
             "privacy/epsilon": info.epsilon,
             "privacy/clip_norm": info.clip_norm,
             "vote/accepted": float(sum(info.accepted)),
+            "stages/server_move": getattr(info, "server_move", math.nan),
             "time/round_s": float(sum(info.seconds.values())),
         }
         scalars.update({f"consensus/{k}": v for k, v in info.consensus_metrics.items()})
