@@ -140,24 +140,30 @@ def markdown(res: dict[str, Any]) -> str:
                     f"{r['ratio']:.2f}",
                 ]
             )
-    ratios = [r["ratio"] for runs in res["runs"].values() for r in runs]
-    met = [x <= 0.7 for x in ratios]
+    met = [r["ratio"] <= 0.7 for runs in res["runs"].values() for r in runs]
     if all(met):
         verdict = "Every run reaches the synchronous run's final accuracy in at most 0.7x its time."
     else:
-        missed = [
-            f"{sc} seed {r['seed']} ({r['ratio']:.2f}x)"
-            for sc, runs in res["runs"].items()
-            for r in runs
-            if r["ratio"] > 0.7
-        ]
+        clean = {r["seed"]: r for r in res["runs"].get("clean", [])}
+        missed = []
+        for sc, runs in res["runs"].items():
+            for r in runs:
+                if r["ratio"] <= 0.7:
+                    continue
+                c = clean.get(r["seed"])
+                vs = (
+                    f"; final sync accuracy {r['target']:.3f} against {c['target']:.3f} clean, "
+                    f"{r['async_buffers']} buffers against {c['async_buffers']} clean"
+                    if c is not None and sc != "clean"
+                    else ""
+                )
+                missed.append(f"{sc} seed {r['seed']} ({r['ratio']:.2f}x{vs})")
         verdict = (
-            f"The 0.7x target is not reached in {', '.join(missed)}. Where the ratio is above 0.7 the "
-            "asynchronous run's accuracy climbs per buffer about as fast as the synchronous run's per "
-            "round but each buffer carries stale, discounted updates of 5 nodes rather than 8 fresh "
-            "ones; near the end the synchronous curve is flat, so the first time the async curve "
-            "touches the synchronous final value is sensitive to evaluation noise (one test-set point "
-            "is a fraction of a percent)."
+            f"The 0.7x target is not reached in {'; '.join(missed)}. Under the attack both schedules "
+            "learn more slowly and the asynchronous run needs more buffers. A likely cause, not "
+            "measured separately: a buffer of 5 that holds both attackers gives them 40% of the "
+            "median's inputs, against 25% in a synchronous round of 8, so those buffers move the "
+            "consensus less (or the wrong way)."
         )
     return "\n".join(
         [
