@@ -453,13 +453,20 @@ class MergePipeline:
         rep.decided_by = STAGE_WEIGHTS
         vinfo = get_info(merge_state.vote)
         kept = np.asarray(to_host(vinfo.selected & vinfo.valid), bool)
-        rule = registry.RULES[self.cfg.vote.rule]
         spec = OBJECTIVES[self.cfg.weights.objective]
-        if spec.traits.get("reads_vote_output", False) or rule.traits.get("uniform_mean", False):
-            return  # the weights lean on the vote's output, or the rule is the plain mean (weights alone)
-        if kept.sum() == np.asarray(to_host(vinfo.valid), bool).sum():
+        if spec.traits.get("reads_vote_output", False):
+            return  # the weights lean on the vote's output
+        vote_valid = np.asarray(to_host(vinfo.valid), bool)
+        k = int(vote_valid.sum())
+        vote_w = np.asarray(to_host(vinfo.weights), np.float64)[vote_valid]
+        # A vote that kept every node and merged them uniformly (the mean; Multi-Krum at f = 0) is
+        # what the weights re-weigh; one that computed anything else (a median, a geometric
+        # median's weights) had its output replaced.
+        uniform = vinfo.linear and k > 0 and bool(np.all(np.abs(vote_w - 1.0 / k) <= 1e-6))
+        if kept.sum() == k and not uniform:
+            rule = self.cfg.vote.rule
             rep.note = (
-                f"vote.rule = {rule.name!r} kept every valid node, so weights.objective = {spec.name!r} "
+                f"vote.rule = {rule!r} kept every valid node, so weights.objective = {spec.name!r} "
                 f"re-weighed all of them and the rule's own output was not used (weights.objective = "
                 f"'vote' merges with it, 'anchor' weighs the nodes towards it)"
             )

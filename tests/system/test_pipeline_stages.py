@@ -77,6 +77,13 @@ def test_a_vote_that_keeps_every_node_under_mask_only_weights_says_so_in_one_lin
     # A rule that selects keeps the weigher to its nodes: no note, and a different consensus.
     krum, rep_krum, caught_krum = _merge(setting, "vote.rule=multi_krum", "weights.objective=mixture_nll")
     assert rep_krum.note == "" and not caught_krum and not np.allclose(krum, mean)
+    # A rule that keeps every node and averages them uniformly (Multi-Krum at f = 0) is what the
+    # weights re-weigh; one that computes something else (the geometric median's weights) is replaced.
+    f0 = ("vote.rule=multi_krum", "vote.num_byzantine=0", "weights.objective=uniform")
+    _, rep_f0, _ = _merge(setting, *f0)
+    assert rep_f0.note == ""
+    _, rep_gm, _ = _merge(setting, "vote.rule=geometric_median", "weights.objective=uniform")
+    assert "'geometric_median'" in rep_gm.note
     # Weights that read the vote's output shape the merge towards it: no note either.
     _, rep_anchor, _ = _merge(setting, "vote.rule=median", "weights.objective=anchor")
     assert rep_anchor.note == "" and rep_anchor.decided_by == STAGE_WEIGHTS
