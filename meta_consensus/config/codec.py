@@ -261,7 +261,7 @@ def load_with_notes(
     *,
     preset: str | None = None,
 ) -> tuple[Config, list[str]]:
-    """:func:`load`, and one line per option dropped because its owner changed (see the module).
+    """:func:`load`, one line per option dropped because its owner changed, and :func:`stage_notes`.
 
     Args:
       path: a TOML file (None: the embedded default, or ``preset``).
@@ -292,7 +292,39 @@ def load_with_notes(
     changed = {item.split("=", 1)[0].strip() for item in overrides if "=" in item}
     merged = apply_overrides(data, overrides)
     notes = _drop_orphaned_options(merged, changed, user_keys | changed, with_plugins(merged, plugins))
-    return from_dict(merged, plugins), notes
+    cfg = from_dict(merged, plugins)
+    return cfg, notes + stage_notes(cfg)
+
+
+def stage_notes(cfg: Config) -> list[str]:
+    """One line when the config's weights will replace its vote's output (so the rule changes nothing).
+
+    A coordinate-wise rule other than the mean keeps every node; a weight objective that reads
+    only the vote's mask (not ``anchor``, whose trait ``reads_vote_output`` is set) then re-weighs
+    all of them, and the rule's own output is not used. The run's table says it again for the
+    rounds where it happened (vector rules that keep every node, such as the geometric median,
+    are only known at run time).
+
+    Args:
+      cfg: a validated config.
+
+    Returns:
+      The note, or nothing.
+    """
+    from consensus.registry import RULES
+    from meta_consensus.objectives import OBJECTIVES
+
+    v, objective = cfg.vote, OBJECTIVES[cfg.weights.objective]
+    rule = RULES[v.rule]
+    if objective.name == "vote" or objective.traits.get("reads_vote_output", False) or v.groups > 1:
+        return []
+    if rule.kind != "coordinatewise" or rule.traits.get("uniform_mean", False):
+        return []
+    return [
+        f"vote.rule = {v.rule!r} keeps every node, so weights.objective = {objective.name!r} will "
+        f"re-weigh all of them and the rule's own output will not be used (weights.objective = 'vote' "
+        f"merges with it, 'anchor' weighs the nodes towards it)"
+    ]
 
 
 def _taken_options(owner: str, choice: Any) -> list[str] | None:

@@ -176,3 +176,24 @@ def test_a_round_logs_shares_the_deciding_stage_and_the_server_steps_move(tmp_pa
     assert back.share == info.share and back.server_move == info.server_move
     footer = next(line for line in report.table(cfg, [info]).splitlines() if line.startswith("decided by:"))
     assert "the vote (vote.rule = 'median'" in footer and "server step" in footer
+
+
+@pytest.mark.parametrize(
+    ("overrides", "noted"),
+    [
+        (["vote.rule=median", "weights.objective=mixture_nll"], True),
+        (["vote.rule=trimmed_mean", "weights.objective=uniform"], True),
+        (["vote.rule=median", "weights.objective=vote"], False),
+        (["vote.rule=median", "weights.objective=anchor"], False),
+        (["vote.rule=mean", "weights.objective=mixture_nll"], False),
+        (["vote.rule=multi_krum", "weights.objective=mixture_nll"], False),
+    ],
+)
+def test_the_config_says_in_one_line_when_the_weights_will_replace_the_vote(overrides, noted):
+    from meta_consensus import config
+
+    _, notes = config.load_with_notes(None, overrides)
+    ours = [n for n in notes if "keeps every node" in n]
+    assert len(ours) == int(noted) and all("\n" not in n for n in ours)
+    if noted:
+        assert "weights.objective = 'vote'" in ours[0] and overrides[0].split("=")[1] in ours[0]
