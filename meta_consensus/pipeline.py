@@ -59,6 +59,7 @@ from consensus.dp import AdaptiveClipConfig, dp_fedavg, privacy_event, privatize
 from consensus.mesh import to_host
 from consensus.privacy import PrivacyEvent
 from meta_consensus.config import Config, ConfigError, plain_fedavg
+from meta_consensus.config.codec import stage_notes
 from meta_consensus.objectives import OBJECTIVES, needs_classification
 from meta_consensus.sampling import privacy_sampling_rate as sampling_rate
 from strategies.tasks.base import Task
@@ -270,7 +271,9 @@ class MergePipeline:
         self.plain_fedavg = plain_fedavg(cfg)
         self._by_f: dict[int, Aggregator] = {}
         self._coordinate_share: tuple[Any, np.ndarray] | None = None  # (state, shares) of the last update
-        self._warned = False  # the note of a vote whose output the weights replaced, warned once
+        # The note of a vote whose output the weights replaced, warned once (not at all when the
+        # config's own note said it before the run: config.stage_notes).
+        self._warned = bool(stage_notes(cfg))
         self.vote = build_vote(cfg)
         self.aggregator = self.for_answered(cfg.nodes.vote_size())
 
