@@ -332,7 +332,7 @@ class AsyncSchedule:
     ) -> tuple[CoordinatorState, AsyncState, dict[int, str], float]:
         """Send ``ids`` the current version: fit them now, record their deltas, versions and arrivals."""
         ids = np.asarray(ids, np.int64)
-        chunk = co.cfg.nodes.chunk_size()
+        chunk = co.fleet.cfg.nodes.chunk_size()  # a buffer's worth (the coordinator sets the fleet's)
         slots = max(math.ceil(len(ids) / chunk), 1) * chunk
         sample = ClientSample(np.concatenate([ids, np.full((slots - len(ids),), -1, np.int64)]), self.n)
         root = jax.random.wrap_key_data(jnp.asarray(state.key))
