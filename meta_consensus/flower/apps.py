@@ -15,7 +15,8 @@ A Flower app's ``pyproject.toml`` names them (see docs/flower.md)::
     wait-for-nodes = 120.0            # seconds the first round waits for all nodes.count SuperNodes
 
 The server reads the config, runs :class:`~meta_consensus.flower.strategy.ConsensusStrategy`
-for ``rounds`` rounds and writes ``<output_dir>/<name>/consensus.safetensors`` and
+for ``rounds`` rounds (with ``[schedule] mode = "async"``: ``rounds`` buffered asynchronous
+merges, :mod:`meta_consensus.flower.buffered`) and writes ``<output_dir>/<name>/consensus.safetensors`` and
 ``flower_rounds.jsonl`` (one :class:`~meta_consensus.flower.strategy.FlowerRound` a line).
 The nodes get the config from the server with every train message; each SuperNode says
 which node it is with ``--node-config "partition-id=<i> num-partitions=<n>"``. The config
@@ -36,7 +37,9 @@ from flwr.serverapp.strategy import Result
 
 from meta_consensus import config as config_lib
 from meta_consensus.config import Config
+from meta_consensus.flower.buffered import BufferedRun
 from meta_consensus.flower.node import make_client_app
+from meta_consensus.flower.replies import RoundGrid
 from meta_consensus.flower.strategy import ConsensusStrategy
 
 HISTORY_FILE = "flower_rounds.jsonl"
@@ -69,12 +72,24 @@ def run_strategy(strategy: ConsensusStrategy, grid: Grid, *, timeout: float = 60
       timeout: seconds each round waits for its replies.
 
     Returns:
-      Flower's :class:`~flwr.serverapp.strategy.Result` (the aggregated metrics of every round);
-      the strategy's :attr:`~ConsensusStrategy.history` has the rounds' reasons and errors.
+      Flower's :class:`~flwr.serverapp.strategy.Result` (the aggregated metrics of every round;
+      empty in async mode); the strategy's :attr:`~ConsensusStrategy.history` has the rounds'
+      (or applied buffers') reasons and errors.
     """
     from meta_consensus.run import save_consensus
 
-    result = strategy.start(grid, strategy.initial_arrays(), num_rounds=strategy.cfg.rounds, timeout=timeout)
+    if strategy.cfg.schedule.asynchronous:
+        # Buffered asynchronous rounds (meta_consensus.flower.buffered): rounds = applied buffers.
+        strategy._timeout = float(timeout)
+        if not isinstance(grid, RoundGrid):
+            grid = RoundGrid(grid, poll_s=strategy.poll_s, dst_of=strategy._dst_of)
+        run = BufferedRun(strategy, grid, timeout_s=timeout, poll_s=min(strategy.poll_s, 0.5))
+        run.run(strategy.cfg.rounds)
+        result = Result()
+    else:
+        result = strategy.start(
+            grid, strategy.initial_arrays(), num_rounds=strategy.cfg.rounds, timeout=timeout
+        )
     run_dir = Path(strategy.cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_consensus(run_dir, strategy.consensus, {"rounds": str(strategy.rounds_done), "front_end": "flower"})

@@ -121,6 +121,11 @@ class FlowerRound:
       seconds: the wall time of the round's aggregation on the server.
       bytes_down: bytes of the arrays each node received with its train message.
       bytes_up: bytes of the arrays a node sent back, mean over the replies that arrived.
+      buffer: asynchronous rounds (:mod:`meta_consensus.flower.buffered`): the partitions whose
+        updates the applied buffer held, in arrival order (empty in synchronous rounds).
+      versions: the consensus version the strategy sent each of them (its own record).
+      staleness: each update's staleness, the current version minus the version it was sent.
+      dropped: updates dropped since the last buffer for exceeding ``schedule.max_staleness``.
     """
 
     server_round: int
@@ -139,6 +144,10 @@ class FlowerRound:
     # Bytes of the arrays in the round's messages, mean per node: received (train) and sent.
     bytes_down: float = 0.0
     bytes_up: float = 0.0
+    buffer: list[int] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    staleness: list[int] = dataclasses.field(default_factory=list)
+    dropped: int = 0
 
 
 class ConsensusStrategy(Strategy):
@@ -567,8 +576,13 @@ class ConsensusStrategy(Strategy):
         self.history.append(info)
         return self.initial_arrays(), self._round_metrics(info, records)
 
-    def _merge(self, stacked: PyTree, valid: np.ndarray, info: FlowerRound) -> tuple[PyTree | None, str]:
-        """Vote -> weights -> DP as the coordinator runs it; (new consensus, "") or (None, why)."""
+    def _merge(
+        self, stacked: PyTree, valid: np.ndarray, info: FlowerRound, asked: int | None = None
+    ) -> tuple[PyTree | None, str]:
+        """Vote -> weights -> DP as the coordinator runs it; (new consensus, "") or (None, why).
+
+        ``asked``: the rows the merge's rules count (a buffer's K; default the n nodes).
+        """
         _, k_dp = jax.random.split(round_key(self.key_data, self.rounds_done, 0))
         if self.lora is not None:
             return self._merge_adapters(stacked, valid, info, k_dp)
@@ -595,7 +609,7 @@ class ConsensusStrategy(Strategy):
         info.accepted = [bool(a) for a in report.accepted]
         info.weights = [float(w) for w in report.weights]
         info.noise_std = report.noise_std
-        why = too_few_accepted(self.cfg, report.accepted)
+        why = too_few_accepted(self.cfg, report.accepted, asked)
         if why:
             return None, why
         if not bool(np.all(to_host(tree.finite_mask(tree.stack([merged]))))):
