@@ -8,6 +8,8 @@
 * :mod:`meta_consensus.flower.apps`: ``server_app`` and ``client_app`` for ``flwr run``;
 * :class:`~meta_consensus.flower.local.InProcessGrid`: every node in this process (tests,
   notebooks) without a SuperLink;
+* :class:`~meta_consensus.flower.buffered.BufferedRun`: buffered asynchronous rounds
+  (``[schedule] mode = "async"``) through the Message API;
 * :class:`~meta_consensus.flower.replies.RoundGrid`: a round's replies without waiting for nodes
   the SuperLink no longer lists (a workaround for flwr 1.42, see docs/flower.md).
 
@@ -16,6 +18,7 @@ pipeline, and the library never imports the system (see docs/flower.md).
 """
 
 from meta_consensus.flower.arrays import ArrayRecordMismatch, from_array_record, to_array_record
+from meta_consensus.flower.buffered import BufferedRun
 from meta_consensus.flower.local import InProcessGrid
 from meta_consensus.flower.node import FlowerNode, check_flower_config, make_client_app
 from meta_consensus.flower.replies import RoundGrid
@@ -23,6 +26,7 @@ from meta_consensus.flower.strategy import ConsensusStrategy, FlowerRound
 
 __all__ = [
     "ArrayRecordMismatch",
+    "BufferedRun",
     "ConsensusStrategy",
     "FlowerNode",
     "FlowerRound",
