@@ -443,18 +443,23 @@ class MergePipeline:
 
     def _shares(self, rep: MergeReport, state: Any, merge_state: Any, info: Any) -> None:
         """Fill the report's shares, deciding stage and note (see :class:`MergeReport`)."""
-        valid = np.asarray(to_host(info.valid), bool)
+        # Under DP the shares are the merge's before the noise (of the clipped updates): the inner
+        # merge's info, or plain DP-FedAvg's uniform weights (the DP state says linear = False,
+        # for the noise).
+        inner = get_info(merge_state) if merge_state is not state else info
+        valid = np.asarray(to_host(inner.valid), bool)
         cached = getattr(self, "_coordinate_share", None)
         if cached is not None and cached[0] is state:
             rep.share, rep.share_kind = cached[1], SHARE_COORDINATES
-        elif info.linear:
-            rep.share = linear_share(rep.weights, valid)
+        elif inner.linear or (self.cfg.dp.enabled and self.plain_fedavg):
+            rep.share = linear_share(np.asarray(to_host(inner.weights), np.float64), valid)
         else:
             rep.share, rep.share_kind = np.full(valid.shape, math.nan), SHARE_NONE
-        if self._weigher is None:
-            return
+        vote_state = getattr(merge_state, "vote", None)
+        if self._weigher is None or vote_state is None:
+            return  # the vote's output is the merge (plain DP-FedAvg: the uniform mean, noised)
         rep.decided_by = STAGE_WEIGHTS
-        vinfo = get_info(merge_state.vote)
+        vinfo = get_info(vote_state)
         kept = np.asarray(to_host(vinfo.selected & vinfo.valid), bool)
         spec = OBJECTIVES[self.cfg.weights.objective]
         if spec.traits.get("reads_vote_output", False):

@@ -197,3 +197,27 @@ def test_the_config_says_in_one_line_when_the_weights_will_replace_the_vote(over
     assert len(ours) == int(noted) and all("\n" not in n for n in ours)
     if noted:
         assert "weights.objective = 'vote'" in ours[0] and overrides[0].split("=")[1] in ours[0]
+
+
+def test_plain_dp_fedavg_reports_the_vote_as_deciding(setting):
+    tmp, fleet, params, stacked = setting
+    cfg = small_config(tmp, "vote.rule=mean", "weights.objective=uniform", "vote.num_byzantine=0")
+    assert cfg.dp.enabled  # the small config's node-level DP: plain DP-FedAvg with these settings
+    pipe = MergePipeline(cfg, fleet.task, fleet.data.heldout, 0.5)
+    state = pipe.with_key(pipe.init(params), jax.random.key(1))
+    _, state = pipe.update(stacked, state, params, np.ones((N,), bool))
+    rep = pipe.report(state)
+    assert rep.decided_by == STAGE_VOTE and rep.note == ""
+    assert rep.share_kind == SHARE_WEIGHTS and abs(rep.share.sum() - 1.0) < 1e-9
+
+
+def test_under_dp_the_shares_are_the_merges_before_the_noise(setting):
+    tmp, fleet, params, stacked = setting
+    cfg = small_config(tmp)  # Multi-Krum, mixture-NLL weights, node-level DP
+    pipe = MergePipeline(cfg, fleet.task, fleet.data.heldout, 0.5)
+    state = pipe.with_key(pipe.init(params), jax.random.key(1))
+    _, state = pipe.update(stacked, state, params, np.ones((N,), bool))
+    rep = pipe.report(state)
+    assert rep.decided_by == STAGE_WEIGHTS and rep.share_kind == SHARE_WEIGHTS
+    assert abs(rep.share.sum() - 1.0) < 1e-9 and not (rep.share[~rep.accepted] > 0).any()
+    np.testing.assert_allclose(rep.share, rep.weights / rep.weights.sum(), atol=1e-7)
