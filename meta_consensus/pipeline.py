@@ -130,6 +130,7 @@ class MergeReport:
       noise_std: the DP noise standard deviation (NaN without DP).
       share: (n,) float64, the share of the merge each node carried (see ``share_kind``); 0 for
         the nodes left out, NaN everywhere for a rule that weighs no node (:data:`SHARE_NONE`).
+        Under DP, the shares of the merge of the clipped updates, before the noise.
       share_kind: :data:`SHARE_WEIGHTS` (a linear merge, ``merged = sum_i share_i x_i`` with the
         shares summing to 1), :data:`SHARE_COORDINATES` (the coordinate-wise median or trimmed
         mean: per coordinate, each kept order statistic has weight ``1 / kept``; the share is
