@@ -233,6 +233,9 @@ class NodeTrainer:
       remat: recompute activations in the backward pass (``jax.checkpoint`` of
         the loss keeping only matmul outputs).
       unroll: ``lax.scan`` unroll factor over the steps of one fit call.
+      donate: hand the state's buffers to :meth:`fit`'s result (XLA updates params and optimizer
+        state in place instead of holding the old and the new copies at once, which halves
+        their share of the peak memory); the state passed to ``fit`` is then consumed.
 
     Raises:
       ValueError: for ``batch_size`` or ``grad_accum`` below 1, a ``compute_dtype`` other than
@@ -258,8 +261,9 @@ class NodeTrainer:
     grad_accum: int = 1
     remat: bool = False
     unroll: int = 1
+    donate: bool = False
     if TYPE_CHECKING:  # set by __post_init__, not dataclass fields at run time
-        _fit_jit: Callable[..., Any] = dataclasses.field(init=False)
+        _fit_jit: Any = dataclasses.field(init=False)  # a jitted function (its .lower too)
         _eval_jit: Callable[..., Any] = dataclasses.field(init=False)
         _init_cache: dict[tuple[Any, ...], Callable[..., Any]] = dataclasses.field(init=False)
 
@@ -279,7 +283,9 @@ class NodeTrainer:
         if self.mesh is not None and tuple(self.mesh.axis_names) != mesh_lib.AXES:
             raise ValueError(f"mesh axes must be {mesh_lib.AXES}, got {tuple(self.mesh.axis_names)}")
         # Compiled functions, built once per trainer (jit caches per static args and shapes).
-        object.__setattr__(self, "_fit_jit", jax.jit(self._fit_impl, static_argnames=("static",)))
+        donate = ("state",) if self.donate else ()
+        fit_jit = jax.jit(self._fit_impl, static_argnames=("static",), donate_argnames=donate)
+        object.__setattr__(self, "_fit_jit", fit_jit)
         one_device = self.mesh is None or self.mesh.devices.size == 1
         object.__setattr__(self, "_eval_jit", _evaluator(self.task, sequential=one_device))
         object.__setattr__(self, "_init_cache", {})
@@ -416,6 +422,49 @@ class NodeTrainer:
             params = jax.tree.map(lambda p: self._put(p, self._rep_sh(), per_node=False), params)
         return self._init_cache[cache_key](key_data, params)
 
+    def abstract_state(self, key: jax.Array, params: PyTree | None, num_nodes: int) -> TrainState:
+        """The TrainState :meth:`init` would return, as ``jax.ShapeDtypeStruct`` leaves (nothing allocated).
+
+        With a mesh the leaves carry their shardings, so :meth:`lower` compiles the sharded step.
+
+        Args:
+          key: as for :meth:`init`.
+          params: as for :meth:`init` (arrays or ``jax.ShapeDtypeStruct`` leaves).
+          num_nodes: as for :meth:`init`.
+
+        Returns:
+          A TrainState of ``jax.ShapeDtypeStruct``.
+        """
+        typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+        key_data = jax.random.key_data(key) if typed else key
+        impl = jax.random.key_impl(key) if typed else None
+        abstract = jax.eval_shape(self._build_init(num_nodes, params is None, impl), key_data, params)
+        sh = self.shardings(abstract.params)
+        if sh is None:
+            return abstract
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, sh)
+
+    def with_auto_batch(
+        self, params: PyTree, data: NodeData | Sequence[NodeData], num_nodes: int, **options: Any
+    ) -> NodeTrainer:
+        """This trainer with the batch size :func:`auto_batch_size` chooses (nothing is allocated).
+
+        Args:
+          params: one node's params (arrays or ``jax.ShapeDtypeStruct`` leaves).
+          data: the data the fits will draw from.
+          num_nodes: n, as for :meth:`init`.
+          **options: ``memory_bytes``, ``fraction``, ``max_batch`` and fit options, as
+            :func:`auto_batch_size` takes them.
+
+        Returns:
+          A new NodeTrainer.
+
+        Raises:
+          ValueError: as :func:`auto_batch_size`.
+        """
+        state = self.abstract_state(jax.random.key(0), params, num_nodes)
+        return dataclasses.replace(self, batch_size=auto_batch_size(self, state, data, **options))
+
     def _build_init(self, num_nodes: int, fresh: bool, impl: Any) -> Callable:
         def build(key_data, params):
             k = jax.random.wrap_key_data(key_data, impl=impl) if impl is not None else key_data
@@ -433,7 +482,7 @@ class NodeTrainer:
 
     # ------------------------------------------------------------------ fit
 
-    def fit(
+    def fit_args(
         self,
         state: TrainState,
         data: NodeData | Sequence[NodeData],
@@ -448,8 +497,8 @@ class NodeTrainer:
         record: bool = False,
         dp: dpsgd.ExampleDP | None = None,
         frozen: PyTree | None = None,
-    ) -> tuple[TrainState, FitLog]:
-        """Run ``steps`` training steps of every node in one jitted call.
+    ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """Check and place the arguments of one fit call: what :meth:`fit` runs and :meth:`lower` lowers.
 
         Args:
           state: the stacked TrainState (from :meth:`init` or a previous fit).
@@ -484,7 +533,7 @@ class NodeTrainer:
             task's loss of ``params`` alone.
 
         Returns:
-          ``(state, log)`` with a :class:`FitLog`.
+          ``(args, static)``: the jitted step's arguments (state first) and its static options.
 
         Raises:
           TypeError: for ``data`` that is not a NodeData or a non-empty sequence of them, both
@@ -570,7 +619,66 @@ class NodeTrainer:
             None if frozen is None else jax.tree.map(put_small, frozen),
         )
         pools = tuple((dict(d.pool), d.index, d.count) for d in levels)
-        return self._fit_jit(state, pools, *args, static=static)
+        return (state, pools, *args), static
+
+    def fit(
+        self,
+        state: TrainState,
+        data: NodeData | Sequence[NodeData],
+        steps: int,
+        **options: Any,
+    ) -> tuple[TrainState, FitLog]:
+        """Run ``steps`` training steps of every node in one jitted call.
+
+        Args:
+          state: the stacked TrainState (from :meth:`init` or a previous fit). With
+            ``donate=True`` its buffers are reused for the result and it must not be read again.
+          data: one NodeData, or a sequence of them (data levels) indexed by
+            ``schedule.level``. Per-node pools must have the state's node count
+            (this process's block in a multi-process run).
+          steps: number of (micro-)steps, static (one compile per value).
+          **options: ``schedule``, ``hyperparams``, ``flip_labels``, ``poisoned``,
+            ``data_attack``, ``proximal``, ``record``, ``dp`` and ``frozen``, as
+            :meth:`fit_args` describes them.
+
+        Returns:
+          ``(state, log)`` with a :class:`FitLog`.
+
+        Raises:
+          TypeError: as :meth:`fit_args`.
+          ValueError: as :meth:`fit_args`.
+        """
+        args, static = self.fit_args(state, data, steps, **options)
+        return self._fit_jit(*args, static=static)
+
+    def lower(
+        self,
+        state: TrainState,
+        data: NodeData | Sequence[NodeData],
+        steps: int = 1,
+        **options: Any,
+    ) -> jax.stages.Lowered:
+        """The fit step lowered for these arguments, not run (``.compile().memory_analysis()``).
+
+        The compiled executable's memory analysis says what one fit call needs per device
+        (arguments, outputs and XLA's temporaries) without allocating it; :func:`auto_batch_size`
+        sizes the batch with it.
+
+        Args:
+          state: the stacked TrainState (or its ``jax.ShapeDtypeStruct`` tree).
+          data: as for :meth:`fit`.
+          steps: number of steps of the lowered call.
+          **options: as for :meth:`fit`.
+
+        Returns:
+          The ``jax.stages.Lowered`` fit call.
+
+        Raises:
+          TypeError: as :meth:`fit_args`.
+          ValueError: as :meth:`fit_args`.
+        """
+        args, static = self.fit_args(state, data, steps, **options)
+        return self._fit_jit.lower(*args, static=static)
 
     def _dp_args(self, dp: dpsgd.ExampleDP | None, levels: Sequence[NodeData], n: int) -> tuple:
         """Host-side DP-SGD arrays: (clip (n,), z (n,), rate (n, L), expected batch (n, L)), static."""
@@ -783,3 +891,106 @@ class NodeTrainer:
             evaluator = _evaluator(self.task, one_device, True)  # type: ignore[arg-type]  # hashable tasks
             out = evaluator(stacked_params, batch, frozen)
         return {k: np.asarray(v, np.float64) for k, v in mesh_lib.to_host(out).items()}
+
+
+# ---------------------------------------------------------------------- batch size by memory
+
+
+def device_memory_bytes(device: Any = None) -> int:
+    """The memory one device offers a program: the runtime's limit, or the host's available memory.
+
+    Accelerators report ``bytes_limit`` in ``device.memory_stats()``; a CPU device reports
+    nothing, and its programs live in the host's memory, so ``MemAvailable`` of
+    ``/proc/meminfo`` (else the physical memory) stands in for it.
+
+    Args:
+      device: a jax device (default the first).
+
+    Returns:
+      Bytes.
+    """
+    device = jax.devices()[0] if device is None else device
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def compiled_bytes(compiled: Any) -> int:
+    """Peak bytes per device of a compiled executable, from XLA's memory analysis.
+
+    Arguments, outputs and temporaries, less the outputs aliased onto donated arguments.
+
+    Args:
+      compiled: a ``jax.stages.Compiled``.
+
+    Returns:
+      Bytes (0 when the backend gives no analysis).
+    """
+    m = compiled.memory_analysis()
+    if m is None:
+        return 0
+    return int(
+        m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    )
+
+
+def auto_batch_size(
+    trainer: NodeTrainer,
+    state: TrainState,
+    data: NodeData | Sequence[NodeData],
+    *,
+    memory_bytes: int | None = None,
+    fraction: float = 0.9,
+    max_batch: int = 1024,
+    **options: Any,
+) -> int:
+    """The largest power-of-two batch whose fit step fits the device, by compiled memory analysis.
+
+    Each candidate's one-step fit is lowered and compiled, never run: its memory analysis
+    (:func:`compiled_bytes`) is compared with ``fraction`` of the device's memory. Candidates
+    double from 1 until one does not fit (the step's memory grows with the batch), so the
+    search compiles about ``log2(batch)`` programs.
+
+    Args:
+      trainer: the trainer whose ``batch_size`` is chosen (its other settings are kept).
+      state: the state the fit will start from.
+      data: the data it will draw from.
+      memory_bytes: the device's memory (default :func:`device_memory_bytes`).
+      fraction: the share of it the step may use (the rest is headroom for the runtime).
+      max_batch: the largest batch considered.
+      **options: further fit options (``frozen``, ``dp``, ...), as the run will pass them.
+
+    Returns:
+      The batch size (at least 1).
+
+    Raises:
+      ValueError: when even a batch of one does not fit, or ``fraction`` is not in (0, 1].
+    """
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    budget = int(fraction * (device_memory_bytes() if memory_bytes is None else memory_bytes))
+
+    def need(batch: int) -> int:
+        candidate = dataclasses.replace(trainer, batch_size=batch)
+        return compiled_bytes(candidate.lower(state, data, 1, **options).compile())
+
+    first = need(1)
+    if first > budget:
+        raise ValueError(
+            f"a batch of 1 needs {first / 2**30:.2f} GiB per device, more than the {budget / 2**30:.2f} GiB "
+            "available: use a smaller model, bfloat16, remat or more devices"
+        )
+    batch = 1
+    while batch * 2 <= max_batch and need(batch * 2) <= budget:
+        batch *= 2
+    return batch

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from strategies.models.config import ModelConfig
-from strategies.models.layers import Array, Embedding, LayerNorm, Linear, activation, attention
+from strategies.models.layers import Array, Embedding, LayerNorm, Linear, activation, attention, run_blocks
 
 
 class GPT2Attention(nnx.Module):
@@ -119,11 +119,13 @@ class GPT2Model(nnx.Module):
     Args:
       config: the model config.
       remat: recompute each block's activations in the backward pass (``nnx.remat``).
+      scan: run the blocks as one ``lax.scan`` (one block compiled instead of every one).
     """
 
-    def __init__(self, config: ModelConfig, *, remat: bool = False):
+    def __init__(self, config: ModelConfig, *, remat: bool = False, scan: bool = True):
         c = config
         self.remat = remat
+        self.scan = scan
         self.wte = Embedding(c.vocab_size, c.hidden_size, ("vocab", "embed"), std=c.initializer_range)
         self.wpe = Embedding(c.max_position_embeddings, c.hidden_size, ("length", "embed"), std=0.01)
         self.h = nnx.List([GPT2Block(c, i) for i in range(c.num_layers)])
@@ -141,8 +143,9 @@ class GPT2Model(nnx.Module):
         """
         t = tokens.shape[1]
         x = self.wte(tokens).astype(dtype) + self.wpe.embedding[...][:t].astype(dtype)
-        for block in self.h:
-            x = nnx.remat(lambda blk, y: blk(y))(block, x) if self.remat else block(x)
+        # Blocks differ (their attention scale) under scale_attn_by_inverse_layer_idx: not scanned.
+        alike = len({block.attn.scale for block in self.h}) == 1
+        x = run_blocks(self.h, x, remat=self.remat, scan=self.scan and alike)
         return self.ln_f(x)
 
 
@@ -152,11 +155,12 @@ class GPT2LMHeadModel(nnx.Module):
     Args:
       config: the model config.
       remat: recompute each block's activations in the backward pass.
+      scan: run the blocks as one ``lax.scan``.
     """
 
-    def __init__(self, config: ModelConfig, *, remat: bool = False):
+    def __init__(self, config: ModelConfig, *, remat: bool = False, scan: bool = True):
         self.tied = config.tie_word_embeddings
-        self.transformer = GPT2Model(config, remat=remat)
+        self.transformer = GPT2Model(config, remat=remat, scan=scan)
         if not self.tied:
             self.lm_head = Linear(
                 config.hidden_size,

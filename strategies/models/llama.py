@@ -25,6 +25,7 @@ from strategies.models.layers import (
     attention,
     rope_cos_sin,
     rope_inv_freq,
+    run_blocks,
 )
 
 
@@ -133,12 +134,14 @@ class LlamaModel(nnx.Module):
     Args:
       config: the model config.
       remat: recompute each block's activations in the backward pass (``nnx.remat``).
+      scan: run the blocks as one ``lax.scan`` (one block compiled instead of every one).
     """
 
-    def __init__(self, config: ModelConfig, *, remat: bool = False):
+    def __init__(self, config: ModelConfig, *, remat: bool = False, scan: bool = True):
         c = config
         self.config = c
         self.remat = remat
+        self.scan = scan
         self.embed_tokens = Embedding(
             c.vocab_size, c.hidden_size, ("vocab", "embed"), std=c.initializer_range
         )
@@ -159,11 +162,9 @@ class LlamaModel(nnx.Module):
         x = self.embed_tokens(tokens).astype(dtype)
         inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_type, c.rope_parameters)
         cos, sin = rope_cos_sin(inv_freq, tokens.shape[1], dtype)
-        for layer in self.layers:
-            if self.remat:
-                x = nnx.remat(lambda blk, h, cs, sn: blk(h, cs, sn))(layer, x, cos, sin)
-            else:
-                x = layer(x, cos, sin)
+        # Scanned when every layer attends alike (sliding windows may differ per layer).
+        alike = len({layer.self_attn.window for layer in self.layers}) == 1
+        x = run_blocks(self.layers, x, cos, sin, remat=self.remat, scan=self.scan and alike)
         return self.norm(x)
 
 
@@ -173,11 +174,12 @@ class LlamaForCausalLM(nnx.Module):
     Args:
       config: the model config.
       remat: recompute each block's activations in the backward pass.
+      scan: run the blocks as one ``lax.scan``.
     """
 
-    def __init__(self, config: ModelConfig, *, remat: bool = False):
+    def __init__(self, config: ModelConfig, *, remat: bool = False, scan: bool = True):
         self.tied = config.tie_word_embeddings
-        self.model = LlamaModel(config, remat=remat)
+        self.model = LlamaModel(config, remat=remat, scan=scan)
         if not self.tied:
             self.lm_head = Linear(
                 config.hidden_size,

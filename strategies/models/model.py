@@ -26,12 +26,12 @@ from strategies.models.layers import Array
 PyTree = Any
 
 
-def _build(config: ModelConfig, remat: bool) -> nnx.Module:
+def _build(config: ModelConfig, remat: bool, scan: bool) -> nnx.Module:
     if config.family in LLAMA_LIKE:
         from strategies.models.llama import LlamaForCausalLM
 
-        return LlamaForCausalLM(config, remat=remat)
-    return GPT2LMHeadModel(config, remat=remat)
+        return LlamaForCausalLM(config, remat=remat, scan=scan)
+    return GPT2LMHeadModel(config, remat=remat, scan=scan)
 
 
 def _is_spec(x: Any) -> bool:
@@ -66,18 +66,23 @@ class CausalLM:
     Args:
       config: the parsed config.
       remat: recompute each block's activations in the backward pass (``jax.checkpoint``).
+      scan: run the blocks as one ``lax.scan`` over their stacked weights (one block to compile
+        instead of every one; the params keep one subtree per block). Blocks that differ
+        (per-layer sliding windows, GPT-2's per-layer attention scale) run in a loop.
 
     Attributes:
       config: the :class:`ModelConfig`.
       hf_config: the ``config.json`` dict it came from.
       remat: whether blocks are rematerialized.
+      scan: whether alike blocks run as one scan.
       graphdef: the nnx graph merged with params in :meth:`apply`.
     """
 
-    def __init__(self, config: ModelConfig, *, remat: bool = False):
+    def __init__(self, config: ModelConfig, *, remat: bool = False, scan: bool = True):
         self.config = config
         self.remat = remat
-        module = nnx.eval_shape(lambda: _build(config, remat))
+        self.scan = scan
+        module = nnx.eval_shape(lambda: _build(config, remat, scan))
         graphdef, state, rest = nnx.split(module, nnx.Param, ...)  # type: ignore[misc]  # flax's overloads
         if jax.tree_util.tree_leaves(rest):
             raise TypeError("CausalLM: the module holds non-Param state")
@@ -224,12 +229,15 @@ class CausalLM:
         return module(tokens, floating_dtype(params))
 
 
-def from_config(hf_config: Mapping[str, Any] | ModelConfig, *, remat: bool = False) -> CausalLM:
+def from_config(
+    hf_config: Mapping[str, Any] | ModelConfig, *, remat: bool = False, scan: bool = True
+) -> CausalLM:
     """A model (no weights) from a ``config.json`` dict or a :class:`ModelConfig`.
 
     Args:
       hf_config: the config.
       remat: recompute each block's activations in the backward pass.
+      scan: run alike blocks as one ``lax.scan`` (see :class:`CausalLM`).
 
     Returns:
       The :class:`CausalLM`.
@@ -238,4 +246,4 @@ def from_config(hf_config: Mapping[str, Any] | ModelConfig, *, remat: bool = Fal
       ModelError: for an unsupported or inconsistent config.
     """
     config = hf_config if isinstance(hf_config, ModelConfig) else parse_config(hf_config)
-    return CausalLM(config, remat=remat)
+    return CausalLM(config, remat=remat, scan=scan)
