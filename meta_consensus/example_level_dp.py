@@ -145,7 +145,7 @@ class ExampleAccountant:
         self.accountant = d.accountant
         self.counts = np.asarray(counts, np.int64)
         self.n = len(self.counts)
-        self.rate32 = dpsgd.sampling_rates(self.counts, cfg.nodes.batch_size)
+        self.rate32 = dpsgd.sampling_rates(self.counts, int(cfg.nodes.batch_size))  # never "auto" here
         self.rate = dpsgd.effective_rate(self.rate32)
         self.per_round = np.asarray(steps_per_round, np.int64) * int(fleets)
         self.planned = self.per_round * int(cfg.rounds)

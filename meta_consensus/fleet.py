@@ -158,13 +158,21 @@ class Fleet:
         mesh = (
             (cfg.mesh.node, cfg.mesh.data, cfg.mesh.model) if cfg.mesh.enabled or process_count > 1 else None
         )
+        auto = cfg.nodes.batch_size == "auto"
         self.trainer = _trainer(
             self.task,  # type: ignore[arg-type]  # tasks are hashable; the Task protocol does not say so
             cfg.nodes.learning_rate,
-            cfg.nodes.batch_size,
+            1 if auto else int(cfg.nodes.batch_size),
             mesh,
             cfg.nodes.optimizer,
         )
+        if auto:
+            # The largest batch whose compiled step fits one device (compiled, not run).
+            shapes = jax.eval_shape(self.task.init, jax.random.key(cfg.seed))
+            self.trainer = self.trainer.with_auto_batch(shapes, self.data.own(), n)
+            self.cfg = dataclasses.replace(
+                cfg, nodes=dataclasses.replace(cfg.nodes, batch_size=self.trainer.batch_size)
+            )
         self.byzantine = byz_lib.Byzantine(
             mask=np.isin(np.arange(n), np.asarray(cfg.byzantine.nodes, np.int64)),
             attack=cfg.byzantine.attack,

@@ -185,7 +185,7 @@ class ServerReference:
         self.root_size = len(next(iter(root.values())))
         # Its own single-device trainer: one node, whatever the fleet's mesh.
         lr = {"learning_rate": nd.learning_rate}
-        self.trainer = NodeTrainer(task, optax.adam, lr, batch_size=nd.batch_size)
+        self.trainer = NodeTrainer(task, optax.adam, lr, batch_size=int(nd.batch_size))
         self.data = self.trainer.place(
             NodeData(
                 dict(root),

@@ -56,7 +56,11 @@ class NodesConfig:
       strategies: one registered node strategy per node ("local", "hierarchical",
         "convexity", "soup", ...; see ``strategies.node.STRATEGIES``), or one name for all.
       local_steps: optimizer steps per node per round.
-      batch_size: rows per step.
+      batch_size: rows per step, or "auto": the largest power of two whose compiled training step
+        fits 90% of one device's memory (:func:`strategies.trainer.auto_batch_size`, from the step's
+        memory analysis; chosen when the fleet is built). "auto" trains the whole model with
+        plain rounds: not with ``[nodes.lora]``, example-level DP or the coordinator's root-set
+        update (those size their steps from the number before the fleet exists).
       learning_rate: Adam learning rate (each strategy may scale it per curriculum level).
       options: per strategy name, the keyword options of its class, for example
         ``{hierarchical = {fractions = [0.5, 0.25, 0.25]}, convexity = {mu = 0.5, radius = inf},
@@ -83,7 +87,7 @@ class NodesConfig:
     count: int = 8
     strategies: tuple[str, ...] | str = "local"
     local_steps: int = 40
-    batch_size: int = 32
+    batch_size: int | Literal["auto"] = 32
     learning_rate: float = 3e-3
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     sampling: Literal["full", "uniform", "poisson"] = "full"

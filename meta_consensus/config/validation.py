@@ -331,7 +331,7 @@ def validate(cfg: Config) -> None:
     for s in strategies:
         _choices("nodes.strategies", s, node_registry.STRATEGIES.names())
     _check(cfg.nodes.local_steps >= 1, "nodes.local_steps", cfg.nodes.local_steps, "need >= 1")
-    _check(cfg.nodes.batch_size >= 1, "nodes.batch_size", cfg.nodes.batch_size, "need >= 1")
+    _check_batch_size(cfg)
     _check(cfg.nodes.learning_rate > 0, "nodes.learning_rate", cfg.nodes.learning_rate, "need > 0")
     _check_sampling(cfg)
     for name, opts in cfg.nodes.options.items():
@@ -410,3 +410,30 @@ def validate(cfg: Config) -> None:
     m = cfg.mesh
     _check(min(m.node, m.data, m.model) >= 1, "mesh", m, "axis sizes >= 1")
     _check(n % m.node == 0, "mesh.node", m.node, f"a divisor of nodes.count = {n}")
+
+
+def _check_batch_size(cfg: Config) -> None:
+    """``nodes.batch_size``: an integer >= 1, or "auto" where nothing reads the number before the fleet."""
+    b = cfg.nodes.batch_size
+    if b != "auto":
+        _check(b >= 1, "nodes.batch_size", b, 'need >= 1 or "auto"')
+        return
+    vote_rules = (cfg.vote.rule, cfg.vote.top_rule)
+    server = cfg.vote.server_step > 0 or any(
+        "server_update" in getattr(rules.RULES.get(r), "needs", ()) for r in vote_rules
+    )
+    clash = (
+        "[nodes.lora]"
+        if cfg.nodes.lora is not None
+        else "dp.level = 'example'"
+        if cfg.dp.enabled and cfg.dp.level == "example"
+        else "the coordinator's root-set update (vote.server_step or a server-guided rule)"
+        if server
+        else None
+    )
+    _check(
+        clash is None,
+        "nodes.batch_size",
+        b,
+        f"an integer: {clash} needs the batch size before the fleet is built",
+    )
