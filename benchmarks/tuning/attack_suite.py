@@ -96,8 +96,8 @@ NOSERVER_CANDIDATES: dict[str, list[str]] = {
     "signguard": _vote("signguard", f="4"),
 }
 # What meta_consensus/default.toml and the robust-noserver preset ship (a test checks they agree).
-DEFAULT_CHOSEN = "multi_krum+mixture_nll"
-NOSERVER_CHOSEN = "nnm+centered_clipping"
+DEFAULT_CHOSEN = "trimmed_mean"
+NOSERVER_CHOSEN = "signguard"
 SELECT = {
     "default": ("default", DEFAULT_CANDIDATES, (0.5,)),
     "noserver": ("robust-noserver", NOSERVER_CANDIDATES, (0.3,)),
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     settings: dict[str, Any]
     if args.combine is not None:
         res, settings = combine([json.loads(p.read_text(encoding="utf-8")) for p in args.combine])
-        name = results_name
+        name = f"attack_suite_select_{res['which']}" if res["kind"] == "selection" else results_name
     elif args.select is not None:
         if task_sets:
             parser.error("--select runs on digits (the defaults' own task); drop --task")
@@ -354,6 +354,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     harness.save(name, args.quick, res, md, settings=settings, benchmark="attack_suite")
     print(md)
     return res
+
+
+def _seeds_text(report: Mapping[str, Any]) -> str:
+    """Which seeds ran, per config and alpha where they differ."""
+    runs = {
+        (c, a): sorted(per_seed, key=int)
+        for c, per_alpha in report.items()
+        for a, per_seed in per_alpha.items()
+    }
+    kinds = sorted({tuple(v) for v in runs.values()})
+    if len(kinds) == 1:
+        return "seeds " + ", ".join(kinds[0])
+    return "seeds " + "; ".join(f"{c} at alpha {a}: {', '.join(v)}" for (c, a), v in runs.items())
 
 
 def _report_rows(report: Mapping[str, Any]) -> list[list[Any]]:
@@ -462,7 +475,7 @@ def markdown(res: Mapping[str, Any]) -> str:
     lines += [
         "Every config as shipped (" + ", ".join(f"`{CONFIGS[c]}`" for c in res["report"]) + ") under "
         f"{len(st.get('conditions', [])) - 1} attacks and clean, Dirichlet alphas {st.get('alphas')}, "
-        f"seeds {st.get('seeds')}"
+        + _seeds_text(res["report"])
         + (f", {rounds} rounds" if rounds else ", each config's own rounds")
         + ". Plain FedAvg runs alongside every run on the same nodes, shards and keys "
         "(baseline_fedavg). Per config and alpha, mean ± spread (std) over seeds: the clean consensus, "
