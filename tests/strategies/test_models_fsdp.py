@@ -59,5 +59,8 @@ def test_fsdp_over_8_devices_holds_an_eighth_per_device_and_trains_the_same(tmp_
     assert min(runs[8][0]) >= single / 8  # every device holds its share (nothing is left out)
     np.testing.assert_allclose(runs[8][1], runs[1][1], atol=1e-5, rtol=0)
     assert runs[1][1][-1] < runs[1][1][0]  # it trained
+    # Adam divides by sqrt(v) + 1e-8: an element whose gradient is near zero moves by up to the
+    # learning rate on float32 rounding of a reordered sum, so the params agree to a small share of
+    # the three steps' 3e-2 travel, not to the losses' 1e-5.
     for a, b in zip(jax.tree.leaves(runs[8][2]), jax.tree.leaves(runs[1][2]), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
