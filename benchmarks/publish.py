@@ -329,9 +329,39 @@ def headline_lora(d: Mapping[str, Any]) -> str:
     )
 
 
+def headline_attack_suite(d: Mapping[str, Any]) -> str:
+    from benchmarks.tuning.attack_suite import summarize
+
+    rep, st = d["report"], d["settings"]
+
+    def worst(config: str, key: str, pick: Callable[..., float]) -> float:
+        return pick(summarize(runs)[key] for per_seed in rep[config].values() for runs in per_seed.values())
+
+    margin = worst("default", "margin", min)
+    out = (
+        f"**Attack suite**: over {len(st['conditions']) - 1} attacks (two strengths where an attack "
+        f"has a scale) at alphas {', '.join(f'{a:g}' for a in st['alphas'])}, the default's consensus is "
+        + (
+            f"at worst {-margin:.1f} points below plain FedAvg under the same attack"
+            if margin < 0
+            else "never below plain FedAvg under the same attack"
+        )
+    )
+    clean_gap = worst("default", "clean_gap", max)
+    out += f", clean {clean_gap:.1f} points below it" if clean_gap > 0 else ", clean not below it"
+    if "robust-noserver" in rep and "0.3" in rep["robust-noserver"]:
+        gaps = [summarize(r)["gap"] for r in rep["robust-noserver"]["0.3"].values()]
+        out += (
+            "; without coordinator data (`--preset robust-noserver`, 4 of 16 nodes Byzantine, alpha = 0.3) "
+            f"the worst attack is {sum(gaps) / len(gaps):.1f} points below clean FedAvg on average over seeds"
+        )
+    return out
+
+
 # The README's headline results: the result file each reads and how it says it.
 HEADLINES: tuple[tuple[str, Callable[[Mapping[str, Any]], str]], ...] = (
     ("robustness", headline_robustness),
+    ("attack_suite", headline_attack_suite),
     ("meta_consensus", headline_system),
     ("privacy_quality", headline_privacy),
     ("flower_side_by_side", headline_flower),

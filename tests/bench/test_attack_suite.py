@@ -158,3 +158,21 @@ def test_combine_merges_parts_run_in_parallel_and_refuses_overlaps():
     assert res["chosen"] == "median" and res["sets"] == suite.DEFAULT_CANDIDATES["median"]
     with pytest.raises(ValueError, match="mix kinds"):
         suite.combine([one, {**sel, "selection": {}}])
+
+
+def test_readme_headline_says_the_defaults_smallest_margin_and_the_noserver_gap():
+    from benchmarks import publish
+
+    lose = _runs({"clean": (0.95, 0.96), "a": (0.90, 0.92)})  # margin -2, clean 1 point below
+    win = _runs({"clean": (0.96, 0.96), "a": (0.94, 0.80)})  # the noserver gap: 0.96 - 0.94
+    st = {"conditions": ["clean", "a"], "alphas": [0.3], "seeds": [0, 1]}
+    d = {
+        "settings": st,
+        "report": {"default": {"0.3": {"0": lose, "1": win}}, "robust-noserver": {"0.3": {"0": win}}},
+    }
+    text = publish.headline_attack_suite(d)
+    assert "at worst 2.0 points below plain FedAvg" in text and "clean 1.0 points below it" in text
+    assert "the worst attack is 2.0 points below clean FedAvg" in text
+    d["report"] = {"default": {"0.3": {"0": win}}}
+    text = publish.headline_attack_suite(d)
+    assert "never below plain FedAvg" in text and "clean not below it" in text and "noserver" not in text
