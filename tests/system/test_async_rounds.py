@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 
+import dp_accounting
 import jax
 import numpy as np
 import pytest
 
 from consensus.privacy import rdp_epsilon
+from consensus.privacy.rdp import DEFAULT_ORDERS
 from meta_consensus import MetaConsensus, cli, config
 from meta_consensus.async_rounds import AsyncState, SpeedModel, lognormal_means, staleness, staleness_weight
 from meta_consensus.coordinator import Coordinator
@@ -174,6 +176,7 @@ def test_resume_between_buffers_is_bit_exact(tmp_path):
 
 
 def test_node_level_dp_charges_one_event_per_applied_buffer(tmp_path):
+    """Every applied buffer is one full-participation Gaussian release, as dp_accounting counts it."""
     z, delta = 1.3, 1e-5
     sets = ["dp.enabled=true", "dp.clip_norm=1.0", f"dp.noise_multiplier={z}", f"dp.delta={delta}"]
     sets.append("weights.objective=vote")  # plain DP-FedAvg on each buffer
@@ -184,6 +187,9 @@ def test_node_level_dp_charges_one_event_per_applied_buffer(tmp_path):
         assert info.ok, info.reason
         assert state.ledger.rounds == r
         assert info.epsilon == pytest.approx(rdp_epsilon(z, 1.0, r, delta), rel=1e-12)
+        reference = dp_accounting.rdp.RdpAccountant(list(DEFAULT_ORDERS))
+        reference.compose(dp_accounting.GaussianDpEvent(z), r)
+        assert info.epsilon == pytest.approx(reference.get_epsilon(delta), rel=1e-9)
         assert math.isfinite(info.noise_std) and info.noise_std > 0
 
 
