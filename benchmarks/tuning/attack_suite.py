@@ -504,6 +504,20 @@ def markdown(res: Mapping[str, Any]) -> str:
     ]
     labels, rows = _per_attack_rows(res["report"])
     lines.append(markdown_table(["config", "alpha", *labels], rows))
+    missing = [c for c in CONFIGS if c not in res["report"]]
+    if missing:
+        lines += [
+            "",
+            "Not in this run (CPU budget): "
+            + ", ".join(f"`{CONFIGS[c]}`" for c in missing)
+            + (
+                "; the robust preset's own suite (9 attacks at their default strengths, alpha 0.3, seeds "
+                "0-2) is results/robust_preset.md"
+                if "robust" in missing
+                else ""
+            )
+            + ".",
+        ]
     if "robust-noserver" in res["report"]:
         lines += [
             "",
