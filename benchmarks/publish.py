@@ -281,7 +281,8 @@ def headline_system(d: Mapping[str, Any]) -> str:
     default, fedavg = ms["without DP"], ms["plain FedAvg"]
     return (
         f"**The whole system**: under ALIE ({len(s['byzantine_nodes'])} of {s['nodes']} nodes), the "
-        f"default pipeline reaches {default[0]:.3f} ± {default[1]:.3f} over {len(s['seeds'])} seeds, "
+        f"pipeline it measured ({s['vote'].split(',')[0]} vote, {s['weights'].split(',')[0]} weights) "
+        f"reaches {default[0]:.3f} ± {default[1]:.3f} over {len(s['seeds'])} seeds, "
         f"plain FedAvg {fedavg[0]:.3f} ± {fedavg[1]:.3f}"
     )
 

@@ -82,20 +82,29 @@ def shares(history: Sequence[RoundInfo]) -> tuple[np.ndarray, str]:
 
 
 def let_through(cfg: Config, history: Sequence[RoundInfo]) -> dict[int, float]:
-    """The Byzantine nodes the vote accepted in some successful round, with the share of rounds.
+    """The Byzantine nodes the vote let into the consensus, with the share of rounds it did.
+
+    A node is let through in a round when the vote accepted it and, where the round logged shares,
+    it carried at least a tenth of a uniform share (``0.1 / n``). A coordinate-wise rule such as the
+    trimmed mean keeps every node, yet an attacker whose values it trimmed in every coordinate
+    carried nothing: it was accepted, not let through.
 
     Args:
       cfg: the run config (``byzantine.nodes``).
       history: the rounds logged.
 
     Returns:
-      Node index -> fraction of successful rounds in which the vote accepted it (only those above 0).
+      Node index -> fraction of successful rounds in which it was let through (only those above 0).
     """
     done = [h for h in history if h.ok]
     if not done:
         return {}
-    accepted = np.array([h.accepted for h in done], bool)
-    return {i: float(accepted[:, i].mean()) for i in cfg.byzantine.nodes if accepted[:, i].any()}
+    through = np.array([h.accepted for h in done], bool)
+    share, _ = shares(history)
+    if share.size:
+        carried = np.where(np.isnan(share), np.inf, share) >= 0.1 / share.shape[1]
+        through &= carried
+    return {i: float(through[:, i].mean()) for i in cfg.byzantine.nodes if through[:, i].any()}
 
 
 def deciding_stage(cfg: Config, history: Sequence[RoundInfo]) -> str:

@@ -108,6 +108,21 @@ def test_attackers_the_vote_let_through_are_flagged():
     assert "attackers the vote let through: node 6 in 67% of rounds" in text
 
 
+def test_an_attacker_a_coordinate_wise_vote_kept_but_trimmed_everywhere_is_not_flagged():
+    # The trimmed mean accepts every node; node 6 carried nothing in any round, node 7 a full share.
+    history = []
+    for r in range(3):
+        share = np.full(N, 1 / (N - 1))
+        share[6] = 0.0
+        history.append(_info(r, [True] * N, share, share=list(share), share_kind="coordinates"))
+    cfg = _cfg("vote.rule=trimmed_mean", "weights.objective=vote")
+    assert report.let_through(cfg, history) == {7: 1.0}
+    text = report.table(cfg, history)
+    rows = _rows(text)
+    assert "let" not in rows[6] and "let" in rows[7]
+    assert "attackers the vote let through: node 7 in 100% of rounds" in text
+
+
 def test_a_run_logged_before_shares_still_reports(tmp_path):
     # A metrics.jsonl line of an older run: no share, share_kind, decided_by, server_move, stage_note.
     old = _info(0, [True] * 6 + [False] * 2, [1 / 6] * 6 + [0.0] * 2).to_json()
