@@ -14,7 +14,8 @@ def test_default_is_valid_and_shows_the_whole_idea():
     cfg = config.load(None)
     assert cfg.nodes.count == 8 and len(set(cfg.nodes.strategy_of())) >= 3  # mixed strategies
     assert cfg.byzantine.nodes == (6, 7) and cfg.byzantine.attack == "alie"
-    assert cfg.vote.rule != "mean" and cfg.weights.objective not in ("vote", "uniform")
+    # A robust vote whose output is the merge: the attack suite found the weights stage did not help here.
+    assert cfg.vote.rule != "mean" and cfg.weights.objective == "vote"
     assert not cfg.dp.enabled  # example-level DP-SGD is the configs/private.toml preset
 
 
