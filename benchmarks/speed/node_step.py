@@ -241,19 +241,6 @@ def matmul_peak(sizes: tuple[int, ...], dtype: str, repeats: int) -> dict[str, A
 # ----------------------------------------------------------------------------- one row
 
 
-def _time(fn: Any, repeats: int) -> float:
-    """Best of ``repeats`` timed calls after one warm-up call."""
-    import jax
-
-    jax.block_until_ready(fn())
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def measure(
     model: str,
     config: Mapping[str, Any],
@@ -271,6 +258,7 @@ def measure(
     import jax.numpy as jnp
     import optax
 
+    from benchmarks.harness import best_time
     from strategies import dpsgd
     from strategies.lora import LoraSettings, LoraTask
     from strategies.models import from_config
@@ -313,7 +301,7 @@ def measure(
         holder["state"], log = compiled(holder["state"], *args[1:])
         return log.loss
 
-    step_s = _time(step, repeats) / steps
+    step_s = best_time(step, repeats) / steps
 
     # The parts, each jitted alone on one batch of the pool.
     x = jnp.asarray(data.pool["x"][0, :batch])
@@ -349,7 +337,7 @@ def measure(
 
     grad_jit = jax.jit(grad_part)
     batch_d = {"x": x, "y": y}
-    fb_s = _time(lambda: grad_jit(single, batch_d), repeats)
+    fb_s = best_time(lambda: grad_jit(single, batch_d), repeats)
     _, grads = grad_jit(single, batch_d)
     tx = optax.adam(1e-4)
     with jax.numpy_dtype_promotion("standard"):
@@ -361,7 +349,7 @@ def measure(
         return optax.apply_updates(p, upd), o
 
     opt_jit = jax.jit(opt_part)
-    opt_s = _time(lambda: opt_jit(grads, opt0, single), repeats)
+    opt_s = best_time(lambda: opt_jit(grads, opt0, single), repeats)
     stats = jax.devices()[0].memory_stats() or {}
     tokens = batch * context
     return {
