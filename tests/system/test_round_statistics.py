@@ -9,7 +9,7 @@ import pytest
 
 from consensus import tree
 from meta_consensus import config
-from meta_consensus import coordinator as coordinator_module
+from meta_consensus import stages as stages_module
 from meta_consensus.coordinator import Coordinator
 from meta_consensus.server import round_needs
 from meta_consensus.statistics import check_plain_mlp, node_batch, round_statistics
@@ -43,7 +43,7 @@ def _run_one_round(cfg, monkeypatch):
         seen.update(submitted=submitted, stats=out, data=data, task=task)
         return out
 
-    monkeypatch.setattr(coordinator_module, "round_statistics", spy)
+    monkeypatch.setattr(stages_module, "round_statistics", spy)
     co = Coordinator(cfg)
     state = co.init(jax.random.key(cfg.seed))
     new_state, info = co.round(state)
