@@ -238,6 +238,98 @@ def matmul_peak(sizes: tuple[int, ...], dtype: str, repeats: int) -> dict[str, A
     return best
 
 
+# ----------------------------------------------------------------------------- what bounds the step
+
+
+def step_matmuls(config: Any, batch: int, context: int) -> list[tuple[str, int, int, int, int]]:
+    """The training step's matmuls at the model's own shapes: (name, count, M, K, N) of M x K by K x N.
+
+    Every weight matmul of the forward pass (M = batch x context tokens) comes with its two
+    backward matmuls (dX = dY W^T: M x N by N x K; dW = X^T dY: K x M by M x N); attention's
+    scores and weighted values (per batch row and head, T x Q by Q x T and T x T by T x Q) come
+    with theirs. The count is per step (layers x heads x batch where it applies).
+    """
+    c = config
+    m, t, d, q = batch * context, context, c.hidden_size, c.head_dim
+    if c.family == "gpt2":
+        weights = [("qkv", d, 3 * d), ("attn_out", d, d), ("mlp_in", d, c.intermediate_size),
+                   ("mlp_out", c.intermediate_size, d)]  # fmt: skip
+    else:
+        kv = c.num_kv_heads * q
+        weights = [("q", d, c.num_heads * q), ("k", d, kv), ("v", d, kv), ("attn_out", c.num_heads * q, d),
+                   ("gate", d, c.intermediate_size), ("up", d, c.intermediate_size),
+                   ("down", c.intermediate_size, d)]  # fmt: skip
+    out = []
+    for name, k, n in weights:
+        out += [(f"{name} fwd", c.num_layers, m, k, n), (f"{name} dX", c.num_layers, m, n, k),
+                (f"{name} dW", c.num_layers, k, m, n)]  # fmt: skip
+    heads = c.num_layers * c.num_heads * batch
+    # scores S = Q K^T (T x Q by Q x T); out = P V (T x T by T x Q); two backward matmuls each.
+    out += [
+        ("scores fwd", heads, t, q, t),
+        ("scores dQ", heads, t, t, q),
+        ("scores dK", heads, t, t, q),
+        ("values fwd", heads, t, t, q),
+        ("values dP", heads, t, q, t),
+        ("values dV", heads, t, t, q),
+    ]
+    out += [("head fwd", 1, m, d, c.vocab_size), ("head dX", 1, m, c.vocab_size, d),
+            ("head dW", 1, d, m, c.vocab_size)]  # fmt: skip
+    return out
+
+
+def matmul_bound(config: Any, batch: int, context: int, dtype: str, repeats: int) -> dict[str, Any]:
+    """What the step's matmuls alone cost at their own shapes on this machine, and the softmax's cost.
+
+    Each distinct (M, K, N) is timed as a jitted matmul (a batch of 8 for attention's small ones,
+    so dispatch does not count) and multiplied by its count. Their sum is the time a step would
+    take if it did nothing but its matmuls, each at the throughput this machine reaches on that
+    shape: the bound on the step that the kernels' shapes set, below the square-matmul peak. The
+    cross-entropy over the vocabulary (log-softmax forward and backward on the logits, no
+    matmul) is timed alone: element-wise, memory-bound work the FLOP count leaves out.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.harness import best_time
+
+    mats = step_matmuls(config, batch, context)
+    timed: dict[tuple[int, int, int], float] = {}
+    parts = []
+    total_s = 0.0
+    total_flops = 0.0
+    for name, count, m, k, n in mats:
+        if (m, k, n) not in timed:
+            stack = 8 if m * k * n < 2**26 else 1
+            a = jnp.ones((stack, m, k), dtype)
+            b = jnp.ones((stack, k, n), dtype)
+            f = jax.jit(lambda x, y: jnp.einsum("bmk,bkn->bmn", x, y))
+            timed[(m, k, n)] = best_time(lambda f=f, a=a, b=b: f(a, b), repeats=repeats) / stack
+        s = timed[(m, k, n)] * count
+        flops = 2.0 * m * k * n * count
+        parts.append({"name": name, "count": count, "m": m, "k": k, "n": n, "seconds": s, "flops": flops})
+        total_s += s
+        total_flops += flops
+    logits = jnp.zeros((batch * context, config.vocab_size), jnp.float32)
+    labels = jnp.zeros((batch * context,), jnp.int32)
+
+    def xent(z):
+        lse = jax.nn.logsumexp(z, axis=-1)
+        return jnp.mean(lse - jnp.take_along_axis(z, labels[:, None], axis=-1)[:, 0])
+
+    g = jax.jit(jax.value_and_grad(xent))
+    xent_s = best_time(lambda: g(logits), repeats=repeats)
+    return {
+        "dtype": dtype,
+        "batch": batch,
+        "context": context,
+        "matmul_s": total_s,
+        "matmul_flops": total_flops,
+        "xent_s": xent_s,
+        "parts": parts,
+    }
+
+
 # ----------------------------------------------------------------------------- one row
 
 
@@ -309,18 +401,19 @@ def measure(
     single = jax.tree.map(lambda v: v[0], holder["state"].params)
     frozen = options.get("frozen")
 
-    def loss_fn(p, b):
+    # The frozen base goes in as an argument: closed over, jit would bake 135M constants in.
+    def loss_fn(p, b, fr):
         p = cast_floating(p, compute) if dtype == "bfloat16" else p
-        if frozen is None:
+        if fr is None:
             return task.loss(p, b).astype(jnp.float32)
-        return task.loss(p, b, frozen=frozen).astype(jnp.float32)
+        return task.loss(p, b, frozen=fr).astype(jnp.float32)
 
     if mode == "lora_dp":
         mask = jnp.ones((batch,), bool)
 
-        def grad_part(p, b):
+        def grad_part(p, b, fr):
             return dpsgd.private_gradient(
-                lambda q, r, k: loss_fn(q, r),
+                lambda q, r, k: loss_fn(q, r, fr),
                 p,
                 b,
                 mask,
@@ -332,13 +425,13 @@ def measure(
             )
     else:
 
-        def grad_part(p, b):
-            return jax.value_and_grad(loss_fn)(p, b)
+        def grad_part(p, b, fr):
+            return jax.value_and_grad(loss_fn)(p, b, fr)
 
     grad_jit = jax.jit(grad_part)
     batch_d = {"x": x, "y": y}
-    fb_s = best_time(lambda: grad_jit(single, batch_d), repeats)
-    _, grads = grad_jit(single, batch_d)
+    fb_s = best_time(lambda: grad_jit(single, batch_d, frozen), repeats)
+    _, grads = grad_jit(single, batch_d, frozen)
     tx = optax.adam(1e-4)
     with jax.numpy_dtype_promotion("standard"):
         opt0 = tx.init(single)
@@ -384,14 +477,61 @@ def _leaf_names(params: Any) -> set[str]:
     return names
 
 
-# ----------------------------------------------------------------------------- FSDP sweep
+# ----------------------------------------------------------------------------- the node's own mesh
+
+# (layout, k): FSDP over k data-parallel devices (the batch split, weights' "embed" dimension sharded)
+# or tensor parallel over k model devices ("mlp", "heads", "vocab" split where k divides them).
+MESH_LAYOUTS: tuple[tuple[str, int], ...] = (
+    ("fsdp", 1), ("fsdp", 2), ("fsdp", 4), ("fsdp", 8), ("tp", 2), ("tp", 4), ("tp", 8),
+)  # fmt: skip
 
 
-def fsdp_child(config: Mapping[str, Any], ks: list[int], batch: int, context: int) -> list[dict[str, Any]]:
-    """In a process with 8 simulated devices: per-device bytes and collectives of the compiled step."""
+def replay_collectives(volumes: Mapping[str, int], devices: list[Any], repeats: int) -> float:
+    """Seconds to run one step's collectives alone, each kind at the step's volume, on ``devices``.
+
+    ``volumes`` are per-device output bytes by kind (:func:`collective_bytes` of the step's
+    partitioned program). Each kind is replayed as one float32 collective of that size over the
+    same devices (all-gather: a sharded array made whole on every device; all-reduce: a sum over
+    a sharded leading axis, whole on every device; reduce-scatter: the same sum left sharded), so
+    the step's collective time is estimated without a profiler.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from benchmarks.harness import best_time
+
+    k = len(devices)
+    if k == 1:
+        return 0.0
+    mesh = Mesh(np.array(devices), ("d",))
+    split, whole = NamedSharding(mesh, PartitionSpec("d")), NamedSharding(mesh, PartitionSpec())
+    total = 0.0
+    for kind, nbytes in volumes.items():
+        n = max(int(nbytes) // 4 // k * k, k)
+        if kind == "all-gather":
+            x = jax.device_put(jnp.zeros((n,), jnp.float32), split)
+            f = jax.jit(lambda v: v * 1.0, out_shardings=whole)
+        elif kind in ("all-reduce", "reduce-scatter"):
+            m = n if kind == "all-reduce" else n * k  # reduce-scatter's output is one shard of the sum
+            x = jax.device_put(jnp.zeros((k, m), jnp.float32), split)
+            out = whole if kind == "all-reduce" else split
+            f = jax.jit(lambda v: v.sum(axis=0), out_shardings=out)
+        else:
+            continue  # all-to-all, collective-permute: bytes reported, not replayed
+        total += best_time(lambda f=f, x=x: f(x), repeats=repeats)
+    return total
+
+
+def mesh_child(
+    config: Mapping[str, Any], layouts: list[list[Any]], batch: int, context: int
+) -> list[dict[str, Any]]:
+    """In a process with 8 simulated devices: per-device bytes, collectives and step time per layout."""
     import jax
     import optax
 
+    from benchmarks.harness import best_time
     from consensus.mesh import MeshConfig
     from strategies.models import from_config
     from strategies.trainer import NodeTrainer, compiled_bytes
@@ -400,36 +540,44 @@ def fsdp_child(config: Mapping[str, Any], ks: list[int], batch: int, context: in
     task: Any = RandomLMTask(lm)
     data = random_tokens(lm.config.vocab_size, 2 * batch, context)
     rows = []
-    for k in ks:
+    for layout, k in layouts:
+        mesh = MeshConfig(data=k, fsdp=True) if layout == "fsdp" else MeshConfig(model=k)
         trainer = NodeTrainer(
-            task,
-            optax.adam,
-            {"learning_rate": 1e-4},
-            batch_size=batch,
-            mesh=MeshConfig(data=k, fsdp=True),
-            donate=True,
+            task, optax.adam, {"learning_rate": 1e-4}, batch_size=batch, mesh=mesh, donate=True
         )
         state = trainer.init(jax.random.key(0), None, 1)
         devices = list(trainer._mesh.devices.flat) if trainer._mesh is not None else jax.devices()[:1]
         params_b = max(_device_bytes(state.params, devices))
         opt_b = max(_device_bytes(state.opt_state, devices))
+        args, static = trainer.fit_args(state, data, 1)
         t0 = time.perf_counter()
-        compiled = trainer.lower(state, data, 1).compile()
-        del state
+        compiled = trainer._fit_jit.lower(*args, static=static).compile()
         compile_s = time.perf_counter() - t0
         mem = compiled.memory_analysis()
+        holder = {"state": args[0]}
+
+        def step(compiled=compiled, args=args, holder=holder):
+            holder["state"], log = compiled(holder["state"], *args[1:])
+            return log.loss
+
+        step_s = best_time(step, repeats=1)
+        del holder, args, state
+        volumes = collective_bytes(compiled.as_text() or "")
         rows.append(
             {
+                "layout": layout,
                 "k": k,
                 "param_bytes": params_b,
                 "opt_bytes": opt_b,
                 "compiled_bytes": compiled_bytes(compiled),
                 "temp_bytes": int(mem.temp_size_in_bytes) if mem is not None else 0,
-                "collectives": collective_bytes(compiled.as_text() or ""),
+                "collectives": volumes,
                 "compile_s": compile_s,
+                "step_s": step_s,
+                "collective_s": replay_collectives(volumes, devices, repeats=2),
             }
         )
-        print(f"fsdp k={k}: {rows[-1]}", file=sys.stderr, flush=True)
+        print(f"{layout} k={k}: {rows[-1]}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -464,22 +612,25 @@ def collective_bytes(hlo: str) -> dict[str, int]:
     return out
 
 
-def run_fsdp(config: Mapping[str, Any], ks: list[int], batch: int, context: int) -> list[dict[str, Any]]:
-    """:func:`fsdp_child` in a fresh process with 8 simulated CPU devices."""
+def run_mesh(
+    config: Mapping[str, Any], layouts: tuple[tuple[str, int], ...], batch: int, context: int
+) -> list[dict[str, Any]]:
+    """:func:`mesh_child` in a fresh process with 8 simulated CPU devices."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     env["JAX_PLATFORMS"] = "cpu"
     code = (
-        "import json, sys; from benchmarks.speed.node_step import fsdp_child; "
+        "import json, sys; from benchmarks.speed.node_step import mesh_child; "
         "a = json.loads(sys.argv[1]); "
-        "print(json.dumps(fsdp_child(a['config'], a['ks'], a['batch'], a['context'])))"
+        "print(json.dumps(mesh_child(a['config'], a['layouts'], a['batch'], a['context'])))"
     )
-    arg = json.dumps({"config": dict(config), "ks": ks, "batch": batch, "context": context})
+    arg = json.dumps({"config": dict(config), "layouts": [list(x) for x in layouts], "batch": batch,
+                      "context": context})  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-c", code, arg], env=env, capture_output=True, text=True, check=False
     )
     if proc.returncode:
-        raise RuntimeError(f"FSDP sweep failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"mesh sweep failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -519,23 +670,34 @@ def markdown(res: Mapping[str, Any]) -> str:
         )
     lines += ["", *verdicts(res)]
     if res.get("fsdp"):
-        one = res["fsdp"][0]
+        one = next(r for r in res["fsdp"] if r["k"] == 1)
         lines += [
             "",
-            f"FSDP over k simulated CPU devices ({res['fsdp_shape']}), compiled not run, per device:",
+            f"The node's own mesh over k simulated CPU devices ({res['fsdp_shape']}): FSDP (data-parallel, "
+            "weights' embed dimension sharded) and tensor parallel (MLP, heads and vocabulary split where k "
+            "divides them), per device. Collectives: the partitioned step's output bytes by kind; their time "
+            "is the step's collectives replayed alone at those volumes on the same devices, as a share of "
+            "the step. Simulated devices share this machine's cores: the step time says what a layout costs "
+            "here, not a speed-up.",
             "",
-            "| k | params + optimizer MB | x (1/k of k=1) | step peak MB | temporaries MB | "
-            "all-gather MB | reduce-scatter MB | all-reduce MB |",
-            "|---|---|---|---|---|---|---|---|",
+            "| layout | k | params + optimizer MB | x (1/k of k=1) | step peak MB | temporaries MB | "
+            "all-gather MB | reduce-scatter MB | all-reduce MB | step (s) | collectives (s) | share |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in res["fsdp"]:
             po = r["param_bytes"] + r["opt_bytes"]
             ideal = (one["param_bytes"] + one["opt_bytes"]) / r["k"]
             c = r["collectives"]
+            step_s, coll = r.get("step_s"), r.get("collective_s")
+            timed = (
+                f"{step_s:.2f} | {coll:.2f} | {coll / step_s:.0%}"
+                if step_s and coll is not None
+                else "- | - | -"
+            )
             lines.append(
-                f"| {r['k']} | {_mb(po)} | {po / ideal:.3f} | {_mb(r['compiled_bytes'])} | "
-                f"{_mb(r['temp_bytes'])} | {_mb(c.get('all-gather', 0))} | "
-                f"{_mb(c.get('reduce-scatter', 0))} | {_mb(c.get('all-reduce', 0))} |"
+                f"| {r.get('layout', 'fsdp')} | {r['k']} | {_mb(po)} | {po / ideal:.3f} | "
+                f"{_mb(r['compiled_bytes'])} | {_mb(r['temp_bytes'])} | {_mb(c.get('all-gather', 0))} | "
+                f"{_mb(c.get('reduce-scatter', 0))} | {_mb(c.get('all-reduce', 0))} | {timed} |"
             )
     if res["backend"] == "cpu":
         lines += [
@@ -568,12 +730,10 @@ def verdicts(res: Mapping[str, Any]) -> list[str]:
         if verdict == "missed":
             fb_mfu = best["flops_per_token"] * best["batch"] * best["context"] / best["fwd_bwd_s"]
             fb_mfu /= peak[best["dtype"]]["flops"]
-            out.append(
-                f"  The bottleneck is the forward + backward itself ({fb_mfu:.1%} of the peak alone): "
-                "its matmuls are (B T x 576) by (576 x 1536) or narrower, whose throughput on this "
-                "machine is below the square matmul's, plus the float32 softmax over 49,152 logits per "
-                "token and the attention's element-wise work (memory-bound, no FLOPs counted)."
-            )
+            out.append(f"  The bottleneck is the forward + backward itself ({fb_mfu:.1%} of the peak alone).")
+            bound = _bound_of(res, best)
+            if bound is not None:
+                out += _bound_lines(bound, best, peak[best["dtype"]]["flops"])
     pairs = []
     for r in rows:
         if r["mode"] != "lora":
@@ -617,18 +777,72 @@ def verdicts(res: Mapping[str, Any]) -> list[str]:
                 f"{r['step_s'] / match[0]['step_s']:.2f}x."
             )
     if res.get("fsdp"):
-        one = res["fsdp"][0]
+        one = next(r for r in res["fsdp"] if r["k"] == 1)
         worst = max(
             (r["param_bytes"] + r["opt_bytes"]) / ((one["param_bytes"] + one["opt_bytes"]) / r["k"])
             for r in res["fsdp"]
+            if r.get("layout", "fsdp") == "fsdp"
         )
         out.append(
             f"- FSDP params + optimizer per device at most {worst:.3f}x of 1/k of one device's (target 1.2): "
             f"{'met' if worst <= 1.2 else 'missed'}."
         )
+        tp = [r for r in res["fsdp"] if r.get("layout") == "tp"]
+        if tp:
+            one_po = one["param_bytes"] + one["opt_bytes"]
+            ratios = ", ".join(
+                f"k = {r['k']} {(r['param_bytes'] + r['opt_bytes']) * r['k'] / one_po:.2f}x" for r in tp
+            )
+            out.append(
+                f"- Tensor parallel params + optimizer per device against 1/k of one device's: {ratios} "
+                "(only the MLP, head and vocabulary dimensions k divides are split; norms and the 9-head "
+                "attention stay whole where k does not divide them)."
+            )
+        timed = [r for r in res["fsdp"] if r.get("step_s") and r["k"] > 1]
+        if timed:
+            worst_share = max(timed, key=lambda r: r["collective_s"] / r["step_s"])
+            out.append(
+                f"- Collective time share of the step (replayed alone): at most "
+                f"{worst_share['collective_s'] / worst_share['step_s']:.0%} ({worst_share['layout']}, "
+                f"k = {worst_share['k']})."
+            )
     if res.get("under_load"):
         out.append(f"- {res['under_load']}")
     return out
+
+
+def _bound_of(res: Mapping[str, Any], row: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    for b in res.get("bounds", []):
+        if b["model"] == row["model"] and b["dtype"] == row["dtype"] and b["batch"] == row["batch"]:
+            return b
+    return None
+
+
+def _bound_lines(bound: Mapping[str, Any], row: Mapping[str, Any], peak: float) -> list[str]:
+    """What the step's matmul shapes and its cross-entropy alone cost, against its forward + backward."""
+    tokens = row["batch"] * row["context"]
+    mm_s, fb = bound["matmul_s"], row["fwd_bwd_s"]
+    ceiling = row["flops_per_token"] * tokens / mm_s / peak
+    groups: dict[str, list[float]] = {}
+    for p in bound["parts"]:
+        g = groups.setdefault(p["name"].split()[0], [0.0, 0.0])
+        g[0] += p["seconds"]
+        g[1] += p["flops"]
+    slow = sorted(groups.items(), key=lambda kv: kv[1][1] / kv[1][0])[:3]
+    slow_text = ", ".join(f"{name} {fl / s / 1e9:,.0f} GFLOP/s ({s / mm_s:.0%} of the matmul time)"
+                          for name, (s, fl) in slow)  # fmt: skip
+    rest = fb - mm_s - bound["xent_s"]
+    return [
+        f"  What bounds it, measured in the same run: the step's matmuls alone, each timed at its own "
+        f"shape ({len(bound['parts'])} kinds, forward and both backward products), take "
+        f"{mm_s * 1e3:,.0f} ms for its {tokens:,} tokens, {bound['matmul_flops'] / mm_s / 1e9:,.0f} GFLOP/s "
+        f"against the square matmul's {peak / 1e9:,.0f}: a step that did nothing else would reach "
+        f"{ceiling:.1%} MFU. Of the forward + backward's {fb * 1e3:,.0f} ms they are {mm_s / fb:.0%}, "
+        f"the cross-entropy over the vocabulary (log-softmax forward and backward, no FLOPs counted) "
+        f"{bound['xent_s'] / fb:.0%}, and the rest {max(rest, 0.0) / fb:.0%} (norms, RoPE, attention's "
+        "softmax and mask, activations: element-wise, memory-bound). The slowest shapes: "
+        f"{slow_text}.",
+    ]
 
 
 # ----------------------------------------------------------------------------- main
@@ -729,12 +943,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{row['compiled_bytes'] / 2**20:.0f} MB, compile {row['compile_s']:.0f} s",
                 flush=True,
             )
+    # What bounds the best full fine-tuning row of each model and dtype: its matmuls at their shapes.
+    bounds = []
+    for model, config in models.items():
+        shape = from_config(config).config
+        for dt in ("float32", "bfloat16"):
+            full = [r for r in rows if r["model"] == model and r["mode"] == "full" and r["dtype"] == dt
+                    and not r["remat"]]  # fmt: skip
+            if full:
+                best = max(full, key=lambda r: r["tokens_per_s"])
+                bound = matmul_bound(shape, best["batch"], context, dt, repeats=max(repeats, 2))
+                bounds.append({"model": model, **bound})
+                print(f"{model} {dt} b={best['batch']}: matmuls alone {bound['matmul_s'] * 1e3:.0f} ms, "
+                      f"cross-entropy {bound['xent_s'] * 1e3:.0f} ms", flush=True)  # fmt: skip
     fsdp = []
     fsdp_shape = ""
     if not args.quick:
         cfg = models["smollm2-135m"]
         fb, fc = (8, 128) if not args.tiny else (8, 16)
-        fsdp = run_fsdp(cfg, [1, 2, 4, 8], fb, fc)
+        fsdp = run_mesh(cfg, MESH_LAYOUTS, fb, fc)
         fsdp_shape = f"SmolLM2-135M shape, batch {fb} x context {fc}, Adam, donated state"
     settings = {
         "models": sorted(models),
@@ -750,6 +977,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device_kind": kind,
         "peak": peak,
         "rows": rows,
+        "bounds": bounds,
         "fsdp": fsdp,
         "fsdp_shape": fsdp_shape,
         "under_load": args.note,

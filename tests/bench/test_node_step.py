@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import pytest
 
 from benchmarks.speed import node_step
@@ -52,3 +53,31 @@ def test_tiny_quick_run_writes_the_page(tmp_path):
     hidden, kv, mlp, r = 64, 2 * 16, 128, 8
     per_layer = r * (2 * (hidden + hidden) + 2 * (hidden + kv) + 3 * (hidden + mlp))
     assert lora["trained_params"] == 2 * per_layer < lora["params"]
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "gpt2-124m"])
+def test_the_step_matmuls_carry_the_model_flops(model):
+    """The matmul list that bounds the step: its FLOPs are the model FLOPs less the norms' parameters.
+
+    6 N counts every parameter's three products (forward, dX, dW) and 12 L H Q T attention's, so the
+    listed matmuls' FLOPs equal flops_per_token x tokens once the parameters no matmul uses
+    (norms' scales and biases, GPT-2's position table and linear biases) are taken out of N.
+    """
+    import numpy as np
+
+    lm = from_config(node_step.MODELS[model])
+    c = lm.config
+    batch, t = 2, 512
+    mats = node_step.step_matmuls(c, batch, t)
+    got = sum(2.0 * count * m * k * n for _, count, m, k, n in mats)
+    shapes = jax.eval_shape(lm.init, jax.random.key(0))
+    in_matmuls = sum(
+        int(np.prod(x.shape))
+        for path, x in jax.tree_util.tree_leaves_with_path(shapes)
+        if x.ndim == 2 and "wpe" not in jax.tree_util.keystr(path)  # GPT-2's position table: a lookup
+    )
+    expected = (6.0 * in_matmuls + 12.0 * c.num_layers * c.num_heads * c.head_dim * t) * batch * t
+    assert got == pytest.approx(expected, rel=1e-12)
+    # And the whole model's count differs from it only by those few parameters.
+    full = node_step.flops_per_token(c, lm.num_params(), t) * batch * t
+    assert 0.97 < got / full <= 1.0
