@@ -244,6 +244,36 @@ def merge_adapter(base: PyTree, adapter: Mapping[str, Mapping[str, Array]], scal
     return jax.tree_util.tree_map_with_path(leaf, base)
 
 
+def low_rank_params(base: PyTree, adapter: Mapping[str, Mapping[str, Array]], scale: float) -> PyTree:
+    """``base`` with every 2-D target kernel wrapped with its adapter, unmerged (a LowRankKernel).
+
+    A target whose kernel is not ``(in, out)`` with ``a: (in, r)`` and ``b: (r, out)`` is merged
+    as :func:`merge_adapter` does.
+
+    Args:
+      base: the base params.
+      adapter: ``{path: {"a", "b"}}`` of the targets.
+      scale: the LoRA scale ``alpha / rank``.
+
+    Returns:
+      The params, each such kernel leaf a :class:`~strategies.models.layers.LowRankKernel`.
+    """
+    from strategies.models.layers import LowRankKernel
+
+    def leaf(path: Any, w: Array) -> Any:
+        ab = adapter.get(path_name(path))
+        if ab is None:
+            return w
+        a, b = ab["a"], ab["b"]
+        if w.ndim == 2 and a.shape == (w.shape[0], a.shape[-1]) and b.shape == (a.shape[-1], w.shape[1]):
+            dt = w.dtype
+            return LowRankKernel(w, a.astype(dt), b.astype(dt), float(scale))
+        delta = jnp.asarray(scale, w.dtype) * (a.astype(w.dtype) @ b.astype(w.dtype))
+        return w + delta.reshape(w.shape)
+
+    return jax.tree_util.tree_map_with_path(leaf, base)
+
+
 def add_base_delta(base: PyTree, delta: Mapping[str, Array] | None) -> PyTree:
     """``base`` plus a dense ``{path: (in, out)}`` update (a merge method's ``base_delta``).
 
@@ -455,7 +485,14 @@ class LoraTask:
         return self.trainable(self.fresh_adapter(key))
 
     def model_params(self, params: PyTree, frozen: Mapping[str, Any] | None = None, key: Array | None = None):
-        """The full model's params: the base with the adapters merged in (dropout when ``key``).
+        """The full model's params: the base with the adapters applied (dropout when ``key``).
+
+        For a base task that declares ``low_rank_kernels = True`` (its model runs every target
+        through :class:`strategies.models.layers.Linear`), each 2-D target kernel becomes a
+        :class:`~strategies.models.layers.LowRankKernel` that applies the adapter beside the
+        frozen kernel, so the step never computes the frozen kernels' gradients; otherwise
+        ``W + scale a b`` is merged into the kernel (:func:`merge_adapter`). Both give the same
+        model up to rounding.
 
         Args:
           params: the trainable params.
@@ -474,6 +511,8 @@ class LoraTask:
                 p: {"a": _drop_rows(v["a"], rate, k), "b": v["b"]}
                 for k, (p, v) in zip(keys, sorted(adapter.items()), strict=True)
             }
+        if getattr(self.base_task, "low_rank_kernels", False):
+            return low_rank_params(frozen["base"], adapter, self.scale)
         return merge_adapter(frozen["base"], adapter, self.scale)
 
     # ------------------------------------------------------------------ Task protocol

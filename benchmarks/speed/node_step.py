@@ -48,7 +48,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 NAME = "node_step"
 CONTEXT = 512
@@ -142,6 +142,7 @@ class RandomLMTask:
 
     lm: Any
     name: str = "random_lm"
+    low_rank_kernels: ClassVar[bool] = True  # LoRA beside the frozen kernels, as CausalLMTask
 
     def init(self, key: Any) -> Any:
         return _str_keys(self.lm.init(key))

@@ -12,6 +12,8 @@ the attention softmax run in float32 whatever it is, as Hugging Face does.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -45,6 +47,58 @@ def param(shape: tuple[int, ...], axes: Axes, *, std: float = 0.0, fill: float =
         init_std=std,
         init_fill=fill,
     )
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w", "a", "b"], meta_fields=["scale"])
+@dataclasses.dataclass(frozen=True)
+class LowRankKernel:
+    """A kernel with a LoRA update beside it: ``x @ (w + scale a b)`` as ``x @ w + scale (x @ a) @ b``.
+
+    A :class:`Linear` whose kernel is one of these never forms ``w + scale a b``, so the backward
+    pass has no gradient for the dense kernel: only ``x^T`` times the rank-r cotangent for ``b`` and
+    ``(dy b^T)`` against ``x`` for ``a``. Merging first (``w + scale a b`` as one matrix) makes
+    autodiff compute the full ``x^T dy`` (a third of a layer's training FLOPs) and then project it
+    onto ``a`` and ``b``; this is what lets a LoRA step skip the frozen weights' gradients.
+    (:class:`strategies.lora.LoraTask` builds them for tasks whose models take them.)
+
+    Attributes:
+      w: the (in, out) frozen kernel.
+      a: (in, r).
+      b: (r, out).
+      scale: the LoRA scale ``alpha / r`` (static).
+    """
+
+    w: Array
+    a: Array
+    b: Array
+    scale: float
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The kernel's shape."""
+        return tuple(self.w.shape)
+
+    @property
+    def dtype(self) -> Any:
+        """The kernel's dtype."""
+        return self.w.dtype
+
+    def __getitem__(self, index: Any) -> LowRankKernel:
+        if index is not Ellipsis:  # nnx reads a Param's value as param[...]
+            raise TypeError(f"a LowRankKernel is read whole (kernel[...]), not at {index!r}")
+        return self
+
+    def astype(self, dtype: Any) -> LowRankKernel:
+        """All three matrices in ``dtype`` (the activations' compute dtype)."""
+        return LowRankKernel(self.w.astype(dtype), self.a.astype(dtype), self.b.astype(dtype), self.scale)
+
+    def dense(self) -> Array:
+        """``w + scale a b`` as one matrix (for checks; the forward pass never forms it)."""
+        return self.w + jnp.asarray(self.scale, self.w.dtype) * (self.a @ self.b)
+
+    def __rmatmul__(self, x: Array) -> Array:
+        low = (x @ self.a) * jnp.asarray(self.scale, x.dtype)
+        return x @ self.w + low @ self.b
 
 
 class Linear(nnx.Module):

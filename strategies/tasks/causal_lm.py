@@ -121,6 +121,8 @@ class CausalLMTask:
     general_pool: ClassVar[str] = "public"
     # Every node starts from a checkpoint: the run reports the base model's metrics too.
     pretrained: ClassVar[bool] = True
+    # Every projection is a strategies.models Linear: LoRA runs beside the frozen kernels (LowRankKernel).
+    low_rank_kernels: ClassVar[bool] = True
 
     def __post_init__(self):
         object.__setattr__(self, "text", lm_corpus.normalize_domains(self.text))
