@@ -158,6 +158,15 @@ def test_combine_merges_parts_run_in_parallel_and_refuses_overlaps():
     assert res["chosen"] == "median" and res["sets"] == suite.DEFAULT_CANDIDATES["median"]
     with pytest.raises(ValueError, match="mix kinds"):
         suite.combine([one, {**sel, "selection": {}}])
+    # one candidate in two parts with other alphas: merged per alpha, chosen over both
+    at03 = {"0.3": {"worst": 0.97, "margin": -0.5, "clean_gap": 0.0, "gap": 1.0}}
+    res, settings = suite.combine(
+        [{**sel, "selection": {"median": ok, "multi_krum": ok}}, {**sel, "selection": {"median": at03}}]
+    )
+    assert res["selection"]["median"] == {**ok, **at03} and settings["alphas"] == [0.3, 0.5]
+    assert res["chosen"] == "multi_krum"  # median lost to FedAvg at alpha 0.3
+    with pytest.raises(ValueError, match=r"median alpha \['0.5'\] reported twice"):
+        suite.combine([{**sel, "selection": {"median": ok}}, {**sel, "selection": {"median": ok}}])
 
 
 def test_readme_headline_says_the_defaults_smallest_margin_and_the_noserver_gap():
