@@ -141,6 +141,7 @@ def summarize(h: Sequence[float], s: Sequence[float], n: int, f: int) -> dict[st
 
 
 KINDS = ("gradient", "update")
+TITLE = "Heterogeneity: (G, B) and the breakdown point"
 EXPLAIN = re.sub(
     r"\s+",
     " ",
@@ -179,6 +180,8 @@ def markdown(res: Mapping[str, Any]) -> str:
         ["config", "alpha", "seed", "vectors", "f of n", "B^2 breakdown", "h/s median", "h/s last",
          "B^2 (G = 0)", "B^2 of the weakest bound", "weakest bound / signal"], rows)  # fmt: skip
     lines = [
+        f"# {TITLE}",
+        "",
         EXPLAIN,
         "",
         table,
@@ -233,8 +236,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 )
     settings = {"quick": args.quick, "configs": list(configs), "alphas": list(alphas), "seeds": seeds}
     res = {"runs": runs, "total_s": time.perf_counter() - t0}
-    title = "Heterogeneity: (G, B) and the breakdown point"
-    md = "\n".join(harness.header(title, "heterogeneity", args.quick, settings)) + "\n" + markdown(res)
+    md = markdown(res)
     harness.save("heterogeneity", args.quick, res, md, settings=settings)
     print(md)
     return res
