@@ -163,10 +163,40 @@ def test_combine_merges_parts_run_in_parallel_and_refuses_overlaps():
     res, settings = suite.combine(
         [{**sel, "selection": {"median": ok, "multi_krum": ok}}, {**sel, "selection": {"median": at03}}]
     )
-    assert res["selection"]["median"] == {**ok, **at03} and settings["alphas"] == [0.3, 0.5]
+    got = res["selection"]["median"]
+    assert {a: {k: got[a][k] for k in ok["0.5"]} for a in got} == {**ok, **at03} and settings["alphas"] == [
+        0.3,
+        0.5,
+    ]
     assert res["chosen"] == "multi_krum"  # median lost to FedAvg at alpha 0.3
-    with pytest.raises(ValueError, match=r"median alpha \['0.5'\] reported twice"):
+    with pytest.raises(ValueError, match=r"median alpha 0.5 seed \['100'\] reported twice"):
         suite.combine([{**sel, "selection": {"median": ok}}, {**sel, "selection": {"median": ok}}])
+
+
+def test_a_selection_over_seeds_summarizes_the_seeds_mean_accuracies():
+    one = _runs({"clean": (0.95, 0.95), "a": (0.90, 0.92), "b": (0.93, 0.93)})  # loses under a by 2
+    two = _runs({"clean": (0.97, 0.95), "a": (0.94, 0.90), "b": (0.91, 0.93)})  # wins a by 4, loses b by 2
+    got = suite.over_seeds(
+        {"100": {"runs": one, **suite.summarize(one)}, "101": {"runs": two, **suite.summarize(two)}}
+    )
+    mean = _runs({"clean": (0.96, 0.95), "a": (0.92, 0.91), "b": (0.92, 0.93)})
+    want = suite.summarize(mean)
+    for k in ("worst", "worst_attack", "gap", "margin", "margin_attack", "clean_gap"):
+        assert got[k] == pytest.approx(want[k]), k
+    assert got["margin"] == pytest.approx(-1.0) and got["margin_min_seed"] == pytest.approx(-2.0)
+    # parts of one candidate with other seeds combine into the same mean
+    st = {"conditions": ["clean", "a", "b"], "rounds": None, "task": None, "select": "default"}
+
+    def part(seed, runs):
+        entry = {"median": {"0.5": {"runs": runs, **suite.summarize(runs)}}}
+        return {"kind": "selection", "which": "default", "settings": {**st, "seed": seed}, "total_s": 1.0,
+                "selection": entry}  # fmt: skip
+
+    res, settings = suite.combine([part(100, one), part(101, two)])
+    assert res["selection"]["median"]["0.5"]["margin"] == pytest.approx(-1.0) and settings["seeds"] == [
+        100,
+        101,
+    ]
 
 
 def test_readme_headline_says_the_defaults_smallest_margin_and_the_noserver_gap():
