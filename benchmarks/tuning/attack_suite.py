@@ -314,9 +314,15 @@ def combine(parts: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], dict[st
                 for a, entry in per_alpha.items():
                     seeds = _with_seeds(entry, st.get("seed", SELECTION_SEED))["seeds"]
                     have = into.setdefault(a, {})
-                    twice = set(have) & set(seeds)
+                    # The same run twice (runs are deterministic: equal accuracies) counts once.
+                    twice = [
+                        s for s in set(have) & set(seeds) if _accuracies(have[s]) != _accuracies(seeds[s])
+                    ]
                     if twice:
-                        raise ValueError(f"--combine: {cand} alpha {a} seed {sorted(twice)} reported twice")
+                        raise ValueError(
+                            f"--combine: {cand} alpha {a} seed {sorted(twice)} reported twice, with other "
+                            "results"
+                        )
                     have.update(seeds)
             continue
         for c, per_alpha in part["report"].items():
@@ -348,6 +354,13 @@ def _floats(parser: Any, flag: str, text: str) -> list[float]:
     except ValueError:
         parser.error(f"{flag}: comma-separated numbers, got {text!r}")
         raise  # parser.error exits; this keeps the type checker's flow
+
+
+def _accuracies(entry: Mapping[str, Any]) -> Any:
+    """What a selection entry measured (its runs' accuracies; the summary when it kept no runs)."""
+    if "runs" not in entry:
+        return {k: v for k, v in entry.items() if k != "seeds"}
+    return {lab: (r["consensus"], r["fedavg"]) for lab, r in entry["runs"].items()}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -169,8 +169,10 @@ def test_combine_merges_parts_run_in_parallel_and_refuses_overlaps():
         0.5,
     ]
     assert res["chosen"] == "multi_krum"  # median lost to FedAvg at alpha 0.3
-    with pytest.raises(ValueError, match=r"median alpha 0.5 seed \['100'\] reported twice"):
-        suite.combine([{**sel, "selection": {"median": ok}}, {**sel, "selection": {"median": ok}}])
+    res, _ = suite.combine([{**sel, "selection": {"median": ok}}, {**sel, "selection": {"median": ok}}])
+    assert list(res["selection"]["median"]["0.5"]["seeds"]) == ["100"]  # the same run twice counts once
+    with pytest.raises(ValueError, match=r"median alpha 0.5 seed \['100'\] reported twice, with other"):
+        suite.combine([{**sel, "selection": {"median": ok}}, {**sel, "selection": {"median": bad}}])
 
 
 def test_a_selection_over_seeds_summarizes_the_seeds_mean_accuracies():
