@@ -81,3 +81,26 @@ def test_the_step_matmuls_carry_the_model_flops(model):
     # And the whole model's count differs from it only by those few parameters.
     full = node_step.flops_per_token(c, lm.num_params(), t) * batch * t
     assert 0.97 < got / full <= 1.0
+
+
+def test_replaying_collectives_times_each_kind_on_the_devices():
+    devices = jax.devices()[:2]
+    assert node_step.replay_collectives({"all-reduce": 4096}, devices[:1], repeats=1) == 0.0
+    t = node_step.replay_collectives(
+        {"all-gather": 8192, "all-reduce": 4096, "reduce-scatter": 2048, "all-to-all": 64}, devices, repeats=1
+    )
+    assert 0.0 < t < 10.0
+
+
+@pytest.mark.slow  # two compiled tiny steps on simulated devices: ~20 s
+def test_the_mesh_child_shards_params_and_counts_collectives():
+    rows = node_step.mesh_child(
+        node_step.tiny(node_step.SMOLLM2), [["fsdp", 1], ["fsdp", 2], ["tp", 2]], 4, 16
+    )
+    one, fsdp, tp = rows
+    assert one["collectives"] == {} and one["collective_s"] == 0.0
+    # FSDP over 2 devices: each holds about half of the params and Adam's moments (norm scales replicated).
+    whole = one["param_bytes"] + one["opt_bytes"]
+    assert 0.5 <= (fsdp["param_bytes"] + fsdp["opt_bytes"]) / whole < 0.6
+    assert fsdp["collectives"] and all(r["step_s"] > 0 for r in rows)
+    assert (tp["param_bytes"] + tp["opt_bytes"]) / whole < 0.6 and tp["layout"] == "tp"
