@@ -819,8 +819,7 @@ def verdicts(res: Mapping[str, Any]) -> list[str]:
             )
             out.append(
                 f"- Tensor parallel params + optimizer per device against 1/k of one device's: {ratios} "
-                "(only the MLP, head and vocabulary dimensions k divides are split; norms and the 9-head "
-                "attention stay whole where k does not divide them)."
+                "(the MLP, heads and vocabulary split where k divides them, the norm scales whole)."
             )
         timed = [r for r in res["fsdp"] if r.get("step_s") and r["k"] > 1]
         if timed:
