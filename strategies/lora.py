@@ -235,13 +235,15 @@ def merge_adapter(base: PyTree, adapter: Mapping[str, Mapping[str, Array]], scal
 
     def leaf(path: Any, w: Array) -> Array:
         ab = adapter.get(path_name(path))
-        if ab is None:
-            return w
-        dt = w.dtype
-        delta = jnp.asarray(scale, dt) * (ab["a"].astype(dt) @ ab["b"].astype(dt))
-        return w + delta.reshape(w.shape)
+        return w if ab is None else _merged(w, ab, scale)
 
     return jax.tree_util.tree_map_with_path(leaf, base)
+
+
+def _merged(w: Array, ab: Mapping[str, Array], scale: float) -> Array:
+    dt = w.dtype
+    delta = jnp.asarray(scale, dt) * (ab["a"].astype(dt) @ ab["b"].astype(dt))
+    return w + delta.reshape(w.shape)
 
 
 def low_rank_params(base: PyTree, adapter: Mapping[str, Mapping[str, Array]], scale: float) -> PyTree:
@@ -266,10 +268,8 @@ def low_rank_params(base: PyTree, adapter: Mapping[str, Mapping[str, Array]], sc
             return w
         a, b = ab["a"], ab["b"]
         if w.ndim == 2 and a.shape == (w.shape[0], a.shape[-1]) and b.shape == (a.shape[-1], w.shape[1]):
-            dt = w.dtype
-            return LowRankKernel(w, a.astype(dt), b.astype(dt), float(scale))
-        delta = jnp.asarray(scale, w.dtype) * (a.astype(w.dtype) @ b.astype(w.dtype))
-        return w + delta.reshape(w.shape)
+            return LowRankKernel(w, a.astype(w.dtype), b.astype(w.dtype), float(scale))
+        return _merged(w, ab, scale)
 
     return jax.tree_util.tree_map_with_path(leaf, base)
 

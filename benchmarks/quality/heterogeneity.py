@@ -11,11 +11,11 @@ theta, the honest nodes' vectors v_i(theta) satisfy
 
 and prove that no aggregation rule is robust once f / n >= 1 / (2 + B^2), and that below it every
 rule can be made to err by Omega(f / (n - (2 + B^2) f) * G^2) on some problem of the class. Their
-vectors are gradients; here they are the nodes' round updates (the model each node returns less
-the consensus it started from, after its local steps), the vectors the vote acts on.
+vectors are gradients; here both the nodes' full-shard gradients and their round updates (the model
+each node returns less the consensus it started from, after its local steps: what the vote sees).
 
 The measurement: a config's own run, clean (``byzantine.nodes = []``), its vote replaced by the
-plain mean (FedAvg's trajectory, which no rule bends), recording every round's updates. Over the
+plain mean (FedAvg's trajectory, which no rule bends), recording every round's vectors. Over the
 nodes that are honest in the config's attacked runs (its ``byzantine.nodes`` left out), each round
 t gives the spread h_t = mean_i ||v_i - v_bar||^2 and the signal s_t = ||v_bar||^2. Every (G, B)
 with G^2 >= max_t (h_t - B^2 s_t) fits the run; the page reports, for B^2 from 0 up to the largest
@@ -34,13 +34,12 @@ from typing import Any
 import numpy as np
 
 from benchmarks import harness
+from benchmarks.tuning import attack_suite
 
 CONFIGS = {"robust-noserver": "configs/robust-noserver.toml", "default": "meta_consensus/default.toml"}
 ALPHAS = (0.3, 1.0)
-MEAN_VOTE = [
-    "vote.rule=mean", "vote.pre=[]", "vote.options={}", "vote.num_byzantine=none", "weights.objective=vote",
-    "weights.max_weight=none", "weights.lambda_reg=0.0", "vote.server_step=0",
-]  # fmt: skip
+# The plain mean alone: no weights, no server step (the attack suite's spelling of a vote alone).
+MEAN_VOTE = attack_suite.vote_alone("mean")
 
 
 def flat_rows(stacked: Any) -> np.ndarray:
@@ -50,6 +49,13 @@ def flat_rows(stacked: Any) -> np.ndarray:
     leaves = jax.tree.leaves(stacked)
     n = leaves[0].shape[0]
     return np.concatenate([np.asarray(x, np.float64).reshape(n, -1) for x in leaves], axis=1)
+
+
+def flat(tree: Any) -> np.ndarray:
+    """(P,) float64: one tree's parameters as one row."""
+    import jax
+
+    return flat_rows(jax.tree.map(lambda x: x[None], tree))[0]
 
 
 def spread_and_signal(updates: np.ndarray) -> tuple[float, float]:
@@ -102,9 +108,9 @@ def record_run(path: str, sets: Sequence[str]) -> tuple[dict[str, list[tuple[flo
     class Recording(stages.PipelineMerge):
         def merge(self, co: Any, w: Any) -> str:
             theta = w.state.consensus
-            base = flat_rows(jax.tree.map(lambda x: x[None], theta))[0]
+            base = flat(theta)
             pairs["update"].append(spread_and_signal(flat_rows(w.out.submitted)[honest_of] - base))
-            g = np.stack([flat_rows(jax.tree.map(lambda x: x[None], grad(theta, b)))[0] for b in shards])
+            g = np.stack([flat(grad(theta, b)) for b in shards])
             pairs["gradient"].append(spread_and_signal(g))
             return super().merge(co, w)
 

@@ -770,8 +770,7 @@ def verdicts(res: Mapping[str, Any]) -> list[str]:
                 "(dW = x^T dy) and keeps the forward, the activation gradients, attention and the "
                 "element-wise work."
             )
-            bound = next((b for b in res.get("bounds", []) if b["model"] == r["model"]
-                          and b["dtype"] == r["dtype"]), None)  # fmt: skip
+            bound = _bound_of(res, r, same_batch=False)
             if bound is not None:
                 dw = sum(p["seconds"] for p in bound["parts"] if p["name"].endswith(" dW")
                          and not p["name"].startswith(("scores", "values")))  # fmt: skip
@@ -834,9 +833,16 @@ def verdicts(res: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def _bound_of(res: Mapping[str, Any], row: Mapping[str, Any]) -> Mapping[str, Any] | None:
+def _bound_of(
+    res: Mapping[str, Any], row: Mapping[str, Any], same_batch: bool = True
+) -> Mapping[str, Any] | None:
+    """The matmul bound measured for a row's model and dtype (and batch, unless ``same_batch`` is False)."""
     for b in res.get("bounds", []):
-        if b["model"] == row["model"] and b["dtype"] == row["dtype"] and b["batch"] == row["batch"]:
+        if (
+            b["model"] == row["model"]
+            and b["dtype"] == row["dtype"]
+            and (b["batch"] == row["batch"] or not same_batch)
+        ):
             return b
     return None
 

@@ -60,7 +60,7 @@ ALPHAS = (0.3, 1.0)
 SELECTION_SEED = 100
 
 
-def _vote(rule: str, pre: Sequence[str] = (), options: str = "{}", f: str = "none") -> list[str]:
+def vote_alone(rule: str, pre: Sequence[str] = (), options: str = "{}", f: str = "none") -> list[str]:
     """The --set overrides of a vote alone: its output is the merge (no weights, no server step)."""
     pre_list = "[" + ", ".join(f'"{p}"' for p in pre) + "]"
     return [
@@ -83,23 +83,23 @@ def _with(vote: list[str], extra: list[str]) -> list[str]:
 # The default's candidates (8 nodes, f = 2 of the default's fault_tolerance 0.25): its shipped
 # Multi-Krum + mixture-NLL weights, votes alone, and held-out weights or a server step after a vote.
 DEFAULT_CANDIDATES: dict[str, list[str]] = {
-    "multi_krum+mixture_nll": _with(_vote("multi_krum"), _MIXTURE),
-    "multi_krum": _vote("multi_krum"),
-    "median": _vote("median"),
-    "trimmed_mean": _vote("trimmed_mean"),
-    "nnm+trimmed_mean": _vote("trimmed_mean", pre=["nnm"]),
+    "multi_krum+mixture_nll": _with(vote_alone("multi_krum"), _MIXTURE),
+    "multi_krum": vote_alone("multi_krum"),
+    "median": vote_alone("median"),
+    "trimmed_mean": vote_alone("trimmed_mean"),
+    "nnm+trimmed_mean": vote_alone("trimmed_mean", pre=["nnm"]),
     # The coordinator's held-out rows as a root set (the robust preset's server step): the vote's
     # merge moved by a quarter of the coordinator's own update on 100 of digits' 180 held-out rows.
-    "trimmed_mean+server_0.25": _with(_vote("trimmed_mean"), _SERVER),
-    "dnc+quadratic+server_0.25": _with(_vote("dnc", f="2"), [*_QUADRATIC, *_SERVER]),
+    "trimmed_mean+server_0.25": _with(vote_alone("trimmed_mean"), _SERVER),
+    "dnc+quadratic+server_0.25": _with(vote_alone("dnc", f="2"), [*_QUADRATIC, *_SERVER]),
 }
 # No coordinator data: votes alone (no held-out weights, no server step), f = 4 of 16: NNM +
 # centered clipping (the heterogeneity-aware rule the issue measured), the same behind ARC, and the
 # no-server vote that did best in results/robust_preset.md's selection at alpha 0.3 (SignGuard).
 NOSERVER_CANDIDATES: dict[str, list[str]] = {
-    "nnm+centered_clipping": _vote("centered_clipping", pre=["nnm"], options=_CC, f="4"),
-    "arc+nnm+centered_clipping": _vote("centered_clipping", pre=["arc", "nnm"], options=_CC, f="4"),
-    "signguard": _vote("signguard", f="4"),
+    "nnm+centered_clipping": vote_alone("centered_clipping", pre=["nnm"], options=_CC, f="4"),
+    "arc+nnm+centered_clipping": vote_alone("centered_clipping", pre=["arc", "nnm"], options=_CC, f="4"),
+    "signguard": vote_alone("signguard", f="4"),
 }
 # What meta_consensus/default.toml and the robust-noserver preset ship (a test checks they agree).
 DEFAULT_CHOSEN = "trimmed_mean"
@@ -348,11 +348,11 @@ def combine(parts: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], dict[st
     return {"kind": kind, "report": merged, "total_s": total}, settings
 
 
-def _floats(parser: Any, flag: str, text: str) -> list[float]:
+def _numbers(parser: Any, flag: str, text: str, kind: type = float) -> list[Any]:
     try:
-        return [float(v) for v in text.split(",")]
+        return [kind(v) for v in text.split(",")]
     except ValueError:
-        parser.error(f"{flag}: comma-separated numbers, got {text!r}")
+        parser.error(f"{flag}: comma-separated {'integers' if kind is int else 'numbers'}, got {text!r}")
         raise  # parser.error exits; this keeps the type checker's flow
 
 
@@ -397,12 +397,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         unknown = [c for c in names or [] if c not in SELECT[args.select][1]]
         if unknown:
             parser.error(f"--candidates: unknown {unknown}; valid: {list(SELECT[args.select][1])}")
-        alphas = SELECT[args.select][2] if args.alphas is None else _floats(parser, "--alphas", args.alphas)
-        sel_seeds = (
-            [SELECTION_SEED]
-            if args.seeds is None
-            else [int(v) for v in _floats(parser, "--seeds", args.seeds)]
-        )
+        alphas = SELECT[args.select][2] if args.alphas is None else _numbers(parser, "--alphas", args.alphas)
+        sel_seeds = [SELECTION_SEED] if args.seeds is None else _numbers(parser, "--seeds", args.seeds, int)
         if set(sel_seeds) & {0, 1, 2}:
             parser.error("--seeds of a selection: not the reported seeds 0, 1, 2")
         selection = _select(args.select, labels, args.rounds, t0, names, alphas, sel_seeds)
@@ -425,13 +421,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 parser.error(f"--configs: unknown {unknown}; valid: {list(CONFIGS)}")
         seeds = [0] if args.quick else [0, 1, 2]
         if args.seeds is not None:
-            try:
-                seeds = [int(v) for v in args.seeds.split(",")]
-            except ValueError:
-                parser.error(f"--seeds: comma-separated integers, got {args.seeds!r}")
+            seeds = _numbers(parser, "--seeds", args.seeds, int)
         report_alphas: Sequence[float] = (0.3,) if args.quick else ALPHAS
         if args.alphas is not None:
-            report_alphas = _floats(parser, "--alphas", args.alphas)
+            report_alphas = _numbers(parser, "--alphas", args.alphas)
         extra = [*task_sets, *([] if args.rounds is None else [f"rounds={args.rounds}"])]
         report: dict[str, Any] = {}
         for c in configs:
