@@ -9,7 +9,7 @@
 * :mod:`strategies.attacks`, :mod:`strategies.byzantine` - Byzantine attacks and Byzantine nodes.
 """
 
-from strategies import attacks, byzantine, convexity, hierarchical, soup, tasks, trainer
+from strategies import attacks, byzantine, convexity, hierarchical, soup, tangent, tasks, trainer
 from strategies.attacks import ATTACKS, apply_attack, get_attack
 from strategies.byzantine import Byzantine, byzantine_fit
 from strategies.convexity import (
@@ -23,6 +23,7 @@ from strategies.convexity import (
 )
 from strategies.hierarchical import Level, default_levels, fit_hierarchical
 from strategies.soup import IncrementalSoup, SoupState, greedy_soup, load_ingredient, save_ingredient
+from strategies.tangent import NotLinearizableError, TangentTask, linearize
 from strategies.tasks import DigitsTask, NodeData, Task, TaskData, TextTask
 from strategies.trainer import FitLog, NodeTrainer, Proximal, Schedule, TrainState
 
@@ -36,9 +37,11 @@ __all__ = [
     "Level",
     "NodeData",
     "NodeTrainer",
+    "NotLinearizableError",
     "Proximal",
     "Schedule",
     "SoupState",
+    "TangentTask",
     "Task",
     "TaskData",
     "TextTask",
@@ -55,6 +58,7 @@ __all__ = [
     "get_attack",
     "greedy_soup",
     "hierarchical",
+    "linearize",
     "load_ingredient",
     "loss_barrier",
     "pairwise_barriers",
@@ -62,6 +66,7 @@ __all__ = [
     "proximal_step",
     "save_ingredient",
     "soup",
+    "tangent",
     "tasks",
     "trainer",
 ]

@@ -123,6 +123,8 @@ class CausalLMTask:
     pretrained: ClassVar[bool] = True
     # Every projection is a strategies.models Linear: LoRA runs beside the frozen kernels (LowRankKernel).
     low_rank_kernels: ClassVar[bool] = True
+    # loss, metrics and target_probs read the model through self.apply only (strategies.tangent)
+    linearizable: ClassVar[bool] = True
 
     def __post_init__(self):
         object.__setattr__(self, "text", lm_corpus.normalize_domains(self.text))

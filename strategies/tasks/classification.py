@@ -41,6 +41,8 @@ class ClassifierMethods:
     """Loss, metrics and the label-flipping attack of a task whose ``apply`` returns (B, C) logits."""
 
     num_classes: ClassVar[int] = 10
+    # loss and metrics read the model through self.apply only (strategies.tangent.linearize)
+    linearizable: ClassVar[bool] = True
 
     def apply(self, params: PyTree, inputs: Array, *, train: bool = False, key: Array | None = None) -> Array:
         """The (B, C) logits; every task that mixes these methods in defines it.

@@ -100,6 +100,7 @@ class ArrayTask:
     general_pool: str = "public"
     public_rows: np.ndarray | None = None
     kind = "classification"
+    linearizable = True  # loss and metrics read the model through self.apply only
 
     def init(self, key: Array) -> PyTree:
         """Fresh parameters from ``init_fn``.

@@ -524,6 +524,8 @@ class TextTask:
     # The general pool is windows of the files whose role is "general": public data, never a node's
     # file (see list_corpus), so it is fixed by the file roles and takes no task.public_fraction.
     general_pool: ClassVar[str] = "public"
+    # loss and metrics read the model through self.apply only (strategies.tangent.linearize)
+    linearizable: ClassVar[bool] = True
 
     def __post_init__(self):
         if self.d_model % self.num_heads:
