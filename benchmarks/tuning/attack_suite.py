@@ -55,6 +55,7 @@ CONFIGS: dict[str, str] = {
     "default": "meta_consensus/default.toml",
     "robust": "configs/robust.toml",
     "robust-noserver": "configs/robust-noserver.toml",
+    "private": "configs/private.toml",
 }
 ALPHAS = (0.3, 1.0)
 SELECTION_SEED = 100

@@ -1,0 +1,76 @@
+"""benchmarks.quality.domains on a tiny Llama written by transformers: every row the page names, the
+multitask model's data is every node's windows once, the tangent fine-tunes have no loss barrier,
+and the page is rendered from the results."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks.quality import domains
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+TINY = {"context": 16, "batch": 2, "steps": 3, "lr": 1e-3, "windows_per_node": 8, "heldout_windows": 8,
+        "test_windows": 8, "fisher_rows": 2}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from causal_lm_helpers import model_folder
+
+    folder = model_folder(tmp_path_factory.mktemp("tiny_llama"))
+    return domains.one_seed(str(folder), 0, TINY, tmp_path_factory.mktemp("corpus"))
+
+
+def test_the_domains_are_the_code_families_and_the_interpreters_documentation(tmp_path):
+    import pydoc_data.topics as topics
+
+    d = domains.domains(tmp_path)
+    assert list(d) == ["net", "concurrency", "runtime", "prose"]
+    lines = (tmp_path / "pydoc_topics.jsonl").read_text(encoding="utf-8").splitlines()
+    assert sorted(json.loads(line)["text"] for line in lines) == sorted(topics.topics.values())
+
+
+@pytest.mark.slow
+def test_every_row_and_barrier_the_page_names(run):
+    doms = run["domains"]
+    assert doms == ["net", "concurrency", "runtime", "prose"]
+    want = {"base", "multitask", "mean", "task arithmetic", "ties", "dare+ties", "model stock", "fisher",
+            "mixture-NLL weights", "median", "trimmed mean", "mean, 1 poisoned", "median, 1 poisoned",
+            "trimmed mean, 1 poisoned", "tangent mean", "tangent task arithmetic"}  # fmt: skip
+    want |= {f"specialist: {d}" for d in doms} | {f"tangent specialist: {d}" for d in doms}
+    assert set(run["rows"]) == want
+    for row in run["rows"].values():
+        assert set(row) == {*doms, "all"} and all(np.isfinite(v) and v > 1 for v in row.values())
+    assert run["scales"]["task arithmetic"] in domains.SCALES
+    assert sum(run["scales"]["mixture-NLL weights"]) == pytest.approx(1.0, abs=1e-3)
+    # fine-tuning moved the specialists: each is better than the base on its own domain
+    for d in doms:
+        assert run["rows"][f"specialist: {d}"][d] < run["rows"]["base"][d]
+    # linearised fine-tunes: the loss is convex in theta, so no barrier (float32 slack)
+    assert run["barriers"]["tangent"]["pairwise max"] <= 1e-5
+    assert run["barriers"]["tangent"]["to mean max"] <= 1e-5
+    res = {"runs": [run], "total_s": 1.0, "settings": {"quick": True, "model": "tiny", "seeds": [0], **TINY}}
+    md = domains.markdown(res)
+    assert md.startswith("# ") and "| tangent task arithmetic |" in md
+
+
+def test_the_multitask_data_is_every_nodes_windows_once():
+    train = {"x": np.arange(3 * 4 * 2).reshape(3, 4, 2), "y": np.arange(3 * 4 * 2).reshape(3, 4, 2) + 100}
+
+    class Data:
+        pass
+
+    data = Data()
+    data.train = train
+    data.train_count = np.array([4, 2, 3])
+    u = domains.union(data)
+    want = np.concatenate([train["x"][0, :4], train["x"][1, :2], train["x"][2, :3]])
+    np.testing.assert_array_equal(u.pool["x"][0], want)
+    np.testing.assert_array_equal(u.pool["y"][0], want + 100)
+    assert u.count.tolist() == [9] and u.index.tolist() == [list(range(9))]
