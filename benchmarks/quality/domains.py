@@ -44,7 +44,7 @@ import numpy as np
 import optax
 
 import consensus
-from benchmarks.harness import header, markdown_table, parse, parser, save
+from benchmarks.harness import best_time, header, markdown_table, parse, parser, save
 from strategies import NodeData, NodeTrainer, TaskData
 from strategies.convexity import loss_barrier
 from strategies.registry import build_task
@@ -97,12 +97,18 @@ def union(data: TaskData) -> NodeData:
 
 
 def fine_tune(task: Any, base: Any, data: NodeData, n: int, s: Mapping[str, Any], seed: int,
-              batch: int, **fit: Any) -> Any:  # fmt: skip
-    """n copies of ``base`` trained on ``data`` for the run's steps (stacked params)."""
-    trainer = NodeTrainer(task, optax.adam, {"learning_rate": s["lr"]}, batch_size=batch, donate=True)
+              batch: int, **fit: Any) -> tuple[Any, float]:  # fmt: skip
+    """n copies of ``base`` trained on ``data`` for the run's steps: (stacked params, seconds a step).
+
+    The step time is the best of two one-step fits after one that compiles, so linear and tangent
+    fine-tuning are compared in the same run at the same shapes.
+    """
+    trainer = NodeTrainer(task, optax.adam, {"learning_rate": s["lr"]}, batch_size=batch)
     state = trainer.init(jax.random.key(seed), base, n)
+    # One-step fits from the same state (not donated), their results dropped.
+    step_s = best_time(lambda: trainer.fit(state, data, 1, **fit)[0].params, repeats=2, warmup=1)
     state, _ = trainer.fit(state, data, s["steps"], **fit)
-    return state.params
+    return state.params, step_s
 
 
 def _node(stacked: Any, i: int) -> Any:
@@ -214,12 +220,12 @@ def one_seed(model: str, seed: int, s: Mapping[str, Any], folder: Path) -> dict[
     rows: dict[str, dict[str, float]] = {"base": ev.row(base)}
 
     t0 = time.perf_counter()
-    special = fine_tune(task, base, data.own(), n, s, seed, s["batch"])
+    special, times["step s"] = fine_tune(task, base, data.own(), n, s, seed, s["batch"])
     times["fine-tune"] = time.perf_counter() - t0
     for i, name in enumerate(task.domains):
         rows[f"specialist: {name}"] = ev.row(_node(special, i))
     t0 = time.perf_counter()
-    multi = fine_tune(task, base, union(data), 1, s, seed, s["batch"] * n)
+    multi, _ = fine_tune(task, base, union(data), 1, s, seed, s["batch"] * n)
     times["multitask"] = time.perf_counter() - t0
     rows["multitask"] = ev.row(_node(multi, 0))
     del multi
@@ -238,7 +244,9 @@ def one_seed(model: str, seed: int, s: Mapping[str, Any], folder: Path) -> dict[
     del merged, stats
 
     t0 = time.perf_counter()
-    tangent_nodes = fine_tune(ev.tangent, base, data.own(), n, s, seed, s["batch"], frozen=base)
+    tangent_nodes, times["tangent step s"] = fine_tune(
+        ev.tangent, base, data.own(), n, s, seed, s["batch"], frozen=base
+    )
     times["tangent fine-tune"] = time.perf_counter() - t0
     for i, name in enumerate(task.domains):
         rows[f"tangent specialist: {name}"] = ev.row(_node(tangent_nodes, i), tangent=True)
@@ -306,6 +314,12 @@ def markdown(res: Mapping[str, Any]) -> str:
     lines.append("Held-out loss barriers (nats; max over the path of the loss minus the chord):")
     lines.append("")
     lines.append(markdown_table(["fine-tuning", *runs[0]["barriers"]["linear"]], bars))
+    lines.append("")
+    ratio = [r["seconds"]["tangent step s"] / r["seconds"]["step s"] for r in runs]
+    lines.append(
+        f"A tangent-space step costs {np.mean(ratio):.2f}x a plain fine-tuning step (the {len(runs)} "
+        "seed(s)' mean; one step of every node, best of two after compiling, same run and shapes)."
+    )
     lines.append("")
     lines.append(f"Total time {res['total_s']:.0f} s.")
     return "\n".join(lines) + "\n"

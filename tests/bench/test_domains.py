@@ -48,6 +48,7 @@ def test_every_row_and_barrier_the_page_names(run):
     for row in run["rows"].values():
         assert set(row) == {*doms, "all"} and all(np.isfinite(v) and v > 1 for v in row.values())
     assert run["scales"]["task arithmetic"] in domains.SCALES
+    assert run["seconds"]["step s"] > 0 and run["seconds"]["tangent step s"] > 0
     assert sum(run["scales"]["mixture-NLL weights"]) == pytest.approx(1.0, abs=1e-3)
     # fine-tuning moved the specialists: each is better than the base on its own domain
     for d in doms:
