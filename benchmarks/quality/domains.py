@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ import numpy as np
 import optax
 
 import consensus
-from benchmarks.harness import best_time, header, markdown_table, parse, parser, save
+from benchmarks.harness import header, markdown_table, parse, parser, save
 from strategies import NodeData, NodeTrainer, TaskData
 from strategies.convexity import loss_barrier
 from strategies.registry import build_task
@@ -100,15 +100,21 @@ def fine_tune(task: Any, base: Any, data: NodeData, n: int, s: Mapping[str, Any]
               batch: int, **fit: Any) -> tuple[Any, float]:  # fmt: skip
     """n copies of ``base`` trained on ``data`` for the run's steps: (stacked params, seconds a step).
 
-    The step time is the best of two one-step fits after one that compiles, so linear and tangent
-    fine-tuning are compared in the same run at the same shapes.
+    The first three steps run one at a time (the first compiles; the best of the other two is the
+    step time, so linear and tangent fine-tuning are compared in the same run at the same shapes),
+    the rest in one call. The state is donated: one copy of the nodes' params and Adam state.
     """
-    trainer = NodeTrainer(task, optax.adam, {"learning_rate": s["lr"]}, batch_size=batch)
+    trainer = NodeTrainer(task, optax.adam, {"learning_rate": s["lr"]}, batch_size=batch, donate=True)
     state = trainer.init(jax.random.key(seed), base, n)
-    # One-step fits from the same state (not donated), their results dropped.
-    step_s = best_time(lambda: trainer.fit(state, data, 1, **fit)[0].params, repeats=2, warmup=1)
-    state, _ = trainer.fit(state, data, s["steps"], **fit)
-    return state.params, step_s
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        state, _ = trainer.fit(state, data, 1, **fit)
+        jax.block_until_ready(state.params)
+        times.append(time.perf_counter() - start)
+    if s["steps"] > 3:
+        state, _ = trainer.fit(state, data, s["steps"] - 3, **fit)
+    return state.params, min(times[1:])
 
 
 def _node(stacked: Any, i: int) -> Any:
@@ -147,43 +153,44 @@ class Evaluator:
 
 def merges(
     ev: Evaluator, base: Any, stacked: Any, stats: Any, tangent: bool, robust: bool
-) -> tuple[dict[str, Any], dict[str, float]]:
-    """Every merge method's params (tuned on the held-out windows); the tuned scales."""
+) -> Iterator[tuple[str, Any, float | list[float] | None]]:
+    """Every merge method's params, one at a time (a merged model is as large as the base), with
+    its tuned scale (task arithmetic, TIES, DARE+TIES, on the held-out windows) or weights."""
     key = jax.random.key(0)
 
     def upd(agg: Any, nodes: Any = stacked, **kw: Any) -> Any:
         return agg.update(nodes, agg.init(base), base, **kw)[0]
 
     def tuned(make: Callable[[float], Any], **kw: Any) -> tuple[Any, float]:
-        losses = {s: ev.heldout_loss(upd(make(s), **kw), tangent) for s in SCALES}
-        best = min(losses, key=lambda s: losses[s])
+        losses = {sc: ev.heldout_loss(upd(make(sc), **kw), tangent) for sc in SCALES}
+        best = min(losses, key=lambda sc: losses[sc])
         return upd(make(best), **kw), best
 
-    out: dict[str, Any] = {}
-    scales: dict[str, float] = {}
-    out["mean"] = upd(consensus.mean())
-    out["task arithmetic"], scales["task arithmetic"] = tuned(lambda s: consensus.task_arithmetic(s))
+    yield "mean", upd(consensus.mean()), None
+    yield "task arithmetic", *tuned(lambda sc: consensus.task_arithmetic(sc))
     if tangent:
-        return out, scales
-    out["ties"], scales["ties"] = tuned(lambda s: consensus.ties(0.2, scale=s))
-    out["dare+ties"], scales["dare+ties"] = tuned(
-        lambda s: consensus.process(consensus.ties(0.2, scale=s), pre=[consensus.dare(0.5)]), key=key
+        return
+    yield "ties", *tuned(lambda sc: consensus.ties(0.2, scale=sc))
+    yield (
+        "dare+ties",
+        *tuned(
+            lambda sc: consensus.process(consensus.ties(0.2, scale=sc), pre=[consensus.dare(0.5)]), key=key
+        ),
     )
-    out["model stock"] = upd(consensus.model_stock())
-    out["fisher"] = upd(consensus.fisher_merge(), fisher=stats)
+    yield "model stock", upd(consensus.model_stock()), None
+    yield "fisher", upd(consensus.fisher_merge(), fisher=stats), None
     n = consensus.num_nodes(stacked)
     probs = np.stack([ev.target_probs(_node(stacked, i)) for i in range(n)])
     w = consensus.mixture_nll_weights(probs)
-    out["mixture-NLL weights"] = consensus.weighted_sum(stacked, jnp.asarray(w.weights, jnp.float32))
-    scales["mixture-NLL weights"] = [round(float(x), 4) for x in w.weights]  # type: ignore[assignment]
-    out["median"] = upd(consensus.median())
-    out["trimmed mean"] = upd(consensus.trimmed_mean(1))
+    weights = [round(float(x), 4) for x in w.weights]
+    yield "mixture-NLL weights", consensus.weighted_sum(stacked, jnp.asarray(w.weights, jnp.float32)), weights
+    yield "median", upd(consensus.median()), None
+    yield "trimmed mean", upd(consensus.trimmed_mean(1)), None
     if robust:
         poisoned = jax.tree.map(lambda b, v: v.at[POISONED].set(b - 3.0 * (v[POISONED] - b)), base, stacked)
-        out["mean, 1 poisoned"] = upd(consensus.mean(), nodes=poisoned)
-        out["median, 1 poisoned"] = upd(consensus.median(), nodes=poisoned)
-        out["trimmed mean, 1 poisoned"] = upd(consensus.trimmed_mean(1), nodes=poisoned)
-    return out, scales
+        yield "mean, 1 poisoned", upd(consensus.mean(), nodes=poisoned), None
+        yield "median, 1 poisoned", upd(consensus.median(), nodes=poisoned), None
+        yield "trimmed mean, 1 poisoned", upd(consensus.trimmed_mean(1), nodes=poisoned), None
 
 
 def barriers(ev: Evaluator, stacked: Any, mean: Any, tangent: bool) -> dict[str, float]:
@@ -237,11 +244,15 @@ def one_seed(model: str, seed: int, s: Mapping[str, Any], folder: Path) -> dict[
                                       chunk_size=1).fisher)  # fmt: skip
     stats = consensus.stack(fisher)
     del fisher
-    merged, scales = merges(ev, base, special, stats, tangent=False, robust=True)
-    for name, p in merged.items():
+    scales: dict[str, Any] = {}
+    for name, p, scale in merges(ev, base, special, stats, tangent=False, robust=True):
         rows[name] = ev.row(p)
-    bar = {"linear": barriers(ev, special, merged["mean"], tangent=False)}
-    del merged, stats
+        if scale is not None:
+            scales[name] = scale
+    del stats
+    mean = jax.tree.map(lambda v: jnp.mean(v, axis=0), special)
+    bar = {"linear": barriers(ev, special, mean, tangent=False)}
+    del mean, special
 
     t0 = time.perf_counter()
     tangent_nodes, times["tangent step s"] = fine_tune(
@@ -250,10 +261,13 @@ def one_seed(model: str, seed: int, s: Mapping[str, Any], folder: Path) -> dict[
     times["tangent fine-tune"] = time.perf_counter() - t0
     for i, name in enumerate(task.domains):
         rows[f"tangent specialist: {name}"] = ev.row(_node(tangent_nodes, i), tangent=True)
-    t_merged, t_scales = merges(ev, base, tangent_nodes, None, tangent=True, robust=False)
-    for name, p in t_merged.items():
+    t_scales: dict[str, Any] = {}
+    for name, p, scale in merges(ev, base, tangent_nodes, None, tangent=True, robust=False):
         rows[f"tangent {name}"] = ev.row(p, tangent=True)
-    bar["tangent"] = barriers(ev, tangent_nodes, t_merged["mean"], tangent=True)
+        if scale is not None:
+            t_scales[name] = scale
+    mean = jax.tree.map(lambda v: jnp.mean(v, axis=0), tangent_nodes)
+    bar["tangent"] = barriers(ev, tangent_nodes, mean, tangent=True)
     return {
         "domains": list(task.domains), "rows": rows, "scales": scales,
         "tangent_scales": t_scales, "barriers": bar, "seconds": times,

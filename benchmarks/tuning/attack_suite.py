@@ -110,9 +110,10 @@ PRIVATE_CANDIDATES: dict[str, list[str]] = {
     "trimmed_mean": vote_alone("trimmed_mean"),
     "trimmed_mean+server_0.25": _with(vote_alone("trimmed_mean"), _SERVER),
 }
-# What meta_consensus/default.toml and the robust-noserver preset ship (a test checks they agree).
+# What meta_consensus/default.toml and the robust-noserver and private presets ship (a test checks).
 DEFAULT_CHOSEN = "trimmed_mean+server_0.25"
 NOSERVER_CHOSEN = "signguard"
+PRIVATE_CHOSEN = "trimmed_mean+server_0.25"
 SELECT = {
     "default": ("default", DEFAULT_CANDIDATES, (0.5,)),
     "noserver": ("robust-noserver", NOSERVER_CANDIDATES, (0.3,)),

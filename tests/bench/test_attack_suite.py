@@ -86,10 +86,11 @@ def test_choose_keeps_the_rule_the_page_states():
     assert suite.choose("noserver", noserver) == "y"
 
 
-def test_the_shipped_default_and_noserver_preset_are_the_chosen_candidates():
+def test_the_shipped_default_and_presets_are_the_chosen_candidates():
     for which, chosen, path in (
         ("default", suite.DEFAULT_CHOSEN, "meta_consensus/default.toml"),
         ("noserver", suite.NOSERVER_CHOSEN, "meta_consensus/presets/robust-noserver.toml"),
+        ("private", suite.PRIVATE_CHOSEN, "meta_consensus/presets/private.toml"),
     ):
         config_name, candidates, _ = suite.SELECT[which]
         shipped = config.load(ROOT / path)
