@@ -279,9 +279,14 @@ def headline_system(d: Mapping[str, Any]) -> str:
     s = d["settings"]
     ms = d["summary"]["alie"]["mean_std"]
     default, fedavg = ms["without DP"], ms["plain FedAvg"]
+    stages = [f"{s['vote'].split(',')[0]} vote"]
+    if s["weights"].split(",")[0] != "vote":
+        stages.append(f"{s['weights'].split(',')[0]} weights")
+    if s.get("server_step"):
+        stages.append(f"server step {s['server_step']:g}")
     return (
         f"**The whole system**: under ALIE ({len(s['byzantine_nodes'])} of {s['nodes']} nodes), the "
-        f"pipeline it measured ({s['vote'].split(',')[0]} vote, {s['weights'].split(',')[0]} weights) "
+        f"pipeline it measured ({', '.join(stages)}) "
         f"reaches {default[0]:.3f} ± {default[1]:.3f} over {len(s['seeds'])} seeds, "
         f"plain FedAvg {fedavg[0]:.3f} ± {fedavg[1]:.3f}"
     )

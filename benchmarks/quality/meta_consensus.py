@@ -6,9 +6,9 @@ benchmarks/results/meta_consensus.json, meta_consensus.md and meta_consensus.png
 ``--task fashion_mnist``, the same config on Fashion-MNIST, which needs ``make data``).
 
 Every run is the embedded default config of ``meta-consensus run`` (``config.load(None, ...)``:
-8 digits nodes with mixed strategies - hierarchical, convexity, soup and local - a Multi-Krum
-vote and convex mixture-NLL weights with a cap, DP off; the result files record its values as
-this script found them), changed only by the overrides below:
+8 digits nodes with mixed strategies - hierarchical, convexity, soup and local - and the
+default's vote, weights and server step as it ships, DP off; the result files record its values
+as this script found them), changed only by the overrides below:
 
 * scenarios: ``clean`` (no Byzantine node), ``alie`` (the default's attackers as configured:
   nodes 6 and 7 running ALIE with the default's z), ``sign_flip`` (-1 x the honest mean
@@ -363,6 +363,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "default_attack": f"{base.byzantine.attack} {dict(base.byzantine.options)}",
         "vote": f"{base.vote.rule}, f = {base.vote.f(base.nodes.count)}",
         "weights": f"{base.weights.objective}, max_weight = {base.weights.max_weight}",
+        "server_step": base.vote.server_step,
         "dp": "clip 1, noise multiplier 0.01 (node level)",
         "delta": base.dp.delta,
         "overrides": {"scenarios": SCENARIOS, "variants": VARIANTS},

@@ -76,7 +76,7 @@ def test_headline_numbers_are_the_json_numbers():
     assert f"{100 * (privacy['nonprivate'] - privacy['eps8']):.1f} points below" in readme
     system = json.loads((results / "meta_consensus.json").read_text())["summary"]["alie"]["values"]
     default = system["without DP"]  # the default config ships without DP
-    assert f"weights) reaches {sum(default) / len(default):.3f}" in readme
+    assert f") reaches {sum(default) / len(default):.3f} ± " in readme
     flower = json.loads((results / "flower_side_by_side.json").read_text())["results"]
     median = next(r for r in flower if r["package"] == "median")
     assert f"runs {median['flower_s'] / median['package_rule_s']:.0f}x faster" in readme
