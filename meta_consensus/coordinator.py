@@ -295,16 +295,14 @@ class Coordinator:
         check_statistics_config(self.cfg, self.round_needs, process_count)  # fisher_merge, regmean
         if SERVER_UPDATE not in self.round_needs:
             return None
-        if process_count > 1:
-            raise ConfigError(
-                f"vote.rule = {self.cfg.vote.rule!r} with vote.server_step = {self.cfg.vote.server_step} "
-                "needs the coordinator's own update; server-guided rules and the server step run in "
-                "one process"
-            )
+        # Every process holds the whole held-out split and the replicated consensus, so each
+        # computes the same root set and the same update from the round key.
         data = self.fleet.data
         root, rest = split_root(data.heldout, self.cfg.vote.root_size, self.cfg.seed)
         self.fleet.data = dataclasses.replace(data, heldout=rest)
-        return ServerReference(self.fleet.task, root, self.cfg)
+        # The fleet's config: nodes.batch_size = "auto" is resolved there (the root set's steps
+        # use the nodes' batch size).
+        return ServerReference(self.fleet.task, root, self.fleet.cfg)
 
     def _example_accountant(self) -> example_level_dp.ExampleAccountant | None:
         """Example-level DP-SGD: refuse leaking configs, calibrate every node, hand the fleet its settings."""

@@ -418,17 +418,11 @@ def _check_batch_size(cfg: Config) -> None:
     if b != "auto":
         _check(b >= 1, "nodes.batch_size", b, 'need >= 1 or "auto"')
         return
-    vote_rules = (cfg.vote.rule, cfg.vote.top_rule)
-    server = cfg.vote.server_step > 0 or any(
-        "server_update" in getattr(rules.RULES.get(r), "needs", ()) for r in vote_rules
-    )
     clash = (
         "[nodes.lora]"
         if cfg.nodes.lora is not None
         else "dp.level = 'example'"
         if cfg.dp.enabled and cfg.dp.level == "example"
-        else "the coordinator's root-set update (vote.server_step or a server-guided rule)"
-        if server
         else None
     )
     _check(

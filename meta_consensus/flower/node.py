@@ -106,13 +106,17 @@ def check_flower_config(cfg: Config) -> Config:
             "nodes.sampling is not supported on Flower yet: the in-process coordinator samples the "
             "clients (meta_consensus.sampling); on Flower use full participation"
         )
-    from meta_consensus.server import round_needs
+    from meta_consensus.server import vote_needs
 
-    needs = sorted(round_needs(cfg))
-    if needs:  # the in-process coordinator provides them (meta_consensus.server); this strategy not yet
+    # The strategy computes the server step's update itself; what the vote's rules read from the
+    # round (the coordinator's update, a key, the nodes' statistics) it does not provide yet.
+    needs = sorted(vote_needs(cfg))
+    if needs:  # the in-process coordinator provides them (meta_consensus.server)
+        raise ConfigError(f"vote.rule = {cfg.vote.rule!r} needs {needs}, not provided on Flower yet")
+    if cfg.vote.server_step > 0 and cfg.nodes.batch_size == "auto":
         raise ConfigError(
-            f"vote.rule = {cfg.vote.rule!r} with vote.server_step = {cfg.vote.server_step} needs {needs}, "
-            "not provided on Flower yet"
+            "nodes.batch_size = 'auto' with vote.server_step on Flower: the server's root-set steps need "
+            "an integer batch size (each node resolves 'auto' on its own device)"
         )
     return cfg
 

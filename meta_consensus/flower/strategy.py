@@ -93,6 +93,7 @@ from meta_consensus.flower.node import (
 )
 from meta_consensus.flower.replies import RoundGrid
 from meta_consensus.pipeline import MergePipeline, RoundFailure
+from meta_consensus.server import SERVER_UPDATE, ServerReference, round_extra, server_step, split_root
 from strategies.registry import check_task
 from strategies.tasks.base import Task
 
@@ -186,6 +187,12 @@ class ConsensusStrategy(Strategy):
             n, seed=cfg.task.data_seed, alpha=cfg.task.alpha, process_index=0, process_count=n
         )
         self.heldout, self.test = data.heldout, data.test
+        # vote.server_step: the root set is split off the held-out rows as the in-process
+        # coordinator splits it (before anything reads them), and the update is computed here.
+        self.server: ServerReference | None = None
+        if cfg.vote.server_step > 0:
+            root_set, self.heldout = split_root(self.heldout, cfg.vote.root_size, cfg.seed)
+            self.server = ServerReference(self.task, root_set, cfg)
         d = cfg.dp
         self.noise_multiplier: float | None = None
         if d.enabled:
@@ -583,7 +590,8 @@ class ConsensusStrategy(Strategy):
 
         ``asked``: the rows the merge's rules count (a buffer's K; default the n nodes).
         """
-        _, k_dp = jax.random.split(round_key(self.key_data, self.rounds_done, 0))
+        key = round_key(self.key_data, self.rounds_done, 0)
+        _, k_dp = jax.random.split(key)
         if self.lora is not None:
             return self._merge_adapters(stacked, valid, info, k_dp)
         agg_state = self.pipeline.with_key(self.agg_state, k_dp)
@@ -598,6 +606,9 @@ class ConsensusStrategy(Strategy):
                 return None, self.stopped
         try:
             merged, new_agg = self.pipeline.update(stacked, agg_state, self.consensus, valid)
+            if self.server is not None:  # after the vote, the weights and DP, as in-process
+                g = round_extra(frozenset({SERVER_UPDATE}), self.server, self.consensus, key)[SERVER_UPDATE]
+                merged = server_step(merged, g, float(self.cfg.vote.server_step))
         except (RoundFailure, ByzantineToleranceError) as e:
             return None, str(e)  # nothing was released, nothing is charged
         if event is not None:

@@ -31,6 +31,7 @@ TINY = [
     "vote.rule=mean",
     "vote.num_byzantine=0",
     "weights.objective=uniform",
+    "vote.server_step=0",  # FedBuff's update alone (the float64 references below)
     "schedule.mode=async",
     "schedule.buffer=3",
     "schedule.speed_spread=4.0",

@@ -252,7 +252,8 @@ def test_mistakes_with_the_model_or_the_text_are_one_line_and_leave_nothing(tmp_
     for option, message in cases + [(_options(folder, text), m) for _, m in lora_cases]:
         extra = [o for o, m in lora_cases if m == message]
         flags = [option, "nodes.strategies=local", "byzantine.nodes=[]", "weights.objective=uniform"]
-        flags += [extra[0], "vote.rule=multi_krum", "vote.num_byzantine=0"] if extra else ["vote.rule=median"]
+        lora = ["vote.rule=multi_krum", "vote.num_byzantine=0", "vote.server_step=0"]
+        flags += [extra[0], *lora] if extra else ["vote.rule=median"]
         code, _, err = _run(out_dir, capsys, *flags)
         assert code == 2, (message, err)
         assert message in err and len(err.strip().splitlines()) == 1, err

@@ -127,8 +127,9 @@ def test_flower_config_refuses_what_flower_does_not_carry(tmp_path):
         FlowerNode(flower_config(tmp_path, "faults.crash_nodes=[1]"), 0)
     with pytest.raises(ValueError, match=r"partition-id must be an int in \[0, 5\)"):
         FlowerNode(flower_config(tmp_path), 5)
-    with pytest.raises(ConfigError, match=r"vote.server_step = 0.5 needs \['server_update'\]"):
-        FlowerNode(flower_config(tmp_path, "vote.server_step=0.5"), 0)
+    # a rule that reads the coordinator's update (the server step itself runs on Flower)
+    with pytest.raises(ConfigError, match=r"vote.rule = 'fltrust' needs \['server_update'\]"):
+        FlowerNode(flower_config(tmp_path, "vote.rule=fltrust", "vote.num_byzantine=none"), 0)
 
 
 # ------------------------------------------------------------------ the rounds

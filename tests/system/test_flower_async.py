@@ -33,6 +33,7 @@ def _config(tmp_path, *extra):
         "vote.rule=mean",
         "vote.num_byzantine=0",
         "weights.objective=vote",
+        "vote.server_step=0",  # FedBuff's update alone (the float64 reference below)
         "dp.enabled=false",
         "schedule.mode=async",
         "schedule.buffer=2",

@@ -27,6 +27,7 @@ TINY = [
     "nodes.local_steps=3",
     "nodes.learning_rate=0.05",
     "weights.objective=vote",
+    "vote.server_step=0",  # the rules' own needs (the default's server step adds the root-set update)
 ]
 
 

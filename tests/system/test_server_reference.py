@@ -27,6 +27,7 @@ TINY = [
     "byzantine.options={scale = 4.0}",
     "vote.rule=fltrust",
     "vote.root_size=40",
+    "vote.server_step=0",  # off unless a test turns it on (the embedded default takes 0.25)
     "weights.objective=vote",
 ]
 

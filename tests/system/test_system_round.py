@@ -153,6 +153,7 @@ def test_uniform_weights_are_the_mean_of_the_accepted_nodes(tmp_path):
     cfg = small_config(
         tmp_path,
         "weights.objective=uniform",
+        "vote.server_step=0",  # the weights' merge alone
         "dp.enabled=false",
         "byzantine.attack=sign_flip",
         "byzantine.options={scale = 4.0}",
