@@ -78,6 +78,7 @@ COMMON = [
     "dp.enabled=false",
 ]
 LORA = [
+    "vote.server_step=0",  # LoRA runs merge adapters only (the default's server step is refused)
     "nodes.strategies=local",
     "nodes.lora={rank = 2, alpha = 4.0, targets = ['q_proj', 'v_proj']}",
     "byzantine.nodes=[]",

@@ -190,6 +190,7 @@ def test_runs_of_the_causal_lm_task_export_what_transformers_and_peft_load(tmp_p
         f"output_dir={tmp_path / 'runs'}", "task.name=causal_lm", opts, "rounds=1", "nodes.count=2",
         "nodes.strategies=local", "nodes.local_steps=2", "nodes.batch_size=2", "nodes.learning_rate=0.01",
         "baseline_fedavg=false", "byzantine.nodes=[]", "vote.rule=mean", "weights.objective=uniform",
+        "vote.server_step=0",
     ]  # fmt: skip
     lora = ["nodes.lora={rank = 2, alpha = 4.0, targets = ['q_proj', 'v_proj']}"]
     tokens = _tokens()
