@@ -157,3 +157,77 @@ def node_statistics(
     if unknown:
         raise ValueError(f"node_statistics: layer_inputs returned unknown leaf paths {unknown}")
     return NodeStatistics(fisher, dict(grams), int(num))
+
+
+def _is_linear_kernel(path: str, leaf: Any) -> bool:
+    return path.endswith("['kernel']") and getattr(leaf, "ndim", 0) == 2
+
+
+@functools.partial(jax.jit, static_argnames=("loss_fn", "paths"))
+def _linear_grams(params, batch, loss_fn, paths):
+    from strategies.models.layers import GramKernel
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    names = [jax.tree_util.keystr(p) for p, _ in flat]
+    probes = {
+        name: jnp.zeros((leaf.shape[0], leaf.shape[0]), jnp.float32)
+        for name, (_, leaf) in zip(names, flat, strict=True)
+        if name in paths
+    }
+
+    def loss(probes):
+        leaves = [GramKernel(leaf, probes[name]) if name in probes else leaf
+                  for name, (_, leaf) in zip(names, flat, strict=True)]  # fmt: skip
+        return loss_fn(jax.tree_util.tree_unflatten(treedef, leaves), batch)
+
+    return jax.grad(loss)(probes)
+
+
+def linear_input_grams(
+    loss_fn: Callable[[PyTree, Mapping[str, Array]], Array],
+    params: PyTree,
+    batch: Mapping[str, Any],
+    *,
+    select: Callable[[str, Any], bool] = _is_linear_kernel,
+    chunk_size: int = 8,
+) -> dict[str, Array]:
+    """The input Gram matrices ``X^T X`` of every linear layer of a :mod:`strategies.models` model.
+
+    RegMean's statistics (:func:`consensus.regmean`) for the Hugging Face families (Llama,
+    Qwen2, GPT-2), whose layers call ``x @ kernel`` through :class:`strategies.models.layers.Linear`:
+    every selected kernel is swapped for a :class:`~strategies.models.layers.GramKernel`, whose
+    probe's gradient is the Gram matrix of the rows the layer received, so one backward pass of
+    ``loss_fn`` collects all of them (scanned blocks included) without a model hook. ``X`` holds
+    every position of every example (a causal LM's tokens), float32; summed, not averaged.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> scalar`` (e.g. ``task.loss``); only its forward pass
+        matters (the Grams do not depend on the loss's value).
+      params: the node's model.
+      batch: the node's examples (example axis first).
+      select: ``select(path, leaf)``: which leaves are linear kernels ``(in, out)`` read as
+        ``x @ kernel`` (default: 2-D leaves named ``kernel``).
+      chunk_size: examples per backward pass (memory: one chunk's activations).
+
+    Returns:
+      ``{leaf path (consensus.tree.leaf_paths): (in, in) float32}``.
+
+    Raises:
+      ValueError: when ``select`` picks no leaf, the batch is empty or ``chunk_size < 1``.
+    """
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    paths = tuple(jax.tree_util.keystr(p) for p, leaf in flat if select(jax.tree_util.keystr(p), leaf))
+    if not paths:
+        raise ValueError("linear_input_grams: no leaf is a linear kernel; pass select=")
+    num = jax.tree_util.tree_leaves(batch)[0].shape[0]
+    if num < 1:
+        raise ValueError("linear_input_grams: the batch has no example")
+    if chunk_size < 1:
+        raise ValueError(f"linear_input_grams: chunk_size must be >= 1, got {chunk_size}")
+    total: dict[str, Array] | None = None
+    for start in range(0, num, chunk_size):
+        part = {k: v[start : start + chunk_size] for k, v in batch.items()}
+        grams = _linear_grams(params, part, loss_fn, paths)
+        total = grams if total is None else jax.tree.map(jnp.add, total, grams)
+    assert total is not None
+    return dict(total)

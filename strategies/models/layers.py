@@ -101,6 +101,65 @@ class LowRankKernel:
         return x @ self.w + low @ self.b
 
 
+@jax.custom_vjp
+def _gram_probe(x: Array, gram: Array) -> Array:
+    return x
+
+
+def _gram_probe_fwd(x: Array, gram: Array) -> tuple[Array, Array]:
+    return x, x
+
+
+def _gram_probe_bwd(x: Array, ct: Array) -> tuple[Array, Array]:
+    rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    return ct, jnp.dot(rows.T, rows, precision=jax.lax.Precision.HIGHEST)
+
+
+_gram_probe.defvjp(_gram_probe_fwd, _gram_probe_bwd)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w", "gram"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class GramKernel:
+    """A kernel that reports the Gram matrix of its inputs as the gradient of a zero probe.
+
+    ``x @ GramKernel(w, g)`` is ``x @ w``; its backward pass gives ``g`` the cotangent
+    ``X^T X`` (X: every row fed to the layer, float32) whatever the loss, so one ``jax.grad``
+    over the probes collects every layer's input Gram matrix, through ``lax.scan`` over
+    stacked blocks too, without the model recording anything (RegMean's statistics,
+    :func:`strategies.statistics.linear_input_grams`).
+
+    Attributes:
+      w: the (in, out) kernel.
+      gram: an (in, in) float32 probe (its value is unused: zeros).
+    """
+
+    w: Array
+    gram: Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The kernel's shape."""
+        return tuple(self.w.shape)
+
+    @property
+    def dtype(self) -> Any:
+        """The kernel's dtype."""
+        return self.w.dtype
+
+    def __getitem__(self, index: Any) -> GramKernel:
+        if index is not Ellipsis:
+            raise TypeError(f"a GramKernel is read whole (kernel[...]), not at {index!r}")
+        return self
+
+    def astype(self, dtype: Any) -> GramKernel:
+        """The kernel in ``dtype`` (the probe stays float32)."""
+        return GramKernel(self.w.astype(dtype), self.gram)
+
+    def __rmatmul__(self, x: Array) -> Array:
+        return _gram_probe(x, self.gram) @ self.w
+
+
 class Linear(nnx.Module):
     """``x @ kernel (+ bias)`` with a 2-D ``(in, out)`` kernel (Hugging Face stores ``(out, in)``).
 
