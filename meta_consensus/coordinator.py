@@ -381,6 +381,15 @@ class Coordinator:
 
     # ------------------------------------------------------------------ init
 
+    def _warm_start(self, params: PyTree, key: jax.Array) -> PyTree:
+        """The initial consensus after ``nodes.public_warm_start`` steps on the public pool."""
+        from meta_consensus.warm_start import public_warm_start
+
+        nd = self.fleet.cfg.nodes  # the fleet's resolved batch size
+        return public_warm_start(self.fleet.task, self.fleet.data, params, key, steps=nd.public_warm_start,
+                                 learning_rate=nd.learning_rate, batch_size=nd.batch_size,  # type: ignore[arg-type]
+                                 optimizer=nd.optimizer)  # fmt: skip
+
     def init(self, key: jax.Array | int | None = None, params: PyTree | None = None) -> CoordinatorState:
         """Initial consensus, node states and aggregator state.
 
@@ -397,6 +406,7 @@ class Coordinator:
         else:
             tree.check_same_structure([params], reference=fresh)
         frozen = None
+        params = self._warm_start(params, k_params)
         if self.lora is not None:  # params is the base model; the nodes train its adapters
             params = self.lora.pretrain(self.fleet.data, params, k_params)
             params, frozen = self.lora.start(params, k_params)

@@ -212,23 +212,18 @@ class LoraRound:
         Raises:
           ConfigError: pretraining asked for on a task whose general pool is empty.
         """
-        from strategies.tasks.base import NodeData
+        from meta_consensus.warm_start import public_warm_start
 
-        steps = self.task.settings.pretrain_steps
-        if steps <= 0:
-            return base
-        general = data.everything()
-        if int(general.count[0]) < 1 or len(data.general_groups) == 0:
-            raise ConfigError("nodes.lora.pretrain_steps needs the task's general pool; it is empty")
-        one = NodeData(general.pool, general.index[:1], general.count[:1], True, "general")
-        # The fleet's cache of trainers: every process (and node) compiles the pretraining once.
-        from meta_consensus.fleet import _trainer
-
-        batch = self.cfg.nodes.batch_size
-        trainer = _trainer(self.task.base_task, 3e-3, batch, None, "adam")  # type: ignore[arg-type]
-        state = trainer.init(jax.random.fold_in(key, 0xBA5E), base, 1)
-        state, _ = trainer.fit(state, one, steps)
-        return jax.tree.map(lambda x: x[0], state.params)
+        return public_warm_start(
+            self.task.base_task,
+            data,
+            base,
+            key,
+            steps=self.task.settings.pretrain_steps,
+            learning_rate=3e-3,
+            batch_size=self.cfg.nodes.batch_size,  # type: ignore[arg-type]
+            setting="nodes.lora.pretrain_steps",
+        )
 
     def rule(self, answered: int) -> Any:
         """The robust rule on ``answered`` valid nodes, or None for the method's plain combination.

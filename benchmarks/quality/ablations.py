@@ -72,6 +72,7 @@ TEXT = [
     "nodes.count=4",
     "nodes.strategies=['hierarchical', 'convexity', 'soup', 'local']",
     "nodes.options.soup.snapshots=2",
+    "nodes.public_warm_start=0",  # text's own mix, as measured before the digits default changed
     "byzantine.nodes=[3]",
     "vote.rule=median",
     "weights.max_examples=32",
@@ -101,23 +102,28 @@ QUICK_ALPHAS = (0.5,)
 # checkpoints, evaluation only after the last round.
 COMMON = ["baseline_fedavg=false", "checkpoint_every=0"]
 
-# Mix -> (the strategy of every node, None: the config's own mix; start from the public warm start;
-# extra overrides). The warm start gives every strategy that cannot draw the public pool itself the
-# same public rows the hierarchical nodes draw, so each row compares strategies on the same data.
+# Mix -> (the strategy of every node (a name, or a TOML list of one per node), None: the config's
+# own mix; start from the public warm start (None: as the config does); extra overrides). The warm
+# start (``nodes.public_warm_start``, :func:`public_steps` steps) gives every strategy that cannot
+# draw the public pool itself the same public rows the hierarchical nodes draw, so each row
+# compares strategies on the same data.
 UNION = "hierarchical, union pool (centralised)"
 SAME_DATA = "local + public warm start"
-MIXES: dict[str, tuple[str | None, bool, tuple[str, ...]]] = {
+FORMER = "former default mix (2 hierarchical, 2 convexity, 2 soup, 2 local)"
+FORMER_MIX = "['hierarchical', 'hierarchical', 'convexity', 'convexity', 'soup', 'soup', 'local', 'local']"
+MIXES: dict[str, tuple[str | None, bool | None, tuple[str, ...]]] = {
     "local": ("local", False, ()),
     SAME_DATA: ("local", True, ()),
     "hierarchical": ("hierarchical", False, ()),
     "convexity + public warm start": ("convexity", True, ()),
     "soup + public warm start": ("soup", True, ()),
-    "default mix": (None, False, ()),
+    "default mix": (None, None, ()),
+    FORMER: (FORMER_MIX, False, ()),
     UNION: ("hierarchical", False, ("task.general_pool=union",)),
 }
 STRATEGY_MIXES = tuple(MIXES)
-# Text's general pool is fixed by its file roles: no union row there.
-TEXT_MIXES = tuple(m for m in MIXES if m != UNION)
+# Text's general pool is fixed by its file roles: no union row there; its 4 nodes have their own mix.
+TEXT_MIXES = tuple(m for m in MIXES if m not in (UNION, FORMER))
 THREATS: dict[str, list[str]] = {"clean": ["byzantine.nodes=[]"], "attack": []}
 
 # Merge variant -> overrides of the default config (the vote rule stays the task's own).
@@ -158,10 +164,13 @@ def strategy_overrides(mix: str, base: config.Config) -> list[str]:
     """Every node on one strategy, or the task's default mix (and the mix's own overrides)."""
     if mix not in MIXES:
         raise ValueError(f"unknown strategy mix {mix!r}; valid: {list(MIXES)}")
-    strategy, _, extra = MIXES[mix]
+    strategy, warm, extra = MIXES[mix]
+    out = list(extra)
+    if warm is not None:  # None: the config's own warm start (build_config scales it to the budget)
+        out.append(f"nodes.public_warm_start={public_steps(base) if warm else 0}")
     if strategy is None:
-        return list(extra)
-    out = [f"nodes.strategies={strategy}", *extra]
+        return out
+    out = [f"nodes.strategies={strategy}", *out]
     if strategy == "soup" and base.nodes.options.get("soup"):
         out.append(f"nodes.options.soup.snapshots={base.nodes.options['soup']['snapshots']}")
     return out
@@ -174,30 +183,6 @@ def public_steps(cfg: config.Config) -> int:
     h = build_strategy("hierarchical", cfg.nodes.options.get("hierarchical", {}))
     general, groups, _ = h.settings(cfg.nodes.local_steps, cfg.nodes.learning_rate).level_steps
     return int(cfg.rounds * (general + groups))
-
-
-def public_warm_start(cfg: config.Config) -> PyTree:
-    """The system's initial consensus trained on the task's public pool (the warm start of a mix).
-
-    Adam at the nodes' batch size and learning rate for :func:`public_steps` steps, from the
-    params the system would start from (the first half of the root key, as ``Coordinator.init``).
-    """
-    task = make_task(cfg)
-    data = task.splits(cfg.nodes.count, seed=cfg.task.data_seed, alpha=cfg.task.alpha)
-    params = task.init(jax.random.split(jax.random.key(cfg.seed))[0])
-    pool = {k: np.asarray(v)[None] for k, v in data.general.items()}
-    count = np.asarray([len(data.general_groups)])
-    stacked = train_alone(
-        task,
-        params,
-        pool,
-        count,
-        jax.random.fold_in(jax.random.key(cfg.seed), 11),
-        steps=public_steps(cfg),
-        batch_size=cfg.nodes.batch_size,
-        learning_rate=cfg.nodes.learning_rate,
-    )
-    return jax.tree.map(lambda x: x[0], stacked)
 
 
 def build_config(
@@ -215,7 +200,12 @@ def build_config(
         f"nodes.local_steps={steps}",
         *extra,
     ]
-    return config.load(path, overrides)
+    cfg = config.load(path, overrides)
+    if cfg.nodes.public_warm_start > 0 and not any(o.startswith("nodes.public_warm_start=") for o in extra):
+        # The default's warm start is one hierarchical node's public-pool steps over its run: the
+        # same rule at this budget.
+        cfg = config.load(path, [*overrides, f"nodes.public_warm_start={public_steps(cfg)}"])
+    return cfg
 
 
 # ----------------------------------------------------------------------------- barriers
@@ -392,13 +382,11 @@ def honest(cfg: config.Config) -> np.ndarray:
     return np.setdiff1d(np.arange(cfg.nodes.count), np.asarray(cfg.byzantine.nodes, np.int64))
 
 
-def system_run(
-    cfg: config.Config, *, with_barriers: bool, barrier_rows: int, initial_params: PyTree | None = None
-) -> dict[str, Any]:
+def system_run(cfg: config.Config, *, with_barriers: bool, barrier_rows: int) -> dict[str, Any]:
     """Train one config; the consensus's and the honest nodes' test numbers (and barriers)."""
     t0 = time.perf_counter()
     mc = MetaConsensus(cfg, write=False, progress=False)
-    result = mc.train(initial_params=initial_params)
+    result = mc.train()
     ok = [i for i in result.history if i.ok]
     last = result.history[-1]
     fleet = mc.coordinator.fleet
@@ -698,12 +686,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     strategy_runs, merge_runs, baseline_list, done = [], [], [], []
     rows = max(8, 64 if text else 512)
     for seed in seeds:
-        # The public pool and the initial consensus depend on the seed only (not on alpha).
-        warm = (
-            public_warm_start(build_config(args.task, budget, seed, []))
-            if any(MIXES[m][1] for m in mixes)
-            else None
-        )
         for alpha in alphas:
             for mix in mixes:
                 for threat, tov in threats.items():
@@ -712,7 +694,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         build_config(args.task, budget, seed, extra),
                         with_barriers=True,
                         barrier_rows=rows,
-                        initial_params=warm if MIXES[mix][1] else None,
                     )
                     r.update(seed=seed, alpha=alpha, mix=mix, threat=threat)
                     strategy_runs.append(r)

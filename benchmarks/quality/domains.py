@@ -31,7 +31,10 @@ distance from the multitask model.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -44,16 +47,29 @@ import numpy as np
 import optax
 
 import consensus
-from benchmarks.harness import header, markdown_table, parse, parser, save
+from benchmarks.harness import header, load_line, markdown_table, parse, parser, save
 from strategies import NodeData, NodeTrainer, TaskData
 from strategies.convexity import loss_barrier
+from strategies.lora import LoraSettings, LoraTask, add_base_delta, merge_adapter
 from strategies.registry import build_task
-from strategies.statistics import node_statistics
+from strategies.statistics import linear_input_grams, node_statistics
 from strategies.tangent import linearize
 from strategies.tasks.text import FAMILIES, stdlib_root
 
 NAME = "domains"
 SCALES = (0.25, 0.4, 0.6, 0.8, 1.0)  # task-arithmetic lambdas: 1/D (the mean) up to the sum
+REGMEAN_SCALES = (0.5, 0.9, 1.0)  # RegMean's off-diagonal scale a (1: exact least squares)
+# LoRA on every projection of the blocks (PEFT's module names), rank and alpha = 2 rank.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The adapter merges: (row, method of consensus.lora.merge_adapters, its options).
+LORA_MERGES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("fedit (factor mean)", "fedit", {}),
+    ("exact mean (residual)", "exact_residual", {}),
+    ("svd", "svd", {}),
+    ("ties", "ties", {"density": 0.5}),
+    ("dare+ties", "dare_ties", {"density": 0.5}),
+)
+SECTIONS = ("oneshot", "lora", "federated")
 POISONED = 0  # the node whose task vector is sign-flipped and tripled in the robust rows
 PROSE = "prose"
 
@@ -82,9 +98,11 @@ def settings_for(quick: bool) -> dict[str, Any]:
     longer than the harness's quick runs, the fine-tunes and evaluations of four 135M models)."""
     if quick:
         return {"context": 48, "batch": 2, "steps": 12, "lr": 1e-4, "windows_per_node": 48,
-                "heldout_windows": 16, "test_windows": 32, "fisher_rows": 4}  # fmt: skip
+                "heldout_windows": 16, "test_windows": 32, "stat_rows": 8, "rounds": 3,
+                "lora_rank": 8, "lora_lr": 1e-3}  # fmt: skip
     return {"context": 128, "batch": 4, "steps": 100, "lr": 5e-5, "windows_per_node": 512,
-            "heldout_windows": 64, "test_windows": 128, "fisher_rows": 16}  # fmt: skip
+            "heldout_windows": 64, "test_windows": 128, "stat_rows": 32, "rounds": 5,
+            "lora_rank": 8, "lora_lr": 1e-3}  # fmt: skip
 
 
 def union(data: TaskData) -> NodeData:
@@ -97,29 +115,55 @@ def union(data: TaskData) -> NodeData:
                     name="union", identity=True)  # fmt: skip
 
 
-def fine_tune(task: Any, base: Any, data: NodeData, n: int, s: Mapping[str, Any], seed: int,
-              batch: int, **fit: Any) -> tuple[Any, float]:  # fmt: skip
-    """n copies of ``base`` trained on ``data`` for the run's steps: (stacked params, seconds a step).
+_TRAINERS: dict[tuple[int, float, int], NodeTrainer] = {}
 
-    The first three steps run one at a time (the first compiles; the best of the other two is the
-    step time, so linear and tangent fine-tuning are compared in the same run at the same shapes),
-    the rest in one call. The state is donated: one copy of the nodes' params and Adam state.
+
+def trainer_for(task: Any, lr: float, batch: int) -> NodeTrainer:
+    """One trainer per (task, learning rate, batch): a new trainer would compile its step again."""
+    k = (id(task), lr, batch)
+    if k not in _TRAINERS:
+        _TRAINERS[k] = NodeTrainer(task, optax.adam, {"learning_rate": lr}, batch_size=batch, donate=True)
+    return _TRAINERS[k]
+
+
+def fine_tune(task: Any, base: Any, data: NodeData, n: int, steps: int, lr: float, seed: int,
+              batch: int, timed: bool = True, **fit: Any) -> tuple[Any, float]:  # fmt: skip
+    """n copies of ``base`` trained on ``data`` for ``steps`` Adam steps: (stacked params, seconds a step).
+
+    With ``timed``, the first three steps run one at a time (the first compiles; the best of the
+    other two is the step time, so linear and tangent fine-tuning are compared in the same run at
+    the same shapes), the rest in one call. The state is donated: one copy of the nodes' params
+    and Adam state.
     """
-    trainer = NodeTrainer(task, optax.adam, {"learning_rate": s["lr"]}, batch_size=batch, donate=True)
+    trainer = trainer_for(task, lr, batch)
     state = trainer.init(jax.random.key(seed), base, n)
-    times = []
-    for _ in range(3):
+    times = [math.nan, math.nan]
+    done = 0
+    while timed and done < min(3, steps):
         start = time.perf_counter()
         state, _ = trainer.fit(state, data, 1, **fit)
         jax.block_until_ready(state.params)
         times.append(time.perf_counter() - start)
-    if s["steps"] > 3:
-        state, _ = trainer.fit(state, data, s["steps"] - 3, **fit)
-    return state.params, min(times[1:])
+        done += 1
+    if steps > done:
+        state, _ = trainer.fit(state, data, steps - done, **fit)
+    return state.params, min(times[-2:]) if timed else math.nan
 
 
 def _node(stacked: Any, i: int) -> Any:
     return jax.tree.map(lambda v: v[i], stacked)
+
+
+_START = time.perf_counter()
+
+
+def log(message: str) -> None:
+    """Progress on stderr (a SmolLM2 run on a CPU takes long enough to want it)."""
+    print(f"[domains {time.perf_counter() - _START:7.0f} s] {message}", file=sys.stderr, flush=True)
+
+
+def _example_loss(task: Any, params: Any, example: Any) -> Any:
+    return task.loss(params, jax.tree.map(lambda a: a[None], example))
 
 
 class Evaluator:
@@ -134,13 +178,19 @@ class Evaluator:
         self._tangent = jax.jit(lambda p, b, a: self.tangent.metrics(p, b, frozen=a))
         self._probs = jax.jit(task.target_probs)
 
-    def metrics(self, params: Any, batch: Mapping[str, Any], tangent: bool = False) -> dict[str, float]:
-        out = self._tangent(params, batch, self.base) if tangent else self._linear(params, batch)
+    def metrics(
+        self, params: Any, batch: Mapping[str, Any], tangent: bool = False, anchor: Any = None
+    ) -> dict[str, float]:
+        if tangent:
+            out = self._tangent(params, batch, self.base if anchor is None else anchor)
+        else:
+            out = self._linear(params, batch)
         return {k: float(v) for k, v in out.items()}
 
-    def row(self, params: Any, tangent: bool = False) -> dict[str, float]:
-        """Per-domain test perplexity (and overall), the number every table row reports."""
-        m = self.metrics(params, self.test, tangent)
+    def row(self, params: Any, tangent: bool = False, anchor: Any = None) -> dict[str, float]:
+        """Per-domain test perplexity (and overall), the number every table row reports (tangent:
+        the model linearised at ``anchor``, default the base)."""
+        m = self.metrics(params, self.test, tangent, anchor)
         return {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("perplexity/")} | {
             "all": m["perplexity"]
         }
@@ -153,10 +203,11 @@ class Evaluator:
 
 
 def merges(
-    ev: Evaluator, base: Any, stacked: Any, stats: Any, tangent: bool, robust: bool
+    ev: Evaluator, base: Any, stacked: Any, stats: Any, grams: Any, tangent: bool, robust: bool
 ) -> Iterator[tuple[str, Any, float | list[float] | None]]:
     """Every merge method's params, one at a time (a merged model is as large as the base), with
-    its tuned scale (task arithmetic, TIES, DARE+TIES, on the held-out windows) or weights."""
+    its tuned scale (task arithmetic, TIES, DARE+TIES, RegMean's a, on the held-out windows) or
+    weights."""
     key = jax.random.key(0)
 
     def upd(agg: Any, nodes: Any = stacked, **kw: Any) -> Any:
@@ -180,6 +231,14 @@ def merges(
     )
     yield "model stock", upd(consensus.model_stock()), None
     yield "fisher", upd(consensus.fisher_merge(), fisher=stats), None
+    losses = {a: ev.heldout_loss(upd(consensus.regmean(a), grams=grams)) for a in REGMEAN_SCALES}
+    a_best = min(losses, key=lambda a: losses[a])
+    yield "regmean", upd(consensus.regmean(a_best), grams=grams), a_best
+    model_fn = functools.partial(_heldout_model, ev)
+    lw = consensus.layerwise_weights(model_fn, groups="module", reference="mean")
+    merged, lw_state = lw.update(stacked, lw.init(base), base)
+    yield "layer-wise weights (per module)", merged, [round(float(x), 4) for x in lw_state.info.weights]
+    del merged
     n = consensus.num_nodes(stacked)
     probs = np.stack([ev.target_probs(_node(stacked, i)) for i in range(n)])
     w = consensus.mixture_nll_weights(probs)
@@ -192,6 +251,14 @@ def merges(
         yield "mean, 1 poisoned", upd(consensus.mean(), nodes=poisoned), None
         yield "median, 1 poisoned", upd(consensus.median(), nodes=poisoned), None
         yield "trimmed mean, 1 poisoned", upd(consensus.trimmed_mean(1), nodes=poisoned), None
+
+
+def _heldout_model(ev: Evaluator, ref: Any) -> Any:
+    """The held-out loss's gradient and diagonal empirical Fisher at ``ref`` (the quadratic model
+    the layer-wise weights minimise), over the held-out windows one at a time."""
+    return consensus.empirical_fisher(
+        functools.partial(_example_loss, ev.task), ref, ev.heldout, chunk_size=2
+    )
 
 
 def barriers(ev: Evaluator, stacked: Any, mean: Any, tangent: bool) -> dict[str, float]:
@@ -212,67 +279,156 @@ def barriers(ev: Evaluator, stacked: Any, mean: Any, tangent: bool) -> dict[str,
             "to mean max": max(to_mean), "to mean mean": float(np.mean(to_mean))}  # fmt: skip
 
 
-def one_seed(model: str, seed: int, s: Mapping[str, Any], folder: Path) -> dict[str, Any]:
-    """Every row of one seed (the node split and the training keys from ``seed``)."""
+def _no_layers(params: Any, x: Any) -> dict[str, Any]:
+    return {}  # the Grams come from linear_input_grams (one module-level function: one compile)
+
+
+def _stats(task: Any, special: Any, data: TaskData, s: Mapping[str, Any]) -> tuple[Any, Any]:
+    """Every node's diagonal Fisher and linear layers' input Grams on its first own windows."""
+    fisher, grams = [], []
+    for i in range(consensus.num_nodes(special)):
+        rows = {k: jnp.asarray(v[i, : s["stat_rows"]]) for k, v in data.train.items() if k in ("x", "y")}
+        node = _node(special, i)
+        fisher.append(node_statistics(task.loss, node, rows, layer_inputs=_no_layers, chunk_size=1).fisher)
+        grams.append(linear_input_grams(task.loss, node, rows, chunk_size=4))
+    return consensus.stack(fisher), consensus.stack(grams)
+
+
+def oneshot(task: Any, base: Any, data: TaskData, ev: Evaluator, s: Mapping[str, Any], seed: int,
+            out: dict[str, Any]) -> None:  # fmt: skip
+    """The one-shot regime with full fine-tuning: specialists, multitask, every merge, barriers,
+    and the same with tangent-space fine-tuning."""
+    rows, times = out["rows"], out["seconds"]
+    n = len(task.domains)
+    t0 = time.perf_counter()
+    special, times["step s"] = fine_tune(task, base, data.own(), n, s["steps"], s["lr"], seed, s["batch"])
+    times["fine-tune"] = time.perf_counter() - t0
+    log(f"specialists trained ({times['fine-tune']:.0f} s)")
+    for i, name in enumerate(task.domains):
+        rows[f"specialist: {name}"] = ev.row(_node(special, i))
+    t0 = time.perf_counter()
+    multi, _ = fine_tune(task, base, union(data), 1, s["steps"], s["lr"], seed, s["batch"] * n, timed=False)
+    times["multitask"] = time.perf_counter() - t0
+    rows["multitask"] = ev.row(_node(multi, 0))
+    del multi
+    log("multitask trained")
+    stats, grams = _stats(task, special, data, s)
+    log("node statistics")
+    for name, p, scale in merges(ev, base, special, stats, grams, tangent=False, robust=True):
+        rows[name] = ev.row(p)
+        if scale is not None:
+            out["scales"][name] = scale
+        log(f"merge: {name}")
+    del stats, grams
+    mean = jax.tree.map(lambda v: jnp.mean(v, axis=0), special)
+    out["barriers"]["linear"] = barriers(ev, special, mean, tangent=False)
+    del mean, special
+    log("barriers")
+
+    t0 = time.perf_counter()
+    tangent_nodes, times["tangent step s"] = fine_tune(
+        ev.tangent, base, data.own(), n, s["steps"], s["lr"], seed, s["batch"], frozen=base
+    )
+    times["tangent fine-tune"] = time.perf_counter() - t0
+    log(f"tangent specialists trained ({times['tangent fine-tune']:.0f} s)")
+    for i, name in enumerate(task.domains):
+        rows[f"tangent specialist: {name}"] = ev.row(_node(tangent_nodes, i), tangent=True)
+    for name, p, scale in merges(ev, base, tangent_nodes, None, None, tangent=True, robust=False):
+        rows[f"tangent {name}"] = ev.row(p, tangent=True)
+        if scale is not None:
+            out["tangent_scales"][name] = scale
+    mean = jax.tree.map(lambda v: jnp.mean(v, axis=0), tangent_nodes)
+    out["barriers"]["tangent"] = barriers(ev, tangent_nodes, mean, tangent=True)
+    log("tangent merges and barriers")
+
+
+def lora(task: Any, base: Any, data: TaskData, ev: Evaluator, s: Mapping[str, Any], seed: int,
+         out: dict[str, Any]) -> None:  # fmt: skip
+    """The one-shot regime with LoRA specialists (every block projection, rank ``lora_rank``):
+    each adapter on its own, and the adapter merges of :mod:`consensus.lora`, evaluated with the
+    merged update added to the base (so every method is compared as one dense model)."""
+    from consensus import lora as lora_lib
+
+    rows, n = out["rows"], len(task.domains)
+    rank = int(s["lora_rank"])
+    settings = LoraSettings(rank=rank, alpha=2.0 * rank, targets=LORA_TARGETS)
+    lt = LoraTask(task, settings, base, jax.random.key(0))
+    k_a, k_init, k_merge = jax.random.split(jax.random.fold_in(jax.random.key(seed), 7), 3)
+    frozen = lt.initial_frozen(base, k_a)
+    t0 = time.perf_counter()
+    adapters, out["seconds"]["lora step s"] = fine_tune(
+        lt, lt.init(k_init), data.own(), n, s["steps"], s["lora_lr"], seed, s["batch"], frozen=frozen
+    )
+    out["seconds"]["lora fine-tune"] = time.perf_counter() - t0
+    log("LoRA specialists trained")
+    full = lt.full_adapter(adapters, frozen)
+    for i, name in enumerate(task.domains):
+        one = {p: {"a": v["a"][i], "b": v["b"][i]} for p, v in full.items()}
+        rows[f"LoRA specialist: {name}"] = ev.row(merge_adapter(base, one, lt.scale))
+    for row, method, options in LORA_MERGES:
+        m = lora_lib.merge_adapters(method, full, scale=lt.scale, key=k_merge, **options)
+        rows[f"LoRA {row}"] = ev.row(add_base_delta(base, {p: m.delta(p) for p in m.adapter}))
+        log(f"LoRA merge: {row}")
+    m = lora_lib.merge_adapters("exact_residual", full, scale=lt.scale, rule=consensus.median())
+    rows["LoRA median (of the updates)"] = ev.row(add_base_delta(base, {p: m.delta(p) for p in m.adapter}))
+
+
+# The federated regime's merges: (row, aggregator, tangent nodes).
+FEDERATED: tuple[tuple[str, Callable[[], Any], bool], ...] = (
+    ("mean (FedAvg)", consensus.mean, False),
+    ("ties", lambda: consensus.ties(0.2, scale=1.0), False),
+    ("median", consensus.median, False),
+    ("trimmed mean", lambda: consensus.trimmed_mean(1), False),
+    ("tangent mean", consensus.mean, True),
+)
+
+
+def federated(task: Any, base: Any, data: TaskData, ev: Evaluator, s: Mapping[str, Any], seed: int,
+              out: dict[str, Any]) -> None:  # fmt: skip
+    """The federated regime: ``rounds`` rounds of ``steps / rounds`` local steps from the round's
+    consensus (a fresh Adam each round), merged each round; the same total steps as one-shot.
+    Tangent nodes linearise at the round's consensus (the anchor moves), and the final consensus
+    is evaluated linearised at the last round's anchor."""
+    rows, n = out["rows"], len(task.domains)
+    rounds = int(s["rounds"])
+    local = max(1, int(s["steps"]) // rounds)
+    for row, make, tangent in FEDERATED:
+        params, anchor = base, base
+        for r in range(rounds):
+            anchor = params
+            if tangent:
+                nodes, _ = fine_tune(ev.tangent, params, data.own(), n, local, s["lr"], seed + 1000 * r,
+                                     s["batch"], timed=False, frozen=anchor)  # fmt: skip
+            else:
+                nodes, _ = fine_tune(task, params, data.own(), n, local, s["lr"], seed + 1000 * r, s["batch"],
+                                     timed=False)  # fmt: skip
+            agg = make()
+            params = agg.update(nodes, agg.init(params), params)[0]
+            del nodes
+        rows[f"federated {row}"] = ev.row(params, tangent=tangent, anchor=anchor)
+        log(f"federated: {row}")
+
+
+def one_seed(model: str, seed: int, s: Mapping[str, Any], folder: Path,
+             sections: Sequence[str] = SECTIONS) -> dict[str, Any]:  # fmt: skip
+    """Every row of one seed's ``sections`` (the node split and the training keys from ``seed``)."""
     text = domains(folder)
     task: Any = build_task("causal_lm", {
         "model": model, "text": text, "context": s["context"], "windows_per_node": s["windows_per_node"],
         "general_windows": 8, "heldout_windows": s["heldout_windows"], "test_windows": s["test_windows"],
         "split_seed": seed,
     })  # fmt: skip
-    n = len(text)
-    data = task.splits(n, seed=seed)
+    data = task.splits(len(text), seed=seed)
     base = task.init(jax.random.key(0))
     ev = Evaluator(task, base, data)
-    times: dict[str, float] = {}
-    rows: dict[str, dict[str, float]] = {"base": ev.row(base)}
-
-    t0 = time.perf_counter()
-    special, times["step s"] = fine_tune(task, base, data.own(), n, s, seed, s["batch"])
-    times["fine-tune"] = time.perf_counter() - t0
-    for i, name in enumerate(task.domains):
-        rows[f"specialist: {name}"] = ev.row(_node(special, i))
-    t0 = time.perf_counter()
-    multi, _ = fine_tune(task, base, union(data), 1, s, seed, s["batch"] * n)
-    times["multitask"] = time.perf_counter() - t0
-    rows["multitask"] = ev.row(_node(multi, 0))
-    del multi
-
-    fisher = []
-    for i in range(n):
-        rows_i = {k: jnp.asarray(v[i, : s["fisher_rows"]]) for k, v in data.train.items() if k in ("x", "y")}
-        fisher.append(node_statistics(task.loss, _node(special, i), rows_i, layer_inputs=lambda p, x: {},
-                                      chunk_size=1).fisher)  # fmt: skip
-    stats = consensus.stack(fisher)
-    del fisher
-    scales: dict[str, Any] = {}
-    for name, p, scale in merges(ev, base, special, stats, tangent=False, robust=True):
-        rows[name] = ev.row(p)
-        if scale is not None:
-            scales[name] = scale
-    del stats
-    mean = jax.tree.map(lambda v: jnp.mean(v, axis=0), special)
-    bar = {"linear": barriers(ev, special, mean, tangent=False)}
-    del mean, special
-
-    t0 = time.perf_counter()
-    tangent_nodes, times["tangent step s"] = fine_tune(
-        ev.tangent, base, data.own(), n, s, seed, s["batch"], frozen=base
-    )
-    times["tangent fine-tune"] = time.perf_counter() - t0
-    for i, name in enumerate(task.domains):
-        rows[f"tangent specialist: {name}"] = ev.row(_node(tangent_nodes, i), tangent=True)
-    t_scales: dict[str, Any] = {}
-    for name, p, scale in merges(ev, base, tangent_nodes, None, tangent=True, robust=False):
-        rows[f"tangent {name}"] = ev.row(p, tangent=True)
-        if scale is not None:
-            t_scales[name] = scale
-    mean = jax.tree.map(lambda v: jnp.mean(v, axis=0), tangent_nodes)
-    bar["tangent"] = barriers(ev, tangent_nodes, mean, tangent=True)
-    return {
-        "domains": list(task.domains), "rows": rows, "scales": scales,
-        "tangent_scales": t_scales, "barriers": bar, "seconds": times,
+    out: dict[str, Any] = {
+        "domains": list(task.domains), "sections": list(sections), "rows": {"base": ev.row(base)},
+        "scales": {}, "tangent_scales": {}, "barriers": {}, "seconds": {},
     }  # fmt: skip
+    log(f"seed {seed}: base evaluated")
+    for name in sections:
+        {"oneshot": oneshot, "lora": lora, "federated": federated}[name](task, base, data, ev, s, seed, out)
+    return out
 
 
 def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, list[float]]]:
@@ -286,6 +442,74 @@ def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, list[flo
     return out
 
 
+GROUPS = (
+    ("One-shot, full fine-tuning", ""),
+    ("One-shot, tangent-space fine-tuning (linearised at the base)", "tangent "),
+    ("One-shot, LoRA fine-tuning (merged updates added to the base)", "LoRA "),
+    ("Federated: rounds of local steps from the round's consensus, the same total steps", "federated "),
+)
+REFERENCE_ROWS = ("base", "multitask")
+
+
+def group_of(row: str) -> str:
+    """The page section of a row (by its prefix; reference rows are shown in every section)."""
+    for _, prefix in GROUPS[1:]:
+        if row.startswith(prefix):
+            return prefix
+    return ""
+
+
+def is_merge(row: str) -> bool:
+    """A clean merge row (not a specialist, a reference or a poisoned run)."""
+    return not ("specialist" in row or row in REFERENCE_ROWS or "poisoned" in row)
+
+
+def findings(summary: Mapping[str, Mapping[str, list[float]]], doms: Sequence[str]) -> list[str]:
+    """Per section: the best clean merge, its gap to the best single merge of the others, and its
+    distance from the multitask model per domain; the tangent claim; the robust rows."""
+    out = []
+    multi = summary.get("multitask")
+    for title, prefix in GROUPS:
+        rows = [r for r in summary if group_of(r) == prefix and is_merge(r)]
+        if not rows:
+            continue
+        ranked = sorted(rows, key=lambda r: summary[r]["all"][0])
+        best = ranked[0]
+        line = f"- **{title}**: best merge **{best}** ({summary[best]['all'][0]:.2f}"
+        if len(ranked) > 1:
+            line += f"; next {ranked[1]} {summary[ranked[1]]['all'][0]:.2f}"
+        mean_row = f"{prefix}mean" if prefix != "federated " else "federated mean (FedAvg)"
+        if mean_row in summary and mean_row != best:
+            line += f"; the plain mean {summary[mean_row]['all'][0]:.2f}"
+        line += ")"
+        if multi is not None:
+            line += "; minus the multitask model per domain: " + ", ".join(
+                f"{d} {summary[best][d][0] - multi[d][0]:+.2f}" for d in doms
+            )
+        out.append(line + ".")
+    if {"mean", "task arithmetic", "tangent mean", "tangent task arithmetic"} <= set(summary):
+        gain = summary["mean"]["all"][0] - summary["task arithmetic"]["all"][0]
+        t_gain = summary["tangent mean"]["all"][0] - summary["tangent task arithmetic"]["all"][0]
+        holds = "holds" if t_gain > gain else "does not hold"
+        out.append(
+            f"- Tangent space: task arithmetic lowers the mean's perplexity by {gain:.2f} for full "
+            f"fine-tunes and by {t_gain:.2f} for tangent fine-tunes (Ortiz-Jimenez et al.'s claim that "
+            f"task arithmetic gains most in the tangent space {holds} here); tangent task arithmetic "
+            f"{summary['tangent task arithmetic']['all'][0]:.2f} against full task arithmetic "
+            f"{summary['task arithmetic']['all'][0]:.2f}."
+        )
+    if {"mean, 1 poisoned", "median, 1 poisoned", "trimmed mean, 1 poisoned"} <= set(summary):
+        out.append(
+            "- One node poisoned (its task vector sign-flipped and tripled): the mean "
+            f"{summary['mean, 1 poisoned']['all'][0]:.2f}, "
+            f"the median {summary['median, 1 poisoned']['all'][0]:.2f}, "
+            f"the trimmed mean {summary['trimmed mean, 1 poisoned']['all'][0]:.2f} (clean: "
+            f"{summary['mean']['all'][0]:.2f}, {summary['median']['all'][0]:.2f}, "
+            f"{summary['trimmed mean']['all'][0]:.2f})."
+        )
+    return out
+
+
 def markdown(res: Mapping[str, Any]) -> str:
     """The results page, rendered from the results JSON."""
     settings = res["settings"]
@@ -293,68 +517,137 @@ def markdown(res: Mapping[str, Any]) -> str:
         "Merging fine-tunes of a pretrained LM across text domains", NAME, settings["quick"], settings
     )
     runs = res["runs"]
-    doms = [*runs[0]["domains"], "all"]
+    doms = list(runs[0]["domains"])
+    cols = [*doms, "all"]
     summary = summarize(runs)
     lines.append(
         f"{len(runs)} seed(s); test perplexity per domain (mean ± std over seeds; lower is better). "
-        "Specialists are evaluated on every domain; merges use the base as their reference; "
-        "tangent rows are linearised models at the base. Sources: the standard library's packages "
-        "(code domains) and `pydoc_data.topics` (prose)."
+        "One node per domain fine-tunes the same pretrained base; specialists are evaluated on every "
+        "domain; merges use the base as their reference; the multitask model trains on the union of "
+        "the nodes' windows (the upper bound). Sources: the standard library's packages (code "
+        "domains) and `pydoc_data.topics` (prose)."
     )
     lines.append("")
-    table = []
-    for row, per in summary.items():
-        table.append([row, *[f"{per[d][0]:.2f} ± {per[d][1]:.2f}" for d in doms]])
-    lines.append(markdown_table(["row", *doms], table))
+    lines.append("## Findings")
     lines.append("")
-    multi = summary["multitask"]
-    merge_rows = [
-        r for r in summary if not r.startswith(("specialist", "tangent specialist", "base", "multitask"))
-    ]
-    clean = [r for r in merge_rows if "poisoned" not in r]
-    best = min(clean, key=lambda r: summary[r]["all"][0])
-    lines.append(
-        f"Best clean merge over all domains: **{best}** ({summary[best]['all'][0]:.2f}, the multitask model "
-        f"{multi['all'][0]:.2f}, the base {summary['base']['all'][0]:.2f}); its distance from the multitask "
-        "model per domain: "
-        + ", ".join(f"{d} {summary[best][d][0] - multi[d][0]:+.2f}" for d in runs[0]["domains"])
-        + "."
-    )
+    lines.extend(findings(summary, doms))
     lines.append("")
-    keys = list(runs[0]["barriers"]["linear"])
-    bars = [
-        [kind, *[f"{np.mean([r['barriers'][kind][k] for r in runs]):.4f}" for k in keys]]
-        for kind in runs[0]["barriers"]
-    ]
-    lines.append("Held-out loss barriers (nats; max over the path of the loss minus the chord):")
-    lines.append("")
-    lines.append(markdown_table(["fine-tuning", *runs[0]["barriers"]["linear"]], bars))
-    lines.append("")
-    ratio = [r["seconds"]["tangent step s"] / r["seconds"]["step s"] for r in runs]
-    lines.append(
-        f"A tangent-space step costs {np.mean(ratio):.2f}x a plain fine-tuning step (the {len(runs)} "
-        "seed(s)' mean; one step of every node, best of two after compiling, same run and shapes)."
-    )
-    lines.append("")
+    for title, prefix in GROUPS:
+        rows = [r for r in summary if group_of(r) == prefix]
+        if not rows:
+            continue
+        lines.append(f"## {title}")
+        lines.append("")
+        shown = [*(r for r in REFERENCE_ROWS if r in summary and prefix), *rows]
+        table = [[r, *[f"{summary[r][d][0]:.2f} ± {summary[r][d][1]:.2f}" for d in cols]] for r in shown]
+        lines.append(markdown_table(["row", *cols], table))
+        lines.append("")
+    scales = {
+        **runs[0].get("scales", {}),
+        **{f"tangent {k}": v for k, v in runs[0].get("tangent_scales", {}).items()},
+    }
+    if scales:
+        lines.append(
+            "Tuned on the held-out windows (first seed): "
+            + "; ".join(f"{k} {v}" for k, v in scales.items())
+            + ". Task arithmetic's, TIES's and DARE+TIES's scale is the sum's multiplier (1/4 is the "
+            "mean's); RegMean's is the off-diagonal scale a; the weights are the nodes' (mixture NLL) "
+            "or their mean over modules (layer-wise)."
+        )
+        lines.append("")
+    if any(r.get("barriers") for r in runs):
+        kinds = list(runs[0]["barriers"])
+        keys = list(runs[0]["barriers"][kinds[0]])
+        bars = [
+            [kind, *[f"{np.mean([r['barriers'][kind][k] for r in runs]):.4f}" for k in keys]]
+            for kind in kinds
+        ]
+        lines.append("Held-out loss barriers (nats; max over the path of the loss minus the chord):")
+        lines.append("")
+        lines.append(markdown_table(["fine-tuning", *keys], bars))
+        lines.append("")
+    costs = []
+    for key, what in (("tangent step s", "a tangent-space step"), ("lora step s", "a LoRA step")):
+        ratio = [
+            r["seconds"][key] / r["seconds"]["step s"]
+            for r in runs
+            if key in r["seconds"] and "step s" in r["seconds"]
+        ]
+        if ratio:
+            costs.append(f"{what} costs {np.mean(ratio):.2f}x a full fine-tuning step")
+    if costs:
+        lines.append(
+            "Cost: " + "; ".join(costs) + f" (the {len(runs)} seed(s)' mean; one step of every node, best of "
+            "two after compiling, same run and shapes). " + load_line(res)
+        )
+        lines.append("")
     lines.append(f"Total time {res['total_s']:.0f} s.")
     return "\n".join(lines) + "\n"
+
+
+def combine_parts(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One result from parts that ran other sections of the same seeds (their rows united)."""
+    first = parts[0]
+    seeds = first["settings"]["seeds"]
+    for p in parts[1:]:
+        a = {k: v for k, v in p["settings"].items() if k != "sections"}
+        b = {k: v for k, v in first["settings"].items() if k != "sections"}
+        if a != b:
+            raise ValueError(f"domains --combine: the parts' settings differ: {a} vs {b}")
+    runs = []
+    for i in range(len(seeds)):
+        run: dict[str, Any] = {"domains": first["runs"][i]["domains"], "sections": []}
+        for key in ("rows", "scales", "tangent_scales", "barriers", "seconds"):
+            run[key] = {}
+            for p in parts:
+                run[key].update(p["runs"][i].get(key, {}))
+        for p in parts:
+            run["sections"] += [x for x in p["runs"][i]["sections"] if x not in run["sections"]]
+        runs.append(run)
+    settings = {**first["settings"], "sections": [x for r in runs[:1] for x in r["sections"]]}
+    return {"runs": runs, "total_s": sum(p["total_s"] for p in parts), "settings": settings,
+            "load_average": first.get("load_average")}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = parser(__doc__, "short fine-tunes at context 48, one seed")
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2; --quick: 0)")
     p.add_argument("--model", default="smollm2", help="a Hugging Face folder or a cached model name")
+    p.add_argument(
+        "--sections", default=",".join(SECTIONS), help=f"comma-separated parts to run, of {list(SECTIONS)}"
+    )
+    p.add_argument(
+        "--combine", nargs="+", type=Path, default=None, metavar="JSON",
+        help="train nothing: report these result files together (other sections of the same seeds)",
+    )  # fmt: skip
     args = parse(p, argv)
+    if args.combine:
+        try:
+            parts = [json.loads(f.read_text()) for f in args.combine]
+            res = combine_parts(parts)
+        except (OSError, ValueError, KeyError) as e:
+            p.error(f"--combine: {e}")
+        md = markdown(res)
+        save(NAME, args.quick, {"runs": res["runs"], "total_s": res["total_s"]}, md,
+             settings=res["settings"], out=args.out)  # fmt: skip
+        print(md)
+        return res
+    sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+    unknown = [x for x in sections if x not in SECTIONS]
+    if unknown or not sections:
+        p.error(f"--sections: unknown {unknown}; valid: {list(SECTIONS)}")
     seeds = [0] if args.quick else [0, 1, 2]
     if args.seeds is not None:
         seeds = [int(x) for x in args.seeds.split(",")]
     s = settings_for(args.quick)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="meta-consensus-domains-") as tmp:
-        runs = [one_seed(args.model, seed, s, Path(tmp)) for seed in seeds]
-    settings = {"quick": args.quick, "model": args.model, "seeds": seeds, **s}
+        runs = [one_seed(args.model, seed, s, Path(tmp), sections) for seed in seeds]
+    settings = {"quick": args.quick, "model": args.model, "seeds": seeds, "sections": sections, **s}
     res = {"runs": runs, "total_s": time.perf_counter() - t0}
-    md = markdown({**res, "settings": settings})
+    from benchmarks.harness import load_average
+
+    md = markdown({**res, "settings": settings, "load_average": load_average()})
     save(NAME, args.quick, res, md, settings=settings, out=args.out)
     print(md)
     return res

@@ -78,6 +78,10 @@ class NodesConfig:
       chunk: sampled nodes per vmapped fit call (0: all the round's nodes in one call); a
         Poisson sample is padded to a multiple of it (padding rows are missing answers), so
         the fit compiles once and the vote once per bucket of that size.
+      public_warm_start: Adam steps (at ``batch_size`` and ``learning_rate``) the coordinator
+        trains the initial consensus on the task's public (general) pool before round 1, so
+        every node starts from it (:mod:`meta_consensus.warm_start`; 0: off). The pool is data
+        no node owns: it spends no privacy. With ``[nodes.lora]`` use its ``pretrain_steps``.
       lora: ``[nodes.lora]``: the nodes train LoRA adapters on a frozen base
         (:class:`strategies.lora.LoraSettings`: ``rank``, ``alpha``, ``targets`` (regular
         expressions over '/'-joined parameter paths), ``dropout``, ``freeze_a``); None (no
@@ -95,6 +99,7 @@ class NodesConfig:
     sampling_rate: float | None = None
     chunk: int = 0
     optimizer: Literal["adam", "sgd"] = "adam"
+    public_warm_start: int = 0
     lora: LoraSettings | None = None
 
     @property

@@ -333,6 +333,14 @@ def validate(cfg: Config) -> None:
     _check(cfg.nodes.local_steps >= 1, "nodes.local_steps", cfg.nodes.local_steps, "need >= 1")
     _check_batch_size(cfg)
     _check(cfg.nodes.learning_rate > 0, "nodes.learning_rate", cfg.nodes.learning_rate, "need > 0")
+    warm = cfg.nodes.public_warm_start
+    _check(warm >= 0, "nodes.public_warm_start", warm, "need >= 0 steps (0: off)")
+    _check(
+        warm == 0 or cfg.nodes.lora is None,
+        "nodes.public_warm_start",
+        warm,
+        "with [nodes.lora] the base is trained on the public pool by nodes.lora.pretrain_steps",
+    )
     _check_sampling(cfg)
     for name, opts in cfg.nodes.options.items():
         _choices("nodes.options", name, node_registry.STRATEGIES.names())

@@ -118,6 +118,11 @@ def check_flower_config(cfg: Config) -> Config:
             "nodes.batch_size = 'auto' with vote.server_step on Flower: the server's root-set steps need "
             "an integer batch size (each node resolves 'auto' on its own device)"
         )
+    if cfg.nodes.public_warm_start > 0 and cfg.nodes.batch_size == "auto":
+        raise ConfigError(
+            "nodes.batch_size = 'auto' with nodes.public_warm_start on Flower: the server's warm-start "
+            "steps need an integer batch size (each node resolves 'auto' on its own device)"
+        )
     return cfg
 
 

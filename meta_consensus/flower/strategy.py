@@ -210,6 +210,14 @@ class ConsensusStrategy(Strategy):
             initial_params = fresh
         else:
             tree.check_same_structure([initial_params], reference=fresh)
+        if cfg.nodes.public_warm_start > 0:  # the coordinator's warm start, as in process
+            from meta_consensus.warm_start import public_warm_start
+
+            nd = cfg.nodes
+            initial_params = public_warm_start(self.task, data, initial_params, k_params,
+                                               steps=nd.public_warm_start, learning_rate=nd.learning_rate,
+                                               batch_size=nd.batch_size,  # type: ignore[arg-type]
+                                               optimizer=nd.optimizer)  # fmt: skip
         # LoRA runs: initial_params is the base; the consensus is the adapter's trainable part.
         self.lora: lora_run.LoraRound | None = None
         self.frozen: PyTree | None = None

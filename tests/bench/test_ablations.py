@@ -167,12 +167,18 @@ def test_every_ablation_is_a_config_change_of_the_default(task):
     assert ablations.SAME_DATA in mixes and "local" in mixes
     for mix in mixes:
         cfg = ablations.build_config(task, budget, 3, ablations.strategy_overrides(mix, base))
-        strategy = mix.split(" ")[0].rstrip(",")
-        expected = base.nodes.strategy_of() if mix == "default mix" else (strategy,) * base.nodes.count
+        if mix == "default mix":
+            expected = base.nodes.strategy_of()
+        elif mix == ablations.FORMER:
+            expected = ("hierarchical",) * 2 + ("convexity",) * 2 + ("soup",) * 2 + ("local",) * 2
+        else:
+            expected = (mix.split(" ")[0].rstrip(","),) * base.nodes.count
         assert cfg.nodes.strategy_of() == expected and cfg.seed == 3
-        # Only the union row trains on every node's shard; the warm-start rows say so in their name.
+        # Only the union row trains on every node's shard; the warm-start rows say so in their name
+        # (the default mix starts as the default does: digits' warm start, scaled to the budget).
         assert (cfg.task.general_pool == "union") == (mix == ablations.UNION)
-        assert ablations.MIXES[mix][1] == mix.endswith("public warm start")
+        warm = mix.endswith("public warm start") or (mix == "default mix" and task != "text")
+        assert cfg.nodes.public_warm_start == (ablations.public_steps(base) if warm else 0), mix
     # The warm start's steps: one hierarchical node's general + groups steps over the run.
     frac = base.nodes.options.get("hierarchical", {}).get("fractions", (0.5, 0.25, 0.25))
     steps = base.rounds * sum(int(np.floor(f * base.nodes.local_steps)) for f in frac[:2])

@@ -16,7 +16,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 TINY = {"context": 16, "batch": 2, "steps": 3, "lr": 1e-3, "windows_per_node": 8, "heldout_windows": 8,
-        "test_windows": 8, "fisher_rows": 2}  # fmt: skip
+        "test_windows": 8, "stat_rows": 2, "rounds": 2,
+        "lora_rank": 2, "lora_lr": 1e-2}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ def _path(params, *names):
     """The leaf path whose keys, read as strings, are ``names``."""
     for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
         keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
-        if keys[-len(names):] == list(names):
+        if keys[-len(names) :] == list(names):
             return jax.tree_util.keystr(path)
     raise KeyError(names)
 
