@@ -1003,6 +1003,27 @@ def rounds(results: Path) -> str:
     return f"Rounds: {parts}. " + privacy_accountants(results) + " " + convex_speed(results)
 
 
+@finding
+def domains(results: Path) -> str:
+    """Merging fine-tunes of SmolLM2 across text domains: the best merge per regime, the tangent
+    claim, the robust rows; the rows beside the multitask model."""
+    from benchmarks.quality import domains as dom
+
+    stem = "domains" if (results / "domains.json").is_file() else "domains_quick"
+    d = _data(results, stem)
+    runs = d["runs"]
+    doms = list(runs[0]["domains"])
+    summary = dom.summarize(runs)
+    s = d["settings"]
+    head = (
+        f"{s['model']}, {len(doms)} domains ({', '.join(doms)}), one node per domain, {s['steps']} steps "
+        f"of batch {s['batch']} at context {s['context']}, {len(runs)} seed(s); per-domain test perplexity "
+        f"(lower is better; every row: [{stem}](results/{stem}.md)):"
+    )
+    lines = dom.findings(summary, doms)
+    return head + "\n\n" + "\n".join(lines)
+
+
 def names_in(text: str) -> list[str]:
     """The finding names used by ``<!-- publish: finding NAME -->`` blocks in ``text``."""
     return re.findall(r"<!-- publish: finding ([a-z0-9_]+) -->", text)

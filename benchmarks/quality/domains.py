@@ -69,7 +69,8 @@ LORA_MERGES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("ties", "ties", {"density": 0.5}),
     ("dare+ties", "dare_ties", {"density": 0.5}),
 )
-SECTIONS = ("oneshot", "lora", "federated")
+SECTIONS = ("oneshot", "soup", "lora", "federated")
+SNAPSHOTS = 3  # a soup node's snapshots, evenly spaced over its fine-tune (the last is the latest)
 POISONED = 0  # the node whose task vector is sign-flipped and tripled in the robust rows
 PROSE = "prose"
 
@@ -203,7 +204,14 @@ class Evaluator:
 
 
 def merges(
-    ev: Evaluator, base: Any, stacked: Any, stats: Any, grams: Any, tangent: bool, robust: bool
+    ev: Evaluator,
+    base: Any,
+    stacked: Any,
+    stats: Any,
+    grams: Any,
+    tangent: bool,
+    robust: bool,
+    short: bool | None = None,
 ) -> Iterator[tuple[str, Any, float | list[float] | None]]:
     """Every merge method's params, one at a time (a merged model is as large as the base), with
     its tuned scale (task arithmetic, TIES, DARE+TIES, RegMean's a, on the held-out windows) or
@@ -220,7 +228,7 @@ def merges(
 
     yield "mean", upd(consensus.mean()), None
     yield "task arithmetic", *tuned(lambda sc: consensus.task_arithmetic(sc))
-    if tangent:
+    if tangent if short is None else short:  # the mean and task arithmetic only
         return
     yield "ties", *tuned(lambda sc: consensus.ties(0.2, scale=sc))
     yield (
@@ -373,13 +381,56 @@ def lora(task: Any, base: Any, data: TaskData, ev: Evaluator, s: Mapping[str, An
     rows["LoRA median (of the updates)"] = ev.row(add_base_delta(base, {p: m.delta(p) for p in m.adapter}))
 
 
-# The federated regime's merges: (row, aggregator, tangent nodes).
-FEDERATED: tuple[tuple[str, Callable[[], Any], bool], ...] = (
-    ("mean (FedAvg)", consensus.mean, False),
-    ("ties", lambda: consensus.ties(0.2, scale=1.0), False),
-    ("median", consensus.median, False),
-    ("trimmed mean", lambda: consensus.trimmed_mean(1), False),
-    ("tangent mean", consensus.mean, True),
+def soup(task: Any, base: Any, data: TaskData, ev: Evaluator, s: Mapping[str, Any], seed: int,
+         out: dict[str, Any]) -> None:  # fmt: skip
+    """Soup nodes in the one-shot regime: each node keeps snapshots of its fine-tune and submits
+    the greedy soup of them (:func:`strategies.soup.greedy_soup`, from the latest, a snapshot kept
+    only if the held-out loss on the node's own domain does not rise); the soups merged by the
+    mean and by tuned task arithmetic."""
+    from strategies.soup import greedy_soup
+
+    rows, n = out["rows"], len(task.domains)
+    trainer = trainer_for(task, s["lr"], s["batch"])
+    state = trainer.init(jax.random.key(seed), base, n)
+    snaps, done = [], 0
+    for k in range(1, SNAPSHOTS + 1):
+        upto = round(k * int(s["steps"]) / SNAPSHOTS)
+        state, _ = trainer.fit(state, data.own(), upto - done)
+        done = upto
+        snaps.append(jax.tree.map(jnp.copy, state.params))  # the state is donated to the next fit
+    del state
+    log("soup snapshots trained")
+    soups, kept = [], []
+    for i, name in enumerate(task.domains):
+
+        def own_loss(p: Any, name: str = name) -> float:
+            return float(np.log(ev.metrics(p, ev.heldout)[f"perplexity/{name}"]))
+
+        st = greedy_soup(
+            [_node(sn, i) for sn in snaps], own_loss, higher_is_better=False, first=SNAPSHOTS - 1
+        )
+        soups.append(st.params)
+        kept.append(int(st.count))
+        rows[f"soup specialist: {name}"] = ev.row(st.params)
+    out["scales"]["soup snapshots kept"] = kept
+    stacked = consensus.stack(soups)
+    del soups, snaps
+    for name, p, scale in merges(ev, base, stacked, None, None, tangent=False, robust=False, short=True):
+        rows[f"soup {name}"] = ev.row(p)
+        if scale is not None:
+            out["scales"][f"soup {name}"] = scale
+    log("soups merged")
+
+
+# The federated regime's merges: (row, aggregator, how the nodes train: "plain", "tangent" or
+# "proximal" (the convexity strategy with its default options, pulled to the round's consensus)).
+FEDERATED: tuple[tuple[str, Callable[[], Any], str], ...] = (
+    ("mean (FedAvg)", consensus.mean, "plain"),
+    ("ties", lambda: consensus.ties(0.2, scale=1.0), "plain"),
+    ("median", consensus.median, "plain"),
+    ("trimmed mean", lambda: consensus.trimmed_mean(1), "plain"),
+    ("tangent mean", consensus.mean, "tangent"),
+    ("proximal (convexity) mean", consensus.mean, "proximal"),
 )
 
 
@@ -392,20 +443,32 @@ def federated(task: Any, base: Any, data: TaskData, ev: Evaluator, s: Mapping[st
     rows, n = out["rows"], len(task.domains)
     rounds = int(s["rounds"])
     local = max(1, int(s["steps"]) // rounds)
-    for row, make, tangent in FEDERATED:
+    from strategies.node import build_strategy
+    from strategies.trainer import Proximal
+
+    convexity = build_strategy("convexity", {})
+    for row, make, mode in FEDERATED:
         params, anchor = base, base
         for r in range(rounds):
             anchor = params
-            if tangent:
-                nodes, _ = fine_tune(ev.tangent, params, data.own(), n, local, s["lr"], seed + 1000 * r,
-                                     s["batch"], timed=False, frozen=anchor)  # fmt: skip
+            key = seed + 1000 * r
+            if mode == "tangent":
+                nodes, _ = fine_tune(ev.tangent, params, data.own(), n, local, s["lr"], key, s["batch"],
+                                     timed=False, frozen=anchor)  # fmt: skip
+            elif mode == "proximal":
+                prox = Proximal(
+                    anchor, np.full(n, convexity.mu, np.float32), np.full(n, convexity.radius, np.float32)
+                )
+                nodes, _ = fine_tune(task, params, data.own(), n, local, s["lr"], key, s["batch"],
+                                     timed=False, proximal=prox)  # fmt: skip
             else:
-                nodes, _ = fine_tune(task, params, data.own(), n, local, s["lr"], seed + 1000 * r, s["batch"],
-                                     timed=False)  # fmt: skip
+                nodes, _ = fine_tune(
+                    task, params, data.own(), n, local, s["lr"], key, s["batch"], timed=False
+                )
             agg = make()
             params = agg.update(nodes, agg.init(params), params)[0]
             del nodes
-        rows[f"federated {row}"] = ev.row(params, tangent=tangent, anchor=anchor)
+        rows[f"federated {row}"] = ev.row(params, tangent=mode == "tangent", anchor=anchor)
         log(f"federated: {row}")
 
 
@@ -427,7 +490,8 @@ def one_seed(model: str, seed: int, s: Mapping[str, Any], folder: Path,
     }  # fmt: skip
     log(f"seed {seed}: base evaluated")
     for name in sections:
-        {"oneshot": oneshot, "lora": lora, "federated": federated}[name](task, base, data, ev, s, seed, out)
+        parts = {"oneshot": oneshot, "soup": soup, "lora": lora, "federated": federated}
+        parts[name](task, base, data, ev, s, seed, out)
     return out
 
 
@@ -445,6 +509,7 @@ def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, list[flo
 GROUPS = (
     ("One-shot, full fine-tuning", ""),
     ("One-shot, tangent-space fine-tuning (linearised at the base)", "tangent "),
+    ("One-shot, soup nodes (each a greedy soup of its snapshots)", "soup "),
     ("One-shot, LoRA fine-tuning (merged updates added to the base)", "LoRA "),
     ("Federated: rounds of local steps from the round's consensus, the same total steps", "federated "),
 )

@@ -42,13 +42,20 @@ def test_every_row_and_barrier_the_page_names(run):
     doms = run["domains"]
     assert doms == ["net", "concurrency", "runtime", "prose"]
     want = {"base", "multitask", "mean", "task arithmetic", "ties", "dare+ties", "model stock", "fisher",
-            "mixture-NLL weights", "median", "trimmed mean", "mean, 1 poisoned", "median, 1 poisoned",
-            "trimmed mean, 1 poisoned", "tangent mean", "tangent task arithmetic"}  # fmt: skip
+            "regmean", "layer-wise weights (per module)", "mixture-NLL weights", "median", "trimmed mean",
+            "mean, 1 poisoned", "median, 1 poisoned", "trimmed mean, 1 poisoned", "tangent mean",
+            "tangent task arithmetic"}  # fmt: skip
     want |= {f"specialist: {d}" for d in doms} | {f"tangent specialist: {d}" for d in doms}
+    want |= {f"LoRA specialist: {d}" for d in doms} | {f"LoRA {row}" for row, _, _ in domains.LORA_MERGES}
+    want |= {f"soup specialist: {d}" for d in doms} | {"soup mean", "soup task arithmetic"}
+    want |= {"LoRA median (of the updates)"} | {f"federated {row}" for row, _, _ in domains.FEDERATED}
     assert set(run["rows"]) == want
     for row in run["rows"].values():
         assert set(row) == {*doms, "all"} and all(np.isfinite(v) and v > 1 for v in row.values())
     assert run["scales"]["task arithmetic"] in domains.SCALES
+    assert run["scales"]["regmean"] in domains.REGMEAN_SCALES
+    assert all(1 <= k <= domains.SNAPSHOTS for k in run["scales"]["soup snapshots kept"])
+    assert sum(run["scales"]["layer-wise weights (per module)"]) == pytest.approx(1.0, abs=1e-3)
     assert run["seconds"]["step s"] > 0 and run["seconds"]["tangent step s"] > 0
     assert sum(run["scales"]["mixture-NLL weights"]) == pytest.approx(1.0, abs=1e-3)
     # fine-tuning moved the specialists: each is better than the base on its own domain
@@ -59,7 +66,19 @@ def test_every_row_and_barrier_the_page_names(run):
     assert run["barriers"]["tangent"]["to mean max"] <= 1e-5
     res = {"runs": [run], "total_s": 1.0, "settings": {"quick": True, "model": "tiny", "seeds": [0], **TINY}}
     md = domains.markdown(res)
-    assert md.startswith("# ") and "| tangent task arithmetic |" in md
+    assert md.startswith("# ") and "| tangent task arithmetic |" in md and "## Findings" in md
+    assert "| federated tangent mean |" in md and "| LoRA ties |" in md
+    # a part run with other sections of the same seed combines into the same page
+    part = {
+        "runs": [{**run, "sections": ["oneshot"]}],
+        "total_s": 1.0,
+        "settings": {**res["settings"], "sections": ["oneshot"]},
+    }
+    extra = {"domains": run["domains"], "sections": ["lora"], "rows": {"extra": run["rows"]["base"]}}
+    other = {"runs": [extra], "total_s": 2.0, "settings": {**res["settings"], "sections": ["lora"]}}
+    both = domains.combine_parts([part, other])
+    assert both["runs"][0]["rows"]["extra"] == run["rows"]["base"] and both["total_s"] == 3.0
+    assert both["runs"][0]["sections"] == ["oneshot", "lora"]
 
 
 def test_the_multitask_data_is_every_nodes_windows_once():
