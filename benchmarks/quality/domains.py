@@ -447,7 +447,10 @@ def federated(task: Any, base: Any, data: TaskData, ev: Evaluator, s: Mapping[st
     from strategies.trainer import Proximal
 
     convexity = build_strategy("convexity", {})
+    only = s.get("federated_rows")
     for row, make, mode in FEDERATED:
+        if only and row not in only:
+            continue
         params, anchor = base, base
         for r in range(rounds):
             anchor = params
@@ -655,8 +658,8 @@ def combine_parts(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     first = parts[0]
     seeds = first["settings"]["seeds"]
     for p in parts[1:]:
-        a = {k: v for k, v in p["settings"].items() if k != "sections"}
-        b = {k: v for k, v in first["settings"].items() if k != "sections"}
+        a = {k: v for k, v in p["settings"].items() if k not in ("sections", "federated_rows")}
+        b = {k: v for k, v in first["settings"].items() if k not in ("sections", "federated_rows")}
         if a != b:
             raise ValueError(f"domains --combine: the parts' settings differ: {a} vs {b}")
     runs = []
@@ -685,6 +688,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--combine", nargs="+", type=Path, default=None, metavar="JSON",
         help="train nothing: report these result files together (other sections of the same seeds)",
     )  # fmt: skip
+    p.add_argument(
+        "--federated-rows", default=None,
+        help=f"';'-separated rows of the federated regime (default all: {[r for r, _, _ in FEDERATED]})",
+    )  # fmt: skip
     args = parse(p, argv)
     if args.combine:
         try:
@@ -705,6 +712,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.seeds is not None:
         seeds = [int(x) for x in args.seeds.split(",")]
     s = settings_for(args.quick)
+    if args.federated_rows:
+        s["federated_rows"] = [x.strip() for x in args.federated_rows.split(";") if x.strip()]
+        unknown = [x for x in s["federated_rows"] if x not in {r for r, _, _ in FEDERATED}]
+        if unknown:
+            p.error(f"--federated-rows: unknown {unknown}; valid: {[r for r, _, _ in FEDERATED]}")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="meta-consensus-domains-") as tmp:
         runs = [one_seed(args.model, seed, s, Path(tmp), sections) for seed in seeds]
