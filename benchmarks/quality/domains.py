@@ -47,7 +47,7 @@ import numpy as np
 import optax
 
 import consensus
-from benchmarks.harness import header, load_line, markdown_table, parse, parser, save
+from benchmarks.harness import header, load_line, markdown_table, parse, parser, results_folder, save
 from strategies import NodeData, NodeTrainer, TaskData
 from strategies.convexity import loss_barrier
 from strategies.lora import LoraSettings, LoraTask, add_base_delta, merge_adapter
@@ -57,7 +57,7 @@ from strategies.tangent import linearize
 from strategies.tasks.text import FAMILIES, stdlib_root
 
 NAME = "domains"
-SCALES = (0.25, 0.4, 0.6, 0.8, 1.0)  # task-arithmetic lambdas: 1/D (the mean) up to the sum
+SCALES = (0.25, 0.5, 0.75, 1.0)  # task-arithmetic lambdas: 1/D (the mean) up to the sum
 REGMEAN_SCALES = (0.5, 0.9, 1.0)  # RegMean's off-diagonal scale a (1: exact least squares)
 # LoRA on every projection of the blocks (PEFT's module names), rank and alpha = 2 rank.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -99,10 +99,10 @@ def settings_for(quick: bool) -> dict[str, Any]:
     longer than the harness's quick runs, the fine-tunes and evaluations of four 135M models)."""
     if quick:
         return {"context": 48, "batch": 2, "steps": 12, "lr": 1e-4, "windows_per_node": 48,
-                "heldout_windows": 16, "test_windows": 32, "stat_rows": 8, "rounds": 3,
+                "heldout_windows": 16, "test_windows": 32, "stat_rows": 8, "rounds": 3, "barrier_points": 3,
                 "lora_rank": 8, "lora_lr": 1e-3}  # fmt: skip
     return {"context": 128, "batch": 4, "steps": 100, "lr": 5e-5, "windows_per_node": 512,
-            "heldout_windows": 64, "test_windows": 128, "stat_rows": 32, "rounds": 5,
+            "heldout_windows": 64, "test_windows": 128, "stat_rows": 32, "rounds": 5, "barrier_points": 5,
             "lora_rank": 8, "lora_lr": 1e-3}  # fmt: skip
 
 
@@ -269,7 +269,7 @@ def _heldout_model(ev: Evaluator, ref: Any) -> Any:
     )
 
 
-def barriers(ev: Evaluator, stacked: Any, mean: Any, tangent: bool) -> dict[str, float]:
+def barriers(ev: Evaluator, stacked: Any, mean: Any, tangent: bool, points: int = 5) -> dict[str, float]:
     """Held-out loss barriers: every pair of specialists, and each specialist to the mean."""
     task = ev.tangent if tangent else ev.task
 
@@ -280,9 +280,11 @@ def barriers(ev: Evaluator, stacked: Any, mean: Any, tangent: bool) -> dict[str,
     pairs, to_mean = [], []
     for i in range(n):
         a = _node(stacked, i)
-        to_mean.append(float(loss_barrier(loss, a, mean, ev.heldout, num_points=5).barrier))
+        to_mean.append(float(loss_barrier(loss, a, mean, ev.heldout, num_points=points).barrier))
         for j in range(i + 1, n):
-            pairs.append(float(loss_barrier(loss, a, _node(stacked, j), ev.heldout, num_points=5).barrier))
+            pairs.append(
+                float(loss_barrier(loss, a, _node(stacked, j), ev.heldout, num_points=points).barrier)
+            )
     return {"pairwise max": max(pairs), "pairwise mean": float(np.mean(pairs)),
             "to mean max": max(to_mean), "to mean mean": float(np.mean(to_mean))}  # fmt: skip
 
@@ -329,7 +331,7 @@ def oneshot(task: Any, base: Any, data: TaskData, ev: Evaluator, s: Mapping[str,
         log(f"merge: {name}")
     del stats, grams
     mean = jax.tree.map(lambda v: jnp.mean(v, axis=0), special)
-    out["barriers"]["linear"] = barriers(ev, special, mean, tangent=False)
+    out["barriers"]["linear"] = barriers(ev, special, mean, tangent=False, points=s["barrier_points"])
     del mean, special
     log("barriers")
 
@@ -346,7 +348,8 @@ def oneshot(task: Any, base: Any, data: TaskData, ev: Evaluator, s: Mapping[str,
         if scale is not None:
             out["tangent_scales"][name] = scale
     mean = jax.tree.map(lambda v: jnp.mean(v, axis=0), tangent_nodes)
-    out["barriers"]["tangent"] = barriers(ev, tangent_nodes, mean, tangent=True)
+    out["barriers"]["tangent"] = barriers(ev, tangent_nodes, mean, tangent=True, points=s["barrier_points"])
+    del tangent_nodes, mean
     log("tangent merges and barriers")
 
 
@@ -377,8 +380,6 @@ def lora(task: Any, base: Any, data: TaskData, ev: Evaluator, s: Mapping[str, An
         m = lora_lib.merge_adapters(method, full, scale=lt.scale, key=k_merge, **options)
         rows[f"LoRA {row}"] = ev.row(add_base_delta(base, {p: m.delta(p) for p in m.adapter}))
         log(f"LoRA merge: {row}")
-    m = lora_lib.merge_adapters("exact_residual", full, scale=lt.scale, rule=consensus.median())
-    rows["LoRA median (of the updates)"] = ev.row(add_base_delta(base, {p: m.delta(p) for p in m.adapter}))
 
 
 def soup(task: Any, base: Any, data: TaskData, ev: Evaluator, s: Mapping[str, Any], seed: int,
@@ -475,8 +476,8 @@ def federated(task: Any, base: Any, data: TaskData, ev: Evaluator, s: Mapping[st
         log(f"federated: {row}")
 
 
-def one_seed(model: str, seed: int, s: Mapping[str, Any], folder: Path,
-             sections: Sequence[str] = SECTIONS) -> dict[str, Any]:  # fmt: skip
+def one_seed(model: str, seed: int, s: Mapping[str, Any], folder: Path, sections: Sequence[str] = SECTIONS,
+             done: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:  # fmt: skip
     """Every row of one seed's ``sections`` (the node split and the training keys from ``seed``)."""
     text = domains(folder)
     task: Any = build_task("causal_lm", {
@@ -495,6 +496,9 @@ def one_seed(model: str, seed: int, s: Mapping[str, Any], folder: Path,
     for name in sections:
         parts = {"oneshot": oneshot, "soup": soup, "lora": lora, "federated": federated}
         parts[name](task, base, data, ev, s, seed, out)
+        out["sections_done"] = [*out.get("sections_done", []), name]
+        if done is not None:  # a long run keeps what it measured if it dies later
+            done(out)
     return out
 
 
@@ -718,13 +722,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if unknown:
             p.error(f"--federated-rows: unknown {unknown}; valid: {[r for r, _, _ in FEDERATED]}")
     t0 = time.perf_counter()
+    runs: list[dict[str, Any]] = []
+    partial = results_folder(args.out) / f"{NAME}{'_quick' if args.quick else ''}.partial.json"
+
+    def keep(run: dict[str, Any]) -> None:
+        tmp_path = partial.with_suffix(".tmp")
+        tmp_path.write_text(
+            json.dumps({"settings": {"seeds": seeds, **s}, "runs": [*runs, run]}, default=float)
+        )
+        tmp_path.replace(partial)
+
     with tempfile.TemporaryDirectory(prefix="meta-consensus-domains-") as tmp:
-        runs = [one_seed(args.model, seed, s, Path(tmp), sections) for seed in seeds]
+        for seed in seeds:
+            runs.append(one_seed(args.model, seed, s, Path(tmp), sections, keep))
     settings = {"quick": args.quick, "model": args.model, "seeds": seeds, "sections": sections, **s}
     res = {"runs": runs, "total_s": time.perf_counter() - t0}
     from benchmarks.harness import load_average
 
     md = markdown({**res, "settings": settings, "load_average": load_average()})
     save(NAME, args.quick, res, md, settings=settings, out=args.out)
+    partial.unlink(missing_ok=True)
     print(md)
     return res
