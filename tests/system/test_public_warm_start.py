@@ -51,7 +51,9 @@ def test_the_warm_start_is_adam_on_the_public_pool_from_the_tasks_init(tmp_path)
     # the reference: one node's Adam on the pool alone (trainer built here, not the fleet's cache)
     general = co.fleet.data.everything()
     one = NodeData(general.pool, general.index[:1], general.count[:1], True, "general")
-    trainer = NodeTrainer(co.fleet.task, optax.adam, {"learning_rate": co.cfg.nodes.learning_rate}, batch_size=16)
+    trainer = NodeTrainer(
+        co.fleet.task, optax.adam, {"learning_rate": co.cfg.nodes.learning_rate}, batch_size=16
+    )
     state = trainer.init(jax.random.fold_in(k_params, 0xBA5E), init, 1)
     state, _ = trainer.fit(state, one, STEPS)
     ref = jax.tree.map(lambda x: x[0], state.params)
