@@ -401,12 +401,11 @@ class Coordinator:
         key = jax.random.key(self.cfg.seed if key is None else key) if not isinstance(key, jax.Array) else key
         k_params, k_nodes = jax.random.split(key)
         fresh = self.fleet.initial_params(k_params)
-        if params is None:
-            params = fresh
+        if params is None:  # the warm start replaces the random init; a given start is used as is
+            params = self._warm_start(fresh, k_params)
         else:
             tree.check_same_structure([params], reference=fresh)
         frozen = None
-        params = self._warm_start(params, k_params)
         if self.lora is not None:  # params is the base model; the nodes train its adapters
             params = self.lora.pretrain(self.fleet.data, params, k_params)
             params, frozen = self.lora.start(params, k_params)

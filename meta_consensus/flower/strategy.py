@@ -206,11 +206,12 @@ class ConsensusStrategy(Strategy):
         self.key_data = jax.random.key_data(root)
         k_params, _ = jax.random.split(root)
         fresh = self.task.init(k_params)
+        given = initial_params is not None
         if initial_params is None:
             initial_params = fresh
         else:
             tree.check_same_structure([initial_params], reference=fresh)
-        if cfg.nodes.public_warm_start > 0:  # the coordinator's warm start, as in process
+        if cfg.nodes.public_warm_start > 0 and not given:  # the coordinator's warm start, as in process
             from meta_consensus.warm_start import public_warm_start
 
             nd = cfg.nodes
