@@ -1,4 +1,5 @@
-"""The default config (soup nodes holding out rows of their own shard) on two processes logs what one does.
+"""The default config (with soup nodes holding out rows of their own shard) on two processes logs
+what one does.
 
 Two ``jax.distributed`` processes (loopback, gloo), each with one CPU device and half of the
 nodes, against one process with the same ("node" = 2) mesh on two devices; all three run
@@ -24,7 +25,13 @@ from test_system_distributed import _env, _free_port, _wait
 from meta_consensus import config, fleet
 from strategies.tasks.digits import DigitsTask
 
-SETS = ["rounds=2", "nodes.local_steps=4", "mesh.node=2", "eval_every=1"]
+# The default with the former strategy mix, so that soup nodes (own held-out rows) and the public
+# warm start both run on two processes.
+MIX = (
+    "nodes.strategies=['hierarchical', 'hierarchical', 'convexity', 'convexity', 'soup', 'soup', 'local', "
+    "'local']"
+)
+SETS = ["rounds=2", "nodes.local_steps=4", "mesh.node=2", "eval_every=1", MIX, "nodes.public_warm_start=20"]
 
 
 def _run(out, name, *extra):
