@@ -12,6 +12,7 @@ process (and a resumed run) computes the same start, and nothing is cached outsi
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import jax
@@ -47,7 +48,8 @@ def public_warm_start(
       setting: the config key that asked for it (named in the error).
 
     Returns:
-      The trained params (one tree, not stacked).
+      The trained params (one tree, not stacked); ``params`` itself, with a logged note, for a
+      task that starts from a pretrained model: its checkpoint is a given start, used as is.
 
     Raises:
       ConfigError: when the task's general pool is empty.
@@ -56,6 +58,12 @@ def public_warm_start(
     from strategies.tasks.base import NodeData
 
     if steps <= 0:
+        return params
+    if getattr(task, "pretrained", False):
+        logging.getLogger(__name__).warning(
+            "meta-consensus: note: task %r starts from a pretrained model; %s = %d is not applied",
+            getattr(task, "name", "task"), setting, steps,
+        )  # fmt: skip
         return params
     general = data.everything()
     if int(general.count[0]) < 1 or len(data.general_groups) == 0:

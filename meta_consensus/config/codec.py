@@ -292,6 +292,7 @@ def load_with_notes(
     changed = {item.split("=", 1)[0].strip() for item in overrides if "=" in item}
     merged = apply_overrides(data, overrides)
     notes = _drop_orphaned_options(merged, changed, user_keys | changed, with_plugins(merged, plugins))
+    notes += _drop_default_warm_start(merged, user_keys | changed, changed)
     cfg = from_dict(merged, plugins)
     return cfg, notes + stage_notes(cfg)
 
@@ -386,6 +387,27 @@ def _drop_orphaned_options(
                 f"(its options: {taken}; set some with --set '{key}={{...}}')"
             )
     return notes
+
+
+def _drop_default_warm_start(data: dict[str, Any], user_keys: set[str], changed: set[str]) -> list[str]:
+    """Turn off (in place) the default's public warm start when the config trains LoRA adapters.
+
+    A LoRA run pretrains its base with ``nodes.lora.pretrain_steps``; the embedded default's
+    warm start would be a second knob for the same steps, so the config check refuses both.
+    Only a warm start the user did not write is dropped: one given with ``[nodes.lora]`` (a
+    ``--set`` of it or of the whole ``nodes`` table, or a file's) is still refused, with the reason.
+    """
+    nodes = data.get("nodes")
+    if not isinstance(nodes, dict) or nodes.get("lora") is None or not nodes.get("public_warm_start"):
+        return []
+    if "nodes.public_warm_start" in user_keys or "nodes" in changed:
+        return []
+    warm = nodes["public_warm_start"]
+    nodes["public_warm_start"] = 0
+    return [
+        f"[nodes.lora] pretrains its base with nodes.lora.pretrain_steps; dropped the default's "
+        f"nodes.public_warm_start = {warm}"
+    ]
 
 
 def _deep_copy(d: Any) -> Any:

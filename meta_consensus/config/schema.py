@@ -81,9 +81,10 @@ class NodesConfig:
       public_warm_start: Adam steps (at ``batch_size`` and ``learning_rate``) the coordinator
         trains the initial consensus on the task's public (general) pool before round 1, so
         every node starts from it (:mod:`meta_consensus.warm_start`; 0: off). It replaces the
-        task's random init: a run given its start (``init_from``, ``train(initial_params=...)``)
-        starts from that as is. The pool is data no node owns: it spends no privacy. With
-        ``[nodes.lora]`` use its ``pretrain_steps``.
+        task's random init: a run given its start (``init_from``, ``train(initial_params=...)``, a
+        task's pretrained checkpoint) starts from that as is. The pool is data no node owns: it
+        spends no privacy. With ``[nodes.lora]`` use its ``pretrain_steps`` (the embedded
+        default's warm start is then dropped, with a note).
       lora: ``[nodes.lora]``: the nodes train LoRA adapters on a frozen base
         (:class:`strategies.lora.LoraSettings`: ``rank``, ``alpha``, ``targets`` (regular
         expressions over '/'-joined parameter paths), ``dropout``, ``freeze_a``); None (no

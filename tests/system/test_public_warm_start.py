@@ -84,3 +84,28 @@ def test_bad_warm_starts_are_config_errors(tmp_path, override, message):
     extra = ["nodes.public_warm_start=5"] if "lora" in override else []
     with pytest.raises(config.ConfigError, match=message):
         config.load(None, [*BASE, f"output_dir={tmp_path}", *extra, override])
+
+
+def test_the_defaults_warm_start_gives_way_to_lora_pretraining_with_a_note(tmp_path):
+    lora = ["nodes.lora={rank = 2, alpha = 4.0, targets = ['dense_0']}", "vote.server_step=0"]
+    assert config.load(None).nodes.public_warm_start > 0  # the embedded default warm-starts
+    cfg, notes = config.load_with_notes(None, [*BASE, f"output_dir={tmp_path}", *lora])
+    assert cfg.nodes.public_warm_start == 0 and cfg.nodes.lora is not None
+    assert any("dropped the default's nodes.public_warm_start = " in n for n in notes), notes
+    with pytest.raises(config.ConfigError, match="nodes.lora.pretrain_steps"):  # the user's own: refused
+        config.load(None, [*BASE, f"output_dir={tmp_path}", *lora, "nodes.public_warm_start=600"])
+
+
+def test_a_pretrained_tasks_checkpoint_is_used_as_is(caplog):
+    from meta_consensus.warm_start import public_warm_start
+
+    class Pretrained:  # nothing but the flag: the data is never read
+        name, pretrained = "checkpoint", True
+
+    params = {"w": np.arange(3.0)}
+    with caplog.at_level("WARNING"):
+        out = public_warm_start(Pretrained(), None, params, jax.random.key(0), steps=600,
+                                learning_rate=1e-3, batch_size=8)  # fmt: skip
+    assert out is params
+    note = "'checkpoint' starts from a pretrained model; nodes.public_warm_start = 600 is not applied"
+    assert note in caplog.text
