@@ -187,7 +187,9 @@ class Fleet:
         self.snapshot_nodes = np.flatnonzero([st.snapshots > 0 for st in self.settings])
         mu = np.asarray([st.proximal_mu for st in self.settings], np.float32)
         radius = np.asarray([st.proximal_radius for st in self.settings], np.float32)
-        self._proximal = (mu, radius) if (mu > 0).any() or np.isfinite(radius).any() else None
+        tangent = np.asarray([st.tangent for st in self.settings], bool)
+        needed = (mu > 0).any() or np.isfinite(radius).any() or tangent.any()
+        self._proximal = (mu, radius, tangent) if needed else None
         self._segments = np.array_split(np.arange(cfg.nodes.local_steps), snaps.pop() if snaps else 1)
         self._metrics = _metrics(self.task)  # type: ignore[arg-type]  # as in _trainer
         self._broadcast_jit: Callable[..., Any] | None = None
@@ -451,8 +453,8 @@ class Fleet:
             level = active = None
         prox = None
         if self._proximal is not None:
-            mu, radius = self._proximal
-            prox = Proximal(anchor, mu[pick], radius[pick])
+            mu, radius, tangent = self._proximal
+            prox = Proximal(anchor, mu[pick], radius[pick], tangent[pick])
         poisoned = self.byzantine.poisoned[pick]
         snapshots, losses = [], []
         for seg in self._segments:

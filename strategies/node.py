@@ -52,6 +52,8 @@ class NodeSettings:
       own_heldout: share of the node's own shard kept out of its training, on which its
         submit hook scores trees (0: none; the hook then scores on the coordinator's
         held-out split).
+      tangent: the node trains the task's first-order expansion at the last consensus
+        (:mod:`strategies.tangent`) instead of the task's model.
     """
 
     level_steps: tuple[int, int, int]
@@ -60,6 +62,7 @@ class NodeSettings:
     proximal_radius: float = math.inf
     snapshots: int = 0
     own_heldout: float = 0.0
+    tangent: bool = False
 
 
 class NodeStrategy(Protocol):
@@ -186,28 +189,50 @@ class Hierarchical(_SubmitFinal):
 @STRATEGIES.declare("convexity")
 @dataclasses.dataclass(frozen=True)
 class Convexity(_SubmitFinal):
-    """Proximal / convex-constrained training that keeps the node mergeable with the consensus.
+    """Training that keeps the node mergeable with the consensus: proximal or tangent-space.
+
+    ``mode = "proximal"`` (FedProx): after every optimizer update a pull of strength ``mu``
+    towards the last consensus, and a projection onto the L2 ball of ``radius`` around it.
+
+    ``mode = "tangent"`` (Ortiz-Jimenez et al., NeurIPS 2023, "Task arithmetic in the tangent
+    space"): the node trains the first-order expansion of the model at the round's consensus,
+    ``f(x; c) + J f(x; c) (theta - c)``, through ``jax.jvp`` (:mod:`strategies.tangent`). Its
+    outputs are affine in theta, so a loss convex in the outputs (cross entropy) is convex in
+    theta: the average of the round's tangent nodes is no worse than their average loss, on
+    the expansion. The node submits theta and the coordinator reads it through the model
+    itself, which agrees with the expansion to first order in the round's move; the next
+    round expands again at the new consensus. One step costs the forward pass, its jvp and
+    their backward pass; the task must declare ``linearizable = True`` (digits,
+    Fashion-MNIST, text, causal LM, array tasks), and LoRA and example-level DP-SGD are
+    refused. ``mu`` and ``radius`` still apply in this mode (default ``mu`` 0 there).
 
     Args:
-      mu: proximal pull towards the last consensus (FedProx's mu).
+      mu: proximal pull towards the last consensus (FedProx's mu; default 0.5 in the
+        proximal mode, 0 in the tangent mode).
       radius: the node stays in the L2 ball of this radius around the last consensus.
+      mode: ``"proximal"`` or ``"tangent"``.
 
     Raises:
-      ValueError: for ``mu < 0`` or ``radius <= 0``.
+      ValueError: for ``mu < 0``, ``radius <= 0`` or an unknown ``mode``.
     """
 
-    mu: float = 0.5
+    mu: float | None = None
     radius: float = math.inf
+    mode: str = "proximal"
     name: str = "convexity"
 
     def __post_init__(self):
+        if self.mode not in ("proximal", "tangent"):
+            raise ValueError(f"convexity: mode must be 'proximal' or 'tangent', got {self.mode!r}")
+        if self.mu is None:
+            object.__setattr__(self, "mu", 0.5 if self.mode == "proximal" else 0.0)
         if not self.mu >= 0:
             raise ValueError(f"convexity: mu must be >= 0, got {self.mu}")
         if not self.radius > 0:
             raise ValueError(f"convexity: radius must be > 0, got {self.radius}")
 
     def settings(self, local_steps: int, learning_rate: float) -> NodeSettings:
-        """Every step on the node's own shard, with the proximal pull and the ball.
+        """Every step on the node's own shard, with the pull and the ball (and the expansion).
 
         Args:
           local_steps: the round's local steps.
@@ -216,7 +241,10 @@ class Convexity(_SubmitFinal):
         Returns:
           The node's settings.
         """
-        return NodeSettings((0, 0, local_steps), (learning_rate,) * 3, self.mu, self.radius)
+        mu = float(self.mu)  # type: ignore[arg-type]  # resolved in __post_init__
+        return NodeSettings(
+            (0, 0, local_steps), (learning_rate,) * 3, mu, self.radius, tangent=self.mode == "tangent"
+        )
 
 
 @STRATEGIES.declare("soup")

@@ -49,6 +49,7 @@ import optax
 from consensus import mesh as mesh_lib
 from strategies import dpsgd
 from strategies.convexity import project_l2_ball, proximal_step
+from strategies.tangent import TangentTask, linearize
 from strategies.tasks.base import Batch, NodeData, PyTree, Task, cast_floating, count_host
 
 OptimizerFactory = Callable[..., optax.GradientTransformation]
@@ -80,11 +81,31 @@ class Proximal(NamedTuple):
       mu: (n,) proximal strength; 0 disables the proximal step for a node.
       radius: (n,) radius of the L2 ball around the anchor; ``inf`` disables
         the projection for a node.
+      tangent: (n,) bool, nodes that train the task's first-order expansion at the anchor
+        (:mod:`strategies.tangent`) instead of the task's model; None: no node. The task must
+        declare ``linearizable = True``. With every node tangent only the expansion is
+        compiled; a fleet that mixes both computes both losses for every node and keeps one.
     """
 
     anchor: PyTree
     mu: jax.Array | np.ndarray
     radius: jax.Array | np.ndarray
+    tangent: jax.Array | np.ndarray | None = None
+
+
+# Which nodes of a fit train the tangent expansion (a static option: one compile per mode).
+TANGENT_NONE, TANGENT_ALL, TANGENT_MIXED = 0, 1, 2
+
+
+def _check_tangent(task: Task, anchor: PyTree, dp: Any, frozen: PyTree | None) -> None:
+    """Refuse tangent nodes the trainer cannot run: a task that cannot be linearised, DP-SGD, LoRA."""
+    if dp is not None:
+        raise ValueError("proximal.tangent does not combine with example-level DP-SGD (dp)")
+    if frozen is not None:
+        raise ValueError(
+            "proximal.tangent does not combine with a frozen base (LoRA): linearise the base task"
+        )
+    linearize(task, anchor)  # NotLinearizableError or ValueError, naming the problem
 
 
 class Schedule(NamedTuple):
@@ -573,15 +594,18 @@ class NodeTrainer:
                 raise ValueError(
                     "proximal training needs a 'learning_rate' hyperparameter (the prox step size)"
                 )
-            prox = (
-                proximal.anchor,
-                _per_node("proximal.mu", proximal.mu, n, np.float32),
-                _per_node("proximal.radius", proximal.radius, n, np.float32),
-            )
-            if np.any(prox[1] < 0) or np.any(prox[2] < 0) or np.any(np.isnan(prox[2])):
+            mu = _per_node("proximal.mu", proximal.mu, n, np.float32)
+            radius = _per_node("proximal.radius", proximal.radius, n, np.float32)
+            if np.any(mu < 0) or np.any(radius < 0) or np.any(np.isnan(radius)):
                 raise ValueError("proximal.mu and proximal.radius must be >= 0")
+            on = False if proximal.tangent is None else proximal.tangent
+            tangent = _per_node("proximal.tangent", on, n, bool)
+            tangent_mode = TANGENT_ALL if tangent.all() else TANGENT_MIXED if tangent.any() else TANGENT_NONE
+            if tangent_mode != TANGENT_NONE:
+                _check_tangent(self.task, proximal.anchor, dp, frozen)
+            prox: tuple[Any, ...] | None = (proximal.anchor, mu, radius, tangent)
         else:
-            prox = None
+            prox, tangent_mode = None, TANGENT_NONE
         if flip_labels is not None and poisoned is not None:
             raise TypeError("pass either flip_labels or poisoned (with data_attack), not both")
         if data_attack is not None and not callable(data_attack):
@@ -602,6 +626,7 @@ class NodeTrainer:
             gate,
             dp_static,
             frozen is not None,
+            tangent_mode,
         )
 
         rep = self._rep_sh()
@@ -612,9 +637,7 @@ class NodeTrainer:
             put_small(active.T.copy()),
             {k: put_small(v) for k, v in hp.items()},
             put_small(flip),
-            None
-            if prox is None
-            else (jax.tree.map(put_small, prox[0]), put_small(prox[1]), put_small(prox[2])),
+            None if prox is None else (jax.tree.map(put_small, prox[0]), *(put_small(a) for a in prox[1:])),
             None if dp_args is None else tuple(put_small(a) for a in dp_args),
             None if frozen is None else jax.tree.map(put_small, frozen),
         )
@@ -722,21 +745,29 @@ class NodeTrainer:
 
         return dpsgd.DenseTaps(taps.widths, loss)
 
-    def _loss_fn(self, frozen: PyTree | None = None) -> Callable:
+    def _loss_fn(self, frozen: PyTree | None = None, tangent_at: PyTree | None = None) -> Callable:
+        """The step's loss of ``params``: the task's, or its expansion at ``tangent_at``."""
+        task: Any = self.task if tangent_at is None else TangentTask(self.task, tangent_at)
+
         def loss(params, batch, key):
             if jnp.dtype(self.compute_dtype) != jnp.dtype(jnp.float32):
                 params = cast_floating(params, self.compute_dtype)
+            if tangent_at is not None:  # the anchor as an argument of the step, not a constant
+                at = tangent_at
+                if jnp.dtype(self.compute_dtype) != jnp.dtype(jnp.float32):
+                    at = cast_floating(at, self.compute_dtype)
+                return task.loss(params, batch, key, frozen=at).astype(jnp.float32)
             if frozen is not None:
-                out = self.task.loss(params, batch, key, frozen=frozen)
+                out = task.loss(params, batch, key, frozen=frozen)
                 return out.astype(jnp.float32)
-            return self.task.loss(params, batch, key).astype(jnp.float32)
+            return task.loss(params, batch, key).astype(jnp.float32)
 
         if self.remat:
             loss = jax.checkpoint(loss, policy=jax.checkpoint_policies.dots_saveable)
         return loss
 
     def _fit_impl(self, state, pools, level_t, active_t, hp, flip, prox, dp_args, frozen, *, static):
-        steps, record, shared, use_flip, attack, use_prox, gate, dp_static, _ = static
+        steps, record, shared, use_flip, attack, use_prox, gate, dp_static, _, tangent_mode = static
         loss_fn = self._loss_fn(frozen)
         dense_taps = self._dense_taps() if dp_static is not None and dp_static[2] else None
         accum = self.grad_accum > 1
@@ -748,8 +779,18 @@ class NodeTrainer:
         ):
             batch_sh = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("data"))
 
+        def value_and_grad(params, batch, key, tan_i, anchor):
+            if tangent_mode == TANGENT_NONE:
+                return jax.value_and_grad(loss_fn)(params, batch, key)
+            tangent = jax.value_and_grad(self._loss_fn(tangent_at=anchor))(params, batch, key)
+            if tangent_mode == TANGENT_ALL:
+                return tangent
+            # Under vmap both branches run for every node: the select keeps each node's own.
+            plain = jax.value_and_grad(loss_fn)(params, batch, key)
+            return jax.tree.map(lambda t, p: jnp.where(tan_i, t, p), tangent, plain)
+
         def node_step(
-            params, opt, step, lvl, act, k_sample, k_loss, hp_i, flip_i, mu_i, r_i, anchor, dp_i, pools
+            params, opt, step, lvl, act, k_sample, k_loss, hp_i, flip_i, mu_i, r_i, tan_i, anchor, dp_i, pools
         ):
             batches, rows_l = [], []
             if dp_static is not None:
@@ -798,7 +839,7 @@ class NodeTrainer:
                     taps=dense_taps,
                 )
             else:
-                loss, grads = jax.value_and_grad(loss_fn)(params, batch, k_loss)
+                loss, grads = value_and_grad(params, batch, k_loss, tan_i, anchor)
             updates, new_opt = self._tx(hp_l).update(grads, opt, params)
             new_params = optax.apply_updates(params, updates)
             if use_prox:
@@ -820,11 +861,11 @@ class NodeTrainer:
 
         pool_axes = tuple((None if sh else 0, 0, 0) for sh, _ in shared)
         if use_prox:
-            anchor, mu, radius = prox
-            prox_axes = (0, 0, None)
+            anchor, mu, radius, tangent = prox
         else:
             anchor, mu, radius = None, jnp.zeros_like(flip, jnp.float32), jnp.zeros_like(flip, jnp.float32)
-            prox_axes = (0, 0, None)
+            tangent = jnp.zeros_like(flip, bool)
+        prox_axes = (0, 0, 0, None)
         spmd = "node" if self.mesh is not None else None
         dp_axes = None if dp_args is None else (0, 0, 0, 0)
         in_axes = (0, 0, 0, 0, 0, 0, 0, 0, 0, *prox_axes, dp_axes, pool_axes)
@@ -845,7 +886,7 @@ class NodeTrainer:
 
         carry0 = (state.params, state.opt_state, state.step)
         xs = (level_t, active_t, pairs[:, :, 0], pairs[:, :, 1])
-        invariant = (hp, flip, mu, radius, anchor, dp_args, pools)
+        invariant = (hp, flip, mu, radius, tangent, anchor, dp_args, pools)
         if single:
             invariant = _take_tree(in_axes[7:], invariant)
             carry0 = jax.tree.map(lambda x: x[0], carry0)

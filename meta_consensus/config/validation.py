@@ -347,7 +347,14 @@ def validate(cfg: Config) -> None:
         _check(isinstance(opts, Mapping), f"nodes.options.{name}", opts, "a table of the strategy's options")
     built = _registered("nodes.options", cfg.nodes.build_strategies)
     for s in {s.name: s for s in built}.values():
-        _registered(f"nodes.options.{s.name}", lambda s=s: s.settings(cfg.nodes.local_steps, 1.0))
+        settings = _registered(f"nodes.options.{s.name}", lambda s=s: s.settings(cfg.nodes.local_steps, 1.0))
+        if getattr(settings, "tangent", False):  # the trainer's own refusals, named by the config key
+            where = f"nodes.options.{s.name}"
+            _check(cfg.nodes.lora is None, where, dict(cfg.nodes.options.get(s.name, {})),
+                   "tangent nodes train the whole model; not with [nodes.lora]")  # fmt: skip
+            _check(not (cfg.dp.enabled and cfg.dp.level == "example"), where,
+                   dict(cfg.nodes.options.get(s.name, {})),
+                   "tangent nodes do not combine with dp.level = 'example'")  # fmt: skip
     # byzantine
     byz = cfg.byzantine
     _choices("byzantine.attack", byz.attack, node_registry.ATTACKS.names())

@@ -189,7 +189,9 @@ class FlowerNode:
             self._levels, self._hp = None, None
         mu = np.asarray([st.proximal_mu for st in settings], np.float32)
         radius = np.asarray([st.proximal_radius for st in settings], np.float32)
-        self._proximal = (mu[row], radius[row]) if (mu > 0).any() or np.isfinite(radius).any() else None
+        tangent = np.asarray([st.tangent for st in settings], bool)
+        needed = (mu > 0).any() or np.isfinite(radius).any() or tangent.any()
+        self._proximal = (mu[row], radius[row], tangent[row]) if needed else None
         snaps = {st.snapshots for st in settings if st.snapshots}
         if len(snaps) > 1:
             raise ValueError(f"nodes take different numbers of snapshots {sorted(snaps)}; use one number")
