@@ -471,20 +471,29 @@ def convexity_pull(results: Path) -> str:
     steps = d["settings"]["local_steps"]
     per_step = 1 - 1 / (1 + lr * mu)
     per_round = 1 - (1 / (1 + lr * mu)) ** steps
-    deltas = []
+    deltas: dict[str, list[str]] = {"proximal": [], "tangent": []}
+    rows = {"proximal": "convexity + public warm start", "tangent": "convexity (tangent) + public warm start"}
     for stem in ("ablations_digits", "ablations_fashion_mnist"):
         if (results / f"{stem}.json").is_file():
             c = _strategies(_data(results, stem))
-            diffs = ", ".join(
-                f"{_spts(c['convexity + public warm start'][a][0] - c[REFERENCE][a][0])} at alpha = {a:g}"
-                for a in c[REFERENCE]
-            )
-            deltas.append(f"{_data(results, stem)['settings']['task']} {diffs}")
+            for mode, row in rows.items():
+                if row not in c:  # a page measured before the mode existed
+                    continue
+                diffs = ", ".join(
+                    f"{_spts(c[row][a][0] - c[REFERENCE][a][0])} at alpha = {a:g}" for a in c[REFERENCE]
+                )
+                deltas[mode].append(f"{_data(results, stem)['settings']['task']} {diffs}")
+    tangent = (
+        f" Tangent-space convexity nodes (the model's first-order expansion at each round's consensus) "
+        f"against the same: {'; '.join(deltas['tangent'])}."
+        if deltas["tangent"]
+        else ""
+    )
     return (
         f"The proximal step shrinks the distance to the consensus by 1 / (1 + lr mu) per step: with the "
         f"default mu = {mu:g} and Adam's lr = {lr:g}, {100 * per_step:.2f}% a step, {100 * per_round:.1f}% "
         f"over the {steps} local steps of a round. Convexity against local training from the same warm "
-        f"start, consensus test accuracy (points): {'; '.join(deltas)}."
+        f"start, consensus test accuracy (points): {'; '.join(deltas['proximal'])}.{tangent}"
     )
 
 

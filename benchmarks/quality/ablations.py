@@ -109,6 +109,7 @@ COMMON = ["baseline_fedavg=false", "checkpoint_every=0"]
 # compares strategies on the same data.
 UNION = "hierarchical, union pool (centralised)"
 SAME_DATA = "local + public warm start"
+TANGENT = "convexity (tangent) + public warm start"
 FORMER = "former default mix (2 hierarchical, 2 convexity, 2 soup, 2 local)"
 FORMER_MIX = "['hierarchical', 'hierarchical', 'convexity', 'convexity', 'soup', 'soup', 'local', 'local']"
 MIXES: dict[str, tuple[str | None, bool | None, tuple[str, ...]]] = {
@@ -117,6 +118,7 @@ MIXES: dict[str, tuple[str | None, bool | None, tuple[str, ...]]] = {
     "hierarchical": ("hierarchical", False, ()),
     "convexity + public warm start": ("convexity", True, ()),
     "soup + public warm start": ("soup", True, ()),
+    TANGENT: ("convexity", True, ("nodes.options.convexity={mode = 'tangent'}",)),
     "default mix": (None, None, ()),
     FORMER: (FORMER_MIX, False, ()),
     UNION: ("hierarchical", False, ("task.general_pool=union",)),
@@ -563,6 +565,8 @@ def summarize(res: Mapping[str, Any]) -> dict[str, Any]:
             out["merges"][f"{merge} | {threat}"] = vals
     for alpha in st["alphas"]:
         b = [r for r in res["baseline_runs"] if r["alpha"] == alpha]
+        if not b:  # a part run with --no-baselines
+            continue
         attacked = st["honest_under_attack"]
         out["baselines"][f"alpha={alpha:g}"] = {
             "alone_mean": mean_std([float(np.mean(r["alone_accuracy"])) for r in b]),
@@ -601,6 +605,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--no-merges",
         action="store_true",
         help="skip the merge-pipeline runs (strategy rows and baselines only)",
+    )
+    parser.add_argument(
+        "--no-baselines",
+        action="store_true",
+        help="skip the baselines that never see the consensus (e.g. one new strategy row, --combine'd "
+        "with a full run of the same seeds)",
     )
     parser.add_argument(
         "--alphas", default=None, help="comma-separated Dirichlet alphas (default: the task's)"
@@ -679,6 +689,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "public_warm_start_steps": public_steps(base),
         "threats": list(threats),
         "merges": [] if args.no_merges else merges + (list(EXAMPLE_DP) if example else []),
+        "baselines": not args.no_baselines,
         "honest_under_attack": honest(base).tolist(),
         "overrides": {"task": TASKS[args.task], "common": COMMON, "threats": THREATS, "merges": MERGES},
     }
@@ -718,7 +729,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"byz weight {r['byzantine_weight']:.3f} ({r['seconds']:.1f} s)",
                     flush=True,
                 )
-        for alpha in alphas:
+        for alpha in [] if args.no_baselines else alphas:
             r = baseline_runs(args.task, budget, seed, alpha, rows)
             baseline_list.append(r)
             print(
@@ -748,27 +759,42 @@ def _decode(x: Any) -> Any:
     return float(x) if x in ("inf", "-inf", "nan") else x
 
 
-# Settings that may differ between the parts of a --combine (everything else must match).
-PER_PART = ("seeds", "seeds_planned", "command")
+# Settings that may differ between the parts of a --combine (everything else must match); parts
+# may also run other strategy mixes, merges or baselines (PER_ROWS) of the same seeds.
+PER_PART = ("seeds", "seeds_planned", "command", "parts")
+PER_ROWS = ("mixes", "merges", "baselines")
+
+
+def _run_key(kind: str, r: dict[str, Any]) -> tuple[Any, ...]:
+    """What identifies a run of ``kind``: two parts may not both have it."""
+    fields = {"strategy_runs": ("seed", "alpha", "mix", "threat"), "merge_runs": ("seed", "merge", "threat"),
+              "baseline_runs": ("seed", "alpha")}[kind]  # fmt: skip
+    return tuple(r[f] for f in fields)
 
 
 def combine(paths: Sequence[Path], task: str, quick: bool, parser: Any) -> dict[str, Any]:
-    """One report from the runs of several result files of the same task and settings."""
+    """One report from the runs of several result files of the same task and settings.
+
+    The parts are other seeds of the same rows, or other rows (strategy mixes, merges,
+    baselines) of the same seeds; a run that two parts both have is refused.
+    """
     parts = [_decode(json.loads(Path(p).read_text())) for p in paths]
-    ref = {k: v for k, v in parts[0]["settings"].items() if k not in PER_PART}
+    ref = {k: v for k, v in parts[0]["settings"].items() if k not in PER_PART + PER_ROWS}
     if ref.get("task") != task or ref.get("quick") != quick:
         parser.error(f"--combine: {paths[0]} is task {ref.get('task')!r} quick={ref.get('quick')}")
-    seeds: list[int] = []
+    seen: dict[tuple[Any, ...], Path] = {}
     for p, part in zip(paths, parts, strict=True):
-        other = {k: v for k, v in part["settings"].items() if k not in PER_PART}
+        other = {k: v for k, v in part["settings"].items() if k not in PER_PART + PER_ROWS}
         if other != ref:
             diff = sorted(k for k in ref.keys() | other.keys() if ref.get(k) != other.get(k))
             parser.error(f"--combine: {p} has other settings than {paths[0]}: {diff}")
-        if set(part["settings"]["seeds"]) & set(seeds):
-            parser.error(
-                f"--combine: {p} repeats seeds {sorted(set(part['settings']['seeds']) & set(seeds))}"
-            )
-        seeds += part["settings"]["seeds"]
+        for kind in ("strategy_runs", "merge_runs", "baseline_runs"):
+            for r in part[kind]:
+                key = (kind, *_run_key(kind, r))
+                if key in seen:
+                    parser.error(f"--combine: {p} and {seen[key]} both ran {kind[:-5]} {key[1:]}")
+                seen[key] = p
+    seeds = sorted({s for part in parts for s in part["settings"]["seeds"]})
     pieces = [
         {
             "command": part["settings"].get("command", "?"),
@@ -777,7 +803,13 @@ def combine(paths: Sequence[Path], task: str, quick: bool, parser: Any) -> dict[
         }
         for part in parts
     ]
-    settings = {**ref, "seeds": sorted(seeds), "parts": pieces}
+    ran = {k: {x for part in parts for x in part["settings"][k]} for k in ("mixes", "merges")}
+    rows = {
+        "mixes": [m for m in MIXES if m in ran["mixes"]],
+        "merges": [m for m in [*MERGES, *EXAMPLE_DP] if m in ran["merges"]],
+        "baselines": any(part["settings"].get("baselines", True) for part in parts),
+    }
+    settings = {**ref, **rows, "seeds": seeds, "parts": pieces}
     settings["command"] = " ".join(["python -m benchmarks ablations", *sys.argv[1:]])
     res = report(
         settings,

@@ -324,7 +324,7 @@ def baselines(res: Result) -> list[str]:
     """Nodes alone, centralised training and the system side by side, per alpha."""
     st, sm = res["settings"], res["summary"]
     text = _is_text(res)
-    if "default mix" not in st["mixes"]:
+    if "default mix" not in st["mixes"] or not sm["baselines"]:
         return []
     lines = ["## Baselines that never train from the consensus", ""]
     head = [

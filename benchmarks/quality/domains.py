@@ -271,20 +271,21 @@ def _heldout_model(ev: Evaluator, ref: Any) -> Any:
 
 def barriers(ev: Evaluator, stacked: Any, mean: Any, tangent: bool, points: int = 5) -> dict[str, float]:
     """Held-out loss barriers: every pair of specialists, and each specialist to the mean."""
-    task = ev.tangent if tangent else ev.task
+    # The tangent model's anchor travels with the data, as an argument: captured by the loss it
+    # would be a constant of the compiled barrier (a second copy of the model, constant-folded).
+    held: Any = (ev.heldout, ev.base) if tangent else (ev.heldout, None)
 
     def loss(p: Any, batch: Any) -> Any:
-        return task.loss(p, batch)
+        rows, anchor = batch
+        return ev.tangent.loss(p, rows, frozen=anchor) if tangent else ev.task.loss(p, rows)
 
     n = consensus.num_nodes(stacked)
     pairs, to_mean = [], []
     for i in range(n):
         a = _node(stacked, i)
-        to_mean.append(float(loss_barrier(loss, a, mean, ev.heldout, num_points=points).barrier))
+        to_mean.append(float(loss_barrier(loss, a, mean, held, num_points=points).barrier))
         for j in range(i + 1, n):
-            pairs.append(
-                float(loss_barrier(loss, a, _node(stacked, j), ev.heldout, num_points=points).barrier)
-            )
+            pairs.append(float(loss_barrier(loss, a, _node(stacked, j), held, num_points=points).barrier))
     return {"pairwise max": max(pairs), "pairwise mean": float(np.mean(pairs)),
             "to mean max": max(to_mean), "to mean mean": float(np.mean(to_mean))}  # fmt: skip
 
