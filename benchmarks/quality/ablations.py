@@ -772,29 +772,49 @@ def _run_key(kind: str, r: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(r[f] for f in fields)
 
 
-def combine(paths: Sequence[Path], task: str, quick: bool, parser: Any) -> dict[str, Any]:
-    """One report from the runs of several result files of the same task and settings.
+def unite(parts: Sequence[Mapping[str, Any]], names: Sequence[str]) -> dict[str, Any]:
+    """The settings of one report from result parts (``names`` name them in errors).
 
     The parts are other seeds of the same rows, or other rows (strategy mixes, merges,
-    baselines) of the same seeds; a run that two parts both have is refused.
+    baselines) of the same seeds: everything but :data:`PER_PART` and :data:`PER_ROWS` must
+    match, and a run that two parts both have is refused.
+
+    Raises:
+      ValueError: naming the part whose settings differ, or the run two parts share.
     """
-    parts = [_decode(json.loads(Path(p).read_text())) for p in paths]
     ref = {k: v for k, v in parts[0]["settings"].items() if k not in PER_PART + PER_ROWS}
-    if ref.get("task") != task or ref.get("quick") != quick:
-        parser.error(f"--combine: {paths[0]} is task {ref.get('task')!r} quick={ref.get('quick')}")
-    seen: dict[tuple[Any, ...], Path] = {}
-    for p, part in zip(paths, parts, strict=True):
+    seen: dict[tuple[Any, ...], str] = {}
+    for name, part in zip(names, parts, strict=True):
         other = {k: v for k, v in part["settings"].items() if k not in PER_PART + PER_ROWS}
         if other != ref:
             diff = sorted(k for k in ref.keys() | other.keys() if ref.get(k) != other.get(k))
-            parser.error(f"--combine: {p} has other settings than {paths[0]}: {diff}")
+            raise ValueError(f"{name} has other settings than {names[0]}: {diff}")
         for kind in ("strategy_runs", "merge_runs", "baseline_runs"):
             for r in part[kind]:
                 key = (kind, *_run_key(kind, r))
                 if key in seen:
-                    parser.error(f"--combine: {p} and {seen[key]} both ran {kind[:-5]} {key[1:]}")
-                seen[key] = p
-    seeds = sorted({s for part in parts for s in part["settings"]["seeds"]})
+                    raise ValueError(f"{name} and {seen[key]} both ran {kind[:-5]} {key[1:]}")
+                seen[key] = name
+    ran = {k: {x for part in parts for x in part["settings"][k]} for k in ("mixes", "merges")}
+    return {
+        **ref,
+        "mixes": [m for m in MIXES if m in ran["mixes"]],
+        "merges": [m for m in [*MERGES, *EXAMPLE_DP] if m in ran["merges"]],
+        "baselines": any(part["settings"].get("baselines", True) for part in parts),
+        "seeds": sorted({s for part in parts for s in part["settings"]["seeds"]}),
+    }
+
+
+def combine(paths: Sequence[Path], task: str, quick: bool, parser: Any) -> dict[str, Any]:
+    """One report from the runs of several result files of the same task (see :func:`unite`)."""
+    parts = [_decode(json.loads(Path(p).read_text())) for p in paths]
+    first = parts[0]["settings"]
+    if first.get("task") != task or first.get("quick") != quick:
+        parser.error(f"--combine: {paths[0]} is task {first.get('task')!r} quick={first.get('quick')}")
+    try:
+        united = unite(parts, [str(p) for p in paths])
+    except ValueError as e:
+        parser.error(f"--combine: {e}")
     pieces = [
         {
             "command": part["settings"].get("command", "?"),
@@ -803,13 +823,7 @@ def combine(paths: Sequence[Path], task: str, quick: bool, parser: Any) -> dict[
         }
         for part in parts
     ]
-    ran = {k: {x for part in parts for x in part["settings"][k]} for k in ("mixes", "merges")}
-    rows = {
-        "mixes": [m for m in MIXES if m in ran["mixes"]],
-        "merges": [m for m in [*MERGES, *EXAMPLE_DP] if m in ran["merges"]],
-        "baselines": any(part["settings"].get("baselines", True) for part in parts),
-    }
-    settings = {**ref, **rows, "seeds": seeds, "parts": pieces}
+    settings = {**united, "parts": pieces}
     settings["command"] = " ".join(["python -m benchmarks ablations", *sys.argv[1:]])
     res = report(
         settings,

@@ -190,3 +190,33 @@ def test_every_ablation_is_a_config_change_of_the_default(task):
         assert cfg.byzantine.nodes == () and cfg.nodes.strategy_of() == base.nodes.strategy_of()
     with pytest.raises(ValueError, match="unknown strategy mix"):
         ablations.strategy_overrides("greedy", base)
+
+
+def _part(seeds, mixes, baselines=True, **settings):
+    """A result file's skeleton: its settings and one run per (seed, mix) and per seed's baseline."""
+    st = {"task": "digits", "quick": False, "rounds": 10, "seeds": seeds, "mixes": mixes, "merges": [],
+          "baselines": baselines, "command": "x", **settings}  # fmt: skip
+    return {
+        "settings": st,
+        "strategy_runs": [
+            {"seed": s, "alpha": 0.5, "mix": m, "threat": "clean"} for s in seeds for m in mixes
+        ],
+        "merge_runs": [],
+        "baseline_runs": [{"seed": s, "alpha": 0.5} for s in seeds] if baselines else [],
+    }
+
+
+def test_combined_parts_are_other_seeds_or_other_rows_and_never_the_same_run_twice():
+    tangent, local = ablations.TANGENT, ablations.SAME_DATA
+    # other seeds of the same rows
+    st = ablations.unite([_part([0], [local]), _part([1, 2], [local])], ["a", "b"])
+    assert st["seeds"] == [0, 1, 2] and st["mixes"] == [local] and st["baselines"]
+    # another row of the same seeds, in the benchmark's row order whatever the parts' order
+    st = ablations.unite([_part([0, 1], [tangent], baselines=False), _part([0, 1], [local])], ["a", "b"])
+    assert st["seeds"] == [0, 1] and st["mixes"] == [local, tangent] and st["baselines"]
+    with pytest.raises(ValueError, match=r"b and a both ran strategy \(0, 0.5"):
+        ablations.unite([_part([0], [local]), _part([0], [local])], ["a", "b"])
+    with pytest.raises(ValueError, match=r"both ran baseline \(0, 0.5\)"):
+        ablations.unite([_part([0], [local]), _part([0], [tangent])], ["a", "b"])
+    with pytest.raises(ValueError, match=r"b has other settings than a: \['rounds'\]"):
+        ablations.unite([_part([0], [local]), _part([1], [local], rounds=5)], ["a", "b"])
