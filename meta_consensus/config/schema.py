@@ -64,7 +64,8 @@ class NodesConfig:
       learning_rate: Adam learning rate (each strategy may scale it per curriculum level).
       options: per strategy name, the keyword options of its class, for example
         ``{hierarchical = {fractions = [0.5, 0.25, 0.25]}, convexity = {mu = 0.5, radius = inf},
-        soup = {snapshots = 4}}``.
+        soup = {snapshots = 4}}``; ``convexity = {mode = "tangent"}`` trains the model's
+        first-order expansion at each round's consensus (:class:`strategies.node.Convexity`).
       sampling: client sampling (see :mod:`meta_consensus.sampling`): "full" (every node every
         round, the default), "uniform" (``per_round`` nodes drawn without replacement from the
         round key) or "poisson" (every node independently with rate ``sampling_rate``, or
