@@ -537,6 +537,39 @@ def is_merge(row: str) -> bool:
     return not ("specialist" in row or row in REFERENCE_ROWS or "poisoned" in row)
 
 
+# What a one-shot merge of full fine-tunes needs besides the nodes' weights, for the recommendation:
+# nothing more; held-out rows at the coordinator (tuned scales, fitted weights); or the nodes' own data
+# statistics (Fisher diagonals, input Grams), which are not private.
+NEEDS = {
+    "the weights alone": ("mean", "median", "trimmed mean", "model stock"),
+    "held-out rows at the coordinator": ("task arithmetic", "ties", "dare+ties", "mixture-NLL weights",
+                                         "layer-wise weights (per module)"),
+    "the nodes' data statistics (not private)": ("fisher", "regmean"),
+}  # fmt: skip
+
+
+def recommendation(summary: Mapping[str, Mapping[str, list[float]]]) -> list[str]:
+    """The merge to use for one-shot full fine-tunes, by what the coordinator may have, from the rows."""
+    best = {}
+    for need, rows in NEEDS.items():
+        have = [r for r in rows if r in summary]
+        if have:
+            best[need] = min(have, key=lambda r: summary[r]["all"][0])
+    if not best:
+        return []
+    parts = [f"with {need}: **{r}** ({summary[r]['all'][0]:.2f})" for need, r in best.items()]
+    head = "- Recommendation for one-shot merges of full fine-tunes, by what the coordinator has: "
+    line = head + "; ".join(parts)
+    robust = [r for r in ("median, 1 poisoned", "trimmed mean, 1 poisoned") if r in summary]
+    if robust and "mean, 1 poisoned" in summary:
+        r = min(robust, key=lambda r: summary[r]["all"][0])
+        line += (
+            f". Where a node may be Byzantine, the {r.split(',')[0]} ({summary[r]['all'][0]:.2f} with one "
+            f"poisoned node, against the mean's {summary['mean, 1 poisoned']['all'][0]:.2f})"
+        )
+    return [line + "."]
+
+
 def findings(summary: Mapping[str, Mapping[str, list[float]]], doms: Sequence[str]) -> list[str]:
     """Per section: the best clean merge, its gap to the best single merge of the others, and its
     distance from the multitask model per domain; the tangent claim; the robust rows."""
@@ -580,7 +613,7 @@ def findings(summary: Mapping[str, Mapping[str, list[float]]], doms: Sequence[st
             f"{summary['mean']['all'][0]:.2f}, {summary['median']['all'][0]:.2f}, "
             f"{summary['trimmed mean']['all'][0]:.2f})."
         )
-    return out
+    return out + recommendation(summary)
 
 
 def markdown(res: Mapping[str, Any]) -> str:

@@ -95,3 +95,16 @@ def test_the_multitask_data_is_every_nodes_windows_once():
     np.testing.assert_array_equal(u.pool["x"][0], want)
     np.testing.assert_array_equal(u.pool["y"][0], want + 100)
     assert u.count.tolist() == [9] and u.index.tolist() == [list(range(9))]
+
+
+def test_the_recommendation_is_the_best_row_of_what_the_coordinator_has():
+    rows = {"mean": 20.3, "median": 20.2, "model stock": 24.0, "task arithmetic": 20.3, "dare+ties": 20.1,
+            "mixture-NLL weights": 20.25, "fisher": 20.4, "regmean": 20.0, "mean, 1 poisoned": 28.4,
+            "median, 1 poisoned": 21.8, "trimmed mean, 1 poisoned": 21.9}  # fmt: skip
+    summary = {r: {"all": [v, 0.0]} for r, v in rows.items()}
+    (line,) = domains.recommendation(summary)
+    assert "the weights alone: **median** (20.20)" in line
+    assert "held-out rows at the coordinator: **dare+ties** (20.10)" in line
+    assert "(not private): **regmean** (20.00)" in line
+    assert "the median (21.80 with one poisoned node, against the mean's 28.40)" in line
+    assert domains.recommendation({"base": {"all": [25.0, 0.0]}}) == []
