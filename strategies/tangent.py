@@ -188,6 +188,23 @@ class TangentTask:
         return self._on(frozen).target_probs(params, batch)
 
 
+def check_linearizable(task: Any, caller: str) -> None:
+    """Refuse a task whose loss may read the model other than through ``self.apply``.
+
+    Args:
+      task: the task.
+      caller: the function named in the error.
+
+    Raises:
+      NotLinearizableError: for a task that does not declare ``linearizable = True``.
+    """
+    if not getattr(task, "linearizable", False):
+        raise NotLinearizableError(
+            f"{caller}: task {getattr(task, 'name', type(task).__name__)!r} does not declare "
+            "linearizable = True (its loss must read the model only through self.apply)"
+        )
+
+
 def linearize(task: Any, anchor: PyTree) -> TangentTask:
     """The task fine-tuned in the tangent space at ``anchor`` (see the module docstring).
 
@@ -208,11 +225,7 @@ def linearize(task: Any, anchor: PyTree) -> TangentTask:
       ValueError: for an anchor whose tree structure or leaf shapes differ from the task's
         parameters, or a leaf that is not floating-point.
     """
-    if not getattr(task, "linearizable", False):
-        raise NotLinearizableError(
-            f"linearize: task {getattr(task, 'name', type(task).__name__)!r} does not declare "
-            "linearizable = True (its loss must read the model only through self.apply)"
-        )
+    check_linearizable(task, "linearize")
     expected = jax.eval_shape(task.init, jax.random.key(0))
     if jax.tree.structure(expected) != jax.tree.structure(anchor):  # type: ignore[operator]
         raise ValueError(

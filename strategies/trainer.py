@@ -49,7 +49,7 @@ import optax
 from consensus import mesh as mesh_lib
 from strategies import dpsgd
 from strategies.convexity import project_l2_ball, proximal_step
-from strategies.tangent import TangentTask, linearize
+from strategies.tangent import TangentTask, check_linearizable
 from strategies.tasks.base import Batch, NodeData, PyTree, Task, cast_floating, count_host
 
 OptimizerFactory = Callable[..., optax.GradientTransformation]
@@ -97,15 +97,26 @@ class Proximal(NamedTuple):
 TANGENT_NONE, TANGENT_ALL, TANGENT_MIXED = 0, 1, 2
 
 
-def _check_tangent(task: Task, anchor: PyTree, dp: Any, frozen: PyTree | None) -> None:
-    """Refuse tangent nodes the trainer cannot run: a task that cannot be linearised, DP-SGD, LoRA."""
+def _check_tangent(task: Task, anchor: PyTree, params: PyTree, dp: Any, frozen: PyTree | None) -> None:
+    """Refuse tangent nodes the trainer cannot run.
+
+    A task that cannot be linearised, an anchor unlike a node's params, DP-SGD, LoRA. Cheap
+    (no trace of the task's init, unlike ``linearize``): every fit call of a round checks it.
+    """
     if dp is not None:
         raise ValueError("proximal.tangent does not combine with example-level DP-SGD (dp)")
     if frozen is not None:
         raise ValueError(
             "proximal.tangent does not combine with a frozen base (LoRA): linearise the base task"
         )
-    linearize(task, anchor)  # NotLinearizableError or ValueError, naming the problem
+    check_linearizable(task, "proximal.tangent")
+    same = jax.tree.structure(anchor) == jax.tree.structure(params)  # type: ignore[operator]
+    if not same or [np.shape(a) for a in jax.tree.leaves(anchor)] != [
+        tuple(p.shape[1:]) for p in jax.tree.leaves(params)
+    ]:
+        raise ValueError(
+            "proximal.anchor: the tangent nodes' expansion point must be one tree like a node's params"
+        )
 
 
 class Schedule(NamedTuple):
@@ -602,7 +613,7 @@ class NodeTrainer:
             tangent = _per_node("proximal.tangent", on, n, bool)
             tangent_mode = TANGENT_ALL if tangent.all() else TANGENT_MIXED if tangent.any() else TANGENT_NONE
             if tangent_mode != TANGENT_NONE:
-                _check_tangent(self.task, proximal.anchor, dp, frozen)
+                _check_tangent(self.task, proximal.anchor, state.params, dp, frozen)
             prox: tuple[Any, ...] | None = (proximal.anchor, mu, radius, tangent)
         else:
             prox, tangent_mode = None, TANGENT_NONE

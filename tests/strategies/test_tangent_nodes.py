@@ -120,6 +120,8 @@ def test_the_trainer_refuses_tangent_nodes_it_cannot_run(setting):
         trainer.fit(state, data.own(), 1, proximal=prox, dp=dp)
     with pytest.raises(ValueError, match="frozen base"):
         trainer.fit(state, data.own(), 1, proximal=prox, frozen=anchor)
+    with pytest.raises(ValueError, match="expansion point must be one tree like a node's params"):
+        trainer.fit(state, data.own(), 1, proximal=_prox({**anchor, "b2": jnp.zeros(C + 1)}, [True] * N))
 
     class Opaque:  # a task that does not say its loss reads the model through apply alone
         name, linearizable = "opaque", False
