@@ -18,27 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from tiny_mlp import C, D, mlp_apply, mlp_init
 
 from strategies.convexity import loss_barrier
 from strategies.tangent import NotLinearizableError, TangentTask, linearize
 from strategies.tasks.custom import task_from_arrays
 from strategies.trainer import NodeTrainer
-
-D, H, C = 6, 5, 3
-
-
-def _mlp_init(key):
-    k1, k2, k3, k4 = jax.random.split(key, 4)
-    return {
-        "w1": jax.random.normal(k1, (D, H)) * 0.7,
-        "b1": jax.random.normal(k2, (H,)) * 0.3,
-        "w2": jax.random.normal(k3, (H, C)) * 0.7,
-        "b2": jax.random.normal(k4, (C,)) * 0.3,
-    }
-
-
-def _mlp_apply(p, x):
-    return jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
 
 
 def _numpy_expansion(p0, p, x):
@@ -57,7 +42,7 @@ def mlp_task():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(90, D)).astype(np.float32)
     y = rng.integers(0, C, size=90)
-    return task_from_arrays((_mlp_init, _mlp_apply), x, y, name="mlp")
+    return task_from_arrays((mlp_init, mlp_apply), x, y, name="mlp")
 
 
 def _moved(p, scale, seed=1):

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_mlp import C, D, mlp_apply, mlp_init
 
 from strategies import dpsgd
 from strategies.node import build_strategy
@@ -26,21 +27,7 @@ from strategies.tangent import NotLinearizableError, TangentTask
 from strategies.tasks.custom import task_from_arrays
 from strategies.trainer import NodeTrainer, Proximal
 
-D, H, C, N, STEPS = 6, 5, 3, 3, 6
-
-
-def _mlp_init(key):
-    k1, k2, k3, k4 = jax.random.split(key, 4)
-    return {
-        "w1": jax.random.normal(k1, (D, H)) * 0.7,
-        "b1": jax.random.normal(k2, (H,)) * 0.3,
-        "w2": jax.random.normal(k3, (H, C)) * 0.7,
-        "b2": jax.random.normal(k4, (C,)) * 0.3,
-    }
-
-
-def _mlp_apply(p, x):
-    return jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+N, STEPS = 3, 6
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +35,7 @@ def setting():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(120, D)).astype(np.float32)
     y = rng.integers(0, C, size=120)
-    task = task_from_arrays((_mlp_init, _mlp_apply), x, y, name="mlp")
+    task = task_from_arrays((mlp_init, mlp_apply), x, y, name="mlp")
     data = task.splits(N, seed=0)
     anchor = task.init(jax.random.key(0))
     return task, data, anchor
