@@ -162,6 +162,13 @@ def machine() -> dict[str, Any]:
 # ----------------------------------------------------------------------------- reporting
 
 
+def record_arguments(args: Sequence[str]) -> None:
+    """The arguments the recorded command shows from now on (a result combined from parts records
+    the command that measures all of it, not the files it was combined from)."""
+    global _extra
+    _extra = list(args)
+
+
 def command(name: str, quick: bool) -> str:
     """The command that ran: ``python -m benchmarks NAME`` (``name`` if unknown), --quick, other arguments."""
     import shlex

@@ -1,7 +1,10 @@
 """Merging where it matters: fine-tunes of one pretrained LM on different text domains, merged once.
 
-Run ``python -m benchmarks domains [--quick] [--seeds 0,1,2] [--model smollm2|FOLDER]``. Writes
-benchmarks/results/domains.{json,md} (``domains_quick.*`` with --quick).
+Run ``python -m benchmarks domains [--quick | --cpu] [--seeds 0,1,2] [--model smollm2|FOLDER]``.
+Writes benchmarks/results/domains.{json,md} (``domains_quick.*`` with --quick). Three sizes:
+``--quick`` runs every section in minutes (a smoke run: a handful of steps); ``--cpu`` is the
+published page's (one seed, about an hour on 2 CPU cores); the default (three seeds, longer
+fine-tunes at context 128) is for an accelerator.
 
 Protocol (the one-shot regime of the merging literature, FusionBench-style, on text):
 
@@ -47,7 +50,16 @@ import numpy as np
 import optax
 
 import consensus
-from benchmarks.harness import header, load_line, markdown_table, parse, parser, results_folder, save
+from benchmarks.harness import (
+    header,
+    load_line,
+    markdown_table,
+    parse,
+    parser,
+    record_arguments,
+    results_folder,
+    save,
+)
 from strategies import NodeData, NodeTrainer, TaskData
 from strategies.convexity import loss_barrier
 from strategies.lora import LoraSettings, LoraTask, add_base_delta, merge_adapter
@@ -69,7 +81,7 @@ LORA_MERGES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("ties", "ties", {"density": 0.5}),
     ("dare+ties", "dare_ties", {"density": 0.5}),
 )
-SECTIONS = ("oneshot", "soup", "lora", "federated")
+SECTIONS = ("oneshot", "hierarchical", "soup", "lora", "federated")
 SNAPSHOTS = 3  # a soup node's snapshots, evenly spaced over its fine-tune (the last is the latest)
 POISONED = 0  # the node whose task vector is sign-flipped and tripled in the robust rows
 PROSE = "prose"
@@ -94,16 +106,30 @@ def domains(folder: Path) -> dict[str, list[str]]:
     return out
 
 
-def settings_for(quick: bool) -> dict[str, Any]:
-    """Sizes of a run (quick: 12 steps at context 48; with SmolLM2-135M on 2 CPU cores still far
-    longer than the harness's quick runs, the fine-tunes and evaluations of four 135M models)."""
-    if quick:
-        return {"context": 48, "batch": 2, "steps": 12, "lr": 1e-4, "windows_per_node": 48,
-                "heldout_windows": 16, "test_windows": 32, "stat_rows": 8, "rounds": 3, "barrier_points": 3,
-                "lora_rank": 8, "lora_lr": 1e-3}  # fmt: skip
-    return {"context": 128, "batch": 4, "steps": 100, "lr": 5e-5, "windows_per_node": 512,
-            "heldout_windows": 64, "test_windows": 128, "stat_rows": 32, "rounds": 5, "barrier_points": 5,
-            "lora_rank": 8, "lora_lr": 1e-3}  # fmt: skip
+# The sizes of a run. "quick" checks that every section runs (under 10 minutes on 2 CPU cores:
+# a handful of steps and windows, its perplexities barely move from the base's); "cpu" is the
+# published page's, the most that fits an hour of 2 CPU cores with SmolLM2-135M (about 65 training
+# tokens a second); "full" is for an accelerator. general_windows is the public pool that only the
+# hierarchical nodes read (its draw is independent of every other pool's: the other rows do not
+# depend on it).
+SIZES: dict[str, dict[str, Any]] = {
+    "quick": {"context": 32, "batch": 1, "steps": 4, "lr": 1e-4, "windows_per_node": 8, "heldout_windows": 4,
+              "test_windows": 8, "stat_rows": 2, "rounds": 2, "barrier_points": 3, "lora_rank": 4,
+              "lora_lr": 1e-3, "general_windows": 8},
+    "cpu": {"context": 48, "batch": 2, "steps": 12, "lr": 1e-4, "windows_per_node": 48, "heldout_windows": 16,
+            "test_windows": 32, "stat_rows": 8, "rounds": 3, "barrier_points": 3, "lora_rank": 8,
+            "lora_lr": 1e-3, "general_windows": 48},
+    "full": {"context": 128, "batch": 4, "steps": 100, "lr": 5e-5, "windows_per_node": 512,
+             "heldout_windows": 64, "test_windows": 128, "stat_rows": 32, "rounds": 5, "barrier_points": 5,
+             "lora_rank": 8, "lora_lr": 1e-3, "general_windows": 512},
+}  # fmt: skip
+# Settings that say how a run was split or named, not what it measured (parts may differ in them).
+PART_KEYS = ("sections", "federated_rows", "quick", "size")
+
+
+def settings_for(size: str) -> dict[str, Any]:
+    """The sizes of a run of ``size`` (one of :data:`SIZES`)."""
+    return dict(SIZES[size])
 
 
 def union(data: TaskData) -> NodeData:
@@ -383,6 +409,43 @@ def lora(task: Any, base: Any, data: TaskData, ev: Evaluator, s: Mapping[str, An
         log(f"LoRA merge: {row}")
 
 
+def hierarchical_fit(task: Any, params: Any, data: TaskData, n: int, steps: int, lr: float, seed: int,
+                     batch: int) -> tuple[Any, list[int]]:  # fmt: skip
+    """n copies of ``params`` trained through the hierarchical strategy's levels (its default
+    options: half the steps on the public pool, a quarter on the public windows of the node's own
+    domain, a quarter at half the rate on its own shard), one Adam state across the levels: (stacked
+    params, steps per level)."""
+    from strategies.hierarchical import Level, fit_hierarchical
+    from strategies.node import build_strategy
+
+    st = build_strategy("hierarchical", {}).settings(steps, lr)
+    levels = [Level(d, k, r) for d, k, r in zip(("general", "groups", "own"), st.level_steps, st.level_lr,
+                                                   strict=True)]  # fmt: skip
+    trainer = trainer_for(task, lr, batch)
+    state, _, _ = fit_hierarchical(trainer, trainer.init(jax.random.key(seed), params, n), data, levels)
+    return state.params, list(st.level_steps)
+
+
+def hierarchical(task: Any, base: Any, data: TaskData, ev: Evaluator, s: Mapping[str, Any], seed: int,
+                 out: dict[str, Any]) -> None:  # fmt: skip
+    """Hierarchical nodes in the one-shot regime: general -> the node's domain -> its own shard
+    (the public pool of every domain, the public windows of its own domain, its documents), the
+    same steps as the full fine-tunes; merged by the mean and tuned task arithmetic. They read the
+    public pool besides their own data; the plain specialists do not."""
+    rows, n = out["rows"], len(task.domains)
+    nodes, out["scales"]["hierarchical steps per level"] = hierarchical_fit(
+        task, base, data, n, int(s["steps"]), s["lr"], seed, s["batch"]
+    )
+    log("hierarchical specialists trained")
+    for i, name in enumerate(task.domains):
+        rows[f"hierarchical specialist: {name}"] = ev.row(_node(nodes, i))
+    for name, p, scale in merges(ev, base, nodes, None, None, tangent=False, robust=False, short=True):
+        rows[f"hierarchical {name}"] = ev.row(p)
+        if scale is not None:
+            out["scales"][f"hierarchical {name}"] = scale
+    log("hierarchical merges")
+
+
 def soup(task: Any, base: Any, data: TaskData, ev: Evaluator, s: Mapping[str, Any], seed: int,
          out: dict[str, Any]) -> None:  # fmt: skip
     """Soup nodes in the one-shot regime: each node keeps snapshots of its fine-tune and submits
@@ -425,7 +488,8 @@ def soup(task: Any, base: Any, data: TaskData, ev: Evaluator, s: Mapping[str, An
 
 
 # The federated regime's merges: (row, aggregator, how the nodes train: "plain", "tangent" or
-# "proximal" (the convexity strategy with its default options, pulled to the round's consensus)).
+# "proximal" (the convexity strategy with its default options, pulled to the round's consensus) or
+# "hierarchical" (the strategy's levels inside each round's local steps)).
 FEDERATED: tuple[tuple[str, Callable[[], Any], str], ...] = (
     ("mean (FedAvg)", consensus.mean, "plain"),
     ("ties", lambda: consensus.ties(0.2, scale=1.0), "plain"),
@@ -433,6 +497,7 @@ FEDERATED: tuple[tuple[str, Callable[[], Any], str], ...] = (
     ("trimmed mean", lambda: consensus.trimmed_mean(1), "plain"),
     ("tangent mean", consensus.mean, "tangent"),
     ("proximal (convexity) mean", consensus.mean, "proximal"),
+    ("hierarchical mean", consensus.mean, "hierarchical"),
 )
 
 
@@ -460,6 +525,8 @@ def federated(task: Any, base: Any, data: TaskData, ev: Evaluator, s: Mapping[st
             if mode == "tangent":
                 nodes, _ = fine_tune(ev.tangent, params, data.own(), n, local, s["lr"], key, s["batch"],
                                      timed=False, frozen=anchor)  # fmt: skip
+            elif mode == "hierarchical":
+                nodes, _ = hierarchical_fit(task, params, data, n, local, s["lr"], key, s["batch"])
             elif mode == "proximal":
                 prox = Proximal(
                     anchor, np.full(n, convexity.mu, np.float32), np.full(n, convexity.radius, np.float32)
@@ -483,8 +550,8 @@ def one_seed(model: str, seed: int, s: Mapping[str, Any], folder: Path, sections
     text = domains(folder)
     task: Any = build_task("causal_lm", {
         "model": model, "text": text, "context": s["context"], "windows_per_node": s["windows_per_node"],
-        "general_windows": 8, "heldout_windows": s["heldout_windows"], "test_windows": s["test_windows"],
-        "split_seed": seed,
+        "general_windows": s.get("general_windows", 8), "heldout_windows": s["heldout_windows"],
+        "test_windows": s["test_windows"], "split_seed": seed,
     })  # fmt: skip
     data = task.splits(len(text), seed=seed)
     base = task.init(jax.random.key(0))
@@ -495,7 +562,8 @@ def one_seed(model: str, seed: int, s: Mapping[str, Any], folder: Path, sections
     }  # fmt: skip
     log(f"seed {seed}: base evaluated")
     for name in sections:
-        parts = {"oneshot": oneshot, "soup": soup, "lora": lora, "federated": federated}
+        parts = {"oneshot": oneshot, "hierarchical": hierarchical, "soup": soup, "lora": lora,
+                 "federated": federated}  # fmt: skip
         parts[name](task, base, data, ev, s, seed, out)
         out["sections_done"] = [*out.get("sections_done", []), name]
         if done is not None:  # a long run keeps what it measured if it dies later
@@ -517,6 +585,10 @@ def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, list[flo
 GROUPS = (
     ("One-shot, full fine-tuning", ""),
     ("One-shot, tangent-space fine-tuning (linearised at the base)", "tangent "),
+    (
+        "One-shot, hierarchical nodes (the public pool, then its windows of the node's domain, then own)",
+        "hierarchical ",
+    ),
     ("One-shot, soup nodes (each a greedy soup of its snapshots)", "soup "),
     ("One-shot, LoRA fine-tuning (merged updates added to the base)", "LoRA "),
     ("Federated: rounds of local steps from the round's consensus, the same total steps", "federated "),
@@ -613,7 +685,57 @@ def findings(summary: Mapping[str, Mapping[str, list[float]]], doms: Sequence[st
             f"{summary['mean']['all'][0]:.2f}, {summary['median']['all'][0]:.2f}, "
             f"{summary['trimmed mean']['all'][0]:.2f})."
         )
-    return out + recommendation(summary)
+    return out + strategies_against_local(summary, doms) + recommendation(summary)
+
+
+# The node strategies' rows, each against local fine-tuning from the same start (same data, steps
+# and rate): (strategy, its one-shot prefix, its federated row).
+STRATEGY_ROWS = (
+    ("convexity (tangent)", "tangent ", "federated tangent mean"),
+    ("convexity (proximal)", None, "federated proximal (convexity) mean"),
+    ("hierarchical", "hierarchical ", "federated hierarchical mean"),
+    ("soup", "soup ", None),
+)
+
+
+def strategies_against_local(
+    summary: Mapping[str, Mapping[str, list[float]]], doms: Sequence[str]
+) -> list[str]:
+    """Each node strategy against local fine-tuning: one-shot, its specialists on their own domain
+    and its nodes' mean; federated, its FedAvg after the same rounds (perplexity differences, lower
+    is better)."""
+
+    def own(prefix: str) -> float | None:
+        rows = [f"{prefix}specialist: {d}" for d in doms]
+        return (
+            float(np.mean([summary[r][d][0] for r, d in zip(rows, doms, strict=True)]))
+            if all(r in summary for r in rows)
+            else None
+        )
+
+    local_own = own("")
+    parts = []
+    for name, prefix, fed in STRATEGY_ROWS:
+        bits = []
+        if prefix is not None and f"{prefix}mean" in summary and "mean" in summary:
+            d = summary[f"{prefix}mean"]["all"][0] - summary["mean"]["all"][0]
+            bits.append(f"one-shot mean {d:+.2f}")
+            mine = own(prefix)
+            if mine is not None and local_own is not None:
+                bits.append(f"own-domain specialists {mine - local_own:+.2f}")
+        if fed is not None and fed in summary and "federated mean (FedAvg)" in summary:
+            d = summary[fed]["all"][0] - summary["federated mean (FedAvg)"]["all"][0]
+            bits.append(f"federated {d:+.2f}")
+        if bits:
+            parts.append(f"{name} " + ", ".join(bits))
+    if not parts:
+        return []
+    return [
+        "- Node strategies against local fine-tuning from the same start (perplexity minus local's, "
+        "negative is better; the merges over all domains, the specialists each on its own domain): "
+        + "; ".join(parts)
+        + "."
+    ]
 
 
 def markdown(res: Mapping[str, Any]) -> str:
@@ -691,15 +813,38 @@ def markdown(res: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _size(settings: Mapping[str, Any]) -> str:
+    """A part's size (results written before sizes had names: --quick was today's "cpu")."""
+    return str(settings.get("size", "cpu" if settings.get("quick") else "full"))
+
+
+def _reads_public_pool(settings: Mapping[str, Any]) -> bool:
+    """Whether a part ran a row that reads the public pool (the hierarchical nodes)."""
+    fed = "federated" in settings["sections"] and "hierarchical mean" in (
+        settings.get("federated_rows") or [r for r, _, _ in FEDERATED]
+    )
+    return "hierarchical" in settings["sections"] or fed
+
+
 def combine_parts(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """One result from parts that ran other sections of the same seeds (their rows united)."""
+    """One result from parts that ran other sections of the same seeds (their rows united).
+
+    The parts must agree on every setting that changes a measurement; ``general_windows`` only
+    among the parts that read the public pool (no other row depends on it).
+    """
+
+    def measured(p: Mapping[str, Any]) -> dict[str, Any]:
+        out = {k: v for k, v in p["settings"].items() if k not in (*PART_KEYS, "general_windows")}
+        return {**out, "size": _size(p["settings"])}
+
     first = parts[0]
     seeds = first["settings"]["seeds"]
     for p in parts[1:]:
-        a = {k: v for k, v in p["settings"].items() if k not in ("sections", "federated_rows")}
-        b = {k: v for k, v in first["settings"].items() if k not in ("sections", "federated_rows")}
-        if a != b:
-            raise ValueError(f"domains --combine: the parts' settings differ: {a} vs {b}")
+        if measured(p) != measured(first):
+            raise ValueError(f"the parts' settings differ: {measured(p)} vs {measured(first)}")
+    pools = {p["settings"]["general_windows"] for p in parts if _reads_public_pool(p["settings"])}
+    if len(pools) > 1:
+        raise ValueError(f"the hierarchical parts' general_windows differ: {sorted(pools)}")
     runs = []
     for i in range(len(seeds)):
         run: dict[str, Any] = {"domains": first["runs"][i]["domains"], "sections": []}
@@ -710,14 +855,30 @@ def combine_parts(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         for p in parts:
             run["sections"] += [x for x in p["runs"][i]["sections"] if x not in run["sections"]]
         runs.append(run)
-    settings = {**first["settings"], "sections": [x for r in runs[:1] for x in r["sections"]]}
+    size = _size(first["settings"])
+    settings = {k: v for k, v in first["settings"].items() if k != "federated_rows"}
+    sections = [x for r in runs[:1] for x in r["sections"]]
+    settings |= {"size": size, "quick": size == "quick", "sections": sections}
+    if pools:
+        settings["general_windows"] = pools.pop()
     return {"runs": runs, "total_s": sum(p["total_s"] for p in parts), "settings": settings,
             "load_average": first.get("load_average")}  # fmt: skip
 
 
+def size_arguments(size: str, seeds: Sequence[int]) -> list[str]:
+    """The arguments that run ``size`` with ``seeds`` (what a combined page records as its command)."""
+    args = {"quick": [], "cpu": ["--cpu"], "full": []}[size]
+    default = [0, 1, 2] if size == "full" else [0]
+    return args if list(seeds) == default else [*args, "--seeds", ",".join(map(str, seeds))]
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, "short fine-tunes at context 48, one seed")
-    p.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2; --quick: 0)")
+    p = parser(__doc__, "every section in under 10 minutes on 2 CPU cores: a handful of steps, one seed")
+    p.add_argument(
+        "--cpu", action="store_true",
+        help="the published page's sizes (context 48, 12 steps; about an hour on 2 CPU cores), one seed",
+    )  # fmt: skip
+    p.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2; --quick, --cpu: 0)")
     p.add_argument("--model", default="smollm2", help="a Hugging Face folder or a cached model name")
     p.add_argument(
         "--sections", default=",".join(SECTIONS), help=f"comma-separated parts to run, of {list(SECTIONS)}"
@@ -731,14 +892,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help=f"';'-separated rows of the federated regime (default all: {[r for r, _, _ in FEDERATED]})",
     )  # fmt: skip
     args = parse(p, argv)
+    if args.quick and args.cpu:
+        p.error("--quick and --cpu are two sizes: give one")
     if args.combine:
         try:
             parts = [json.loads(f.read_text()) for f in args.combine]
             res = combine_parts(parts)
         except (OSError, ValueError, KeyError) as e:
             p.error(f"--combine: {e}")
+        # The page records the command that measures all of it, not the files it was combined from.
+        record_arguments(size_arguments(res["settings"]["size"], res["settings"]["seeds"]))
         md = markdown(res)
-        save(NAME, args.quick, {"runs": res["runs"], "total_s": res["total_s"]}, md,
+        save(NAME, res["settings"]["quick"], {"runs": res["runs"], "total_s": res["total_s"]}, md,
              settings=res["settings"], out=args.out)  # fmt: skip
         print(md)
         return res
@@ -746,10 +911,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = [x for x in sections if x not in SECTIONS]
     if unknown or not sections:
         p.error(f"--sections: unknown {unknown}; valid: {list(SECTIONS)}")
-    seeds = [0] if args.quick else [0, 1, 2]
+    size = "quick" if args.quick else "cpu" if args.cpu else "full"
+    seeds = [0, 1, 2] if size == "full" else [0]
     if args.seeds is not None:
         seeds = [int(x) for x in args.seeds.split(",")]
-    s = settings_for(args.quick)
+    s = settings_for(size)
     if args.federated_rows:
         s["federated_rows"] = [x.strip() for x in args.federated_rows.split(";") if x.strip()]
         unknown = [x for x in s["federated_rows"] if x not in {r for r, _, _ in FEDERATED}]
@@ -769,7 +935,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="meta-consensus-domains-") as tmp:
         for seed in seeds:
             runs.append(one_seed(args.model, seed, s, Path(tmp), sections, keep))
-    settings = {"quick": args.quick, "model": args.model, "seeds": seeds, "sections": sections, **s}
+    settings = {"quick": args.quick, "size": size, "model": args.model, "seeds": seeds, "sections": sections}
+    settings |= s
     res = {"runs": runs, "total_s": time.perf_counter() - t0}
     from benchmarks.harness import load_average
 

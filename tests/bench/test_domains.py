@@ -17,7 +17,7 @@ pytest.importorskip("tokenizers")
 
 TINY = {"context": 16, "batch": 2, "steps": 3, "lr": 1e-3, "windows_per_node": 8, "heldout_windows": 8,
         "test_windows": 8, "stat_rows": 2, "rounds": 2,
-        "lora_rank": 2, "lora_lr": 1e-2, "barrier_points": 3}  # fmt: skip
+        "lora_rank": 2, "lora_lr": 1e-2, "barrier_points": 3, "general_windows": 8}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +48,8 @@ def test_every_row_and_barrier_the_page_names(run):
     want |= {f"specialist: {d}" for d in doms} | {f"tangent specialist: {d}" for d in doms}
     want |= {f"LoRA specialist: {d}" for d in doms} | {f"LoRA {row}" for row, _, _ in domains.LORA_MERGES}
     want |= {f"soup specialist: {d}" for d in doms} | {"soup mean", "soup task arithmetic"}
+    want |= {f"hierarchical specialist: {d}" for d in doms}
+    want |= {"hierarchical mean", "hierarchical task arithmetic"}
     want |= {f"federated {row}" for row, _, _ in domains.FEDERATED}
     assert set(run["rows"]) == want
     for row in run["rows"].values():
@@ -55,6 +57,9 @@ def test_every_row_and_barrier_the_page_names(run):
     assert run["scales"]["task arithmetic"] in domains.SCALES
     assert run["scales"]["regmean"] in domains.REGMEAN_SCALES
     assert all(1 <= k <= domains.SNAPSHOTS for k in run["scales"]["soup snapshots kept"])
+    # the hierarchical strategy's default split of the steps: half general, a quarter each after
+    assert run["scales"]["hierarchical steps per level"] == [1, 0, 2]  # floor(0.5 * 3), floor(0.25 * 3)
+    assert run["rows"]["hierarchical specialist: net"] != run["rows"]["specialist: net"]
     assert sum(run["scales"]["layer-wise weights (per module)"]) == pytest.approx(1.0, abs=1e-3)
     assert run["seconds"]["step s"] > 0 and run["seconds"]["tangent step s"] > 0
     assert sum(run["scales"]["mixture-NLL weights"]) == pytest.approx(1.0, abs=1e-3)
@@ -68,6 +73,7 @@ def test_every_row_and_barrier_the_page_names(run):
     md = domains.markdown(res)
     assert md.startswith("# ") and "| tangent task arithmetic |" in md and "## Findings" in md
     assert "| federated tangent mean |" in md and "| LoRA ties |" in md
+    assert "| hierarchical task arithmetic |" in md and "| federated hierarchical mean |" in md
     # a part run with other sections of the same seed combines into the same page
     part = {
         "runs": [{**run, "sections": ["oneshot"]}],
@@ -108,3 +114,57 @@ def test_the_recommendation_is_the_best_row_of_what_the_coordinator_has():
     assert "(not private): **regmean** (20.00)" in line
     assert "the median (21.80 with one poisoned node, against the mean's 28.40)" in line
     assert domains.recommendation({"base": {"all": [25.0, 0.0]}}) == []
+
+
+def _part(sections, general_windows, **extra):
+    run = {"domains": ["a"], "sections": sections, "rows": {f"row {sections[0]}": {"a": 2.0, "all": 2.0}}}
+    settings = {"quick": False, "size": "cpu", "model": "m", "seeds": [0], "sections": sections,
+                "context": 48, "general_windows": general_windows, **extra}  # fmt: skip
+    return {"runs": [run], "total_s": 1.0, "settings": settings}
+
+
+def test_parts_combine_when_they_measured_the_same_thing():
+    # the public pool's size matters only to the parts that read it (the hierarchical rows)
+    both = domains.combine_parts([_part(["oneshot"], 8), _part(["hierarchical"], 48)])
+    assert both["settings"]["general_windows"] == 48
+    assert both["settings"]["sections"] == ["oneshot", "hierarchical"]
+    assert set(both["runs"][0]["rows"]) == {"row oneshot", "row hierarchical"}
+    with pytest.raises(ValueError, match="general_windows differ"):
+        domains.combine_parts([_part(["hierarchical"], 8), _part(["federated"], 48)])
+    # the federated part without its hierarchical row does not read the pool
+    rows = [r for r, _, _ in domains.FEDERATED if r != "hierarchical mean"]
+    domains.combine_parts([_part(["hierarchical"], 8), _part(["federated"], 48, federated_rows=rows)])
+    with pytest.raises(ValueError, match="settings differ"):
+        domains.combine_parts([_part(["oneshot"], 8), _part(["soup"], 8, context=32)])
+    # results written before the sizes had names: --quick then is "cpu" now
+    legacy = _part(["lora"], 8)
+    legacy["settings"] = {k: v for k, v in legacy["settings"].items() if k not in ("size", "general_windows")}
+    legacy["settings"]["quick"] = True
+    assert domains.combine_parts([legacy, _part(["soup"], 8)])["settings"]["size"] == "cpu"
+
+
+def test_the_combined_page_records_the_command_that_measures_it_all():
+    assert domains.size_arguments("cpu", [0]) == ["--cpu"]
+    assert domains.size_arguments("full", [0, 1, 2]) == []
+    assert domains.size_arguments("full", [3]) == ["--seeds", "3"]
+    assert domains.settings_for("quick")["steps"] < domains.settings_for("cpu")["steps"]
+    with pytest.raises(SystemExit) as e:
+        domains.main(["--quick", "--cpu"])
+    assert e.value.code == 2
+
+
+def test_each_strategy_is_reported_against_local_fine_tuning():
+    doms = ["a", "b"]
+
+    def row(a, b, all_):
+        return {"a": [a, 0.0], "b": [b, 0.0], "all": [all_, 0.0]}
+
+    summary = {"mean": row(9, 9, 10.0), "specialist: a": row(4, 20, 12), "specialist: b": row(20, 6, 13),
+               "hierarchical mean": row(9, 9, 9.5), "hierarchical specialist: a": row(5, 20, 12),
+               "hierarchical specialist: b": row(20, 8, 13), "federated mean (FedAvg)": row(8, 8, 8.0),
+               "federated hierarchical mean": row(8, 8, 8.25)}  # fmt: skip
+    (line,) = domains.strategies_against_local(summary, doms)
+    # own-domain specialists: mean(5, 8) - mean(4, 6) = 1.5
+    assert "hierarchical one-shot mean -0.50, own-domain specialists +1.50, federated +0.25" in line
+    assert "tangent" not in line and "soup" not in line  # no rows, no claim
+    assert domains.strategies_against_local({"mean": row(1, 1, 1)}, doms) == []
