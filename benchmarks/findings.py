@@ -1035,7 +1035,7 @@ def domains(results: Path) -> str:
 
     stem = "domains" if (results / "domains.json").is_file() else "domains_quick"
     if not (results / f"{stem}.json").is_file():
-        return "Not measured on this machine yet: `python -m benchmarks domains --quick` writes its results."
+        return "Not measured on this machine yet: `python -m benchmarks domains --cpu` writes its results."
     d = _data(results, stem)
     runs = d["runs"]
     doms = list(runs[0]["domains"])

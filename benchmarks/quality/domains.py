@@ -37,6 +37,8 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
+import shutil
 import sys
 import tempfile
 import time
@@ -106,15 +108,17 @@ def domains(folder: Path) -> dict[str, list[str]]:
     return out
 
 
-# The sizes of a run. "quick" checks that every section runs (under 10 minutes on 2 CPU cores:
-# a handful of steps and windows, its perplexities barely move from the base's); "cpu" is the
+# The sizes of a run. "quick" is a smoke run of the headline rows in under 10 minutes on 2 CPU
+# cores (a handful of steps and windows: its perplexities barely move from the base's; on such a
+# machine every new program over SmolLM2 takes 20-40 s to compile and an Adam step of four nodes
+# about 6 s, so it runs the sections and merges of QUICK only); "cpu" is the
 # published page's, the most that fits an hour of 2 CPU cores with SmolLM2-135M (about 65 training
 # tokens a second); "full" is for an accelerator. general_windows is the public pool that only the
 # hierarchical nodes read (its draw is independent of every other pool's: the other rows do not
 # depend on it).
 SIZES: dict[str, dict[str, Any]] = {
     "quick": {"context": 32, "batch": 1, "steps": 4, "lr": 1e-4, "windows_per_node": 8, "heldout_windows": 4,
-              "test_windows": 8, "stat_rows": 2, "rounds": 2, "barrier_points": 3, "lora_rank": 4,
+              "test_windows": 8, "stat_rows": 2, "rounds": 2, "barrier_points": 0, "lora_rank": 4,
               "lora_lr": 1e-3, "general_windows": 8},
     "cpu": {"context": 48, "batch": 2, "steps": 12, "lr": 1e-4, "windows_per_node": 48, "heldout_windows": 16,
             "test_windows": 32, "stat_rows": 8, "rounds": 3, "barrier_points": 3, "lora_rank": 8,
@@ -123,13 +127,25 @@ SIZES: dict[str, dict[str, Any]] = {
              "heldout_windows": 64, "test_windows": 128, "stat_rows": 32, "rounds": 5, "barrier_points": 5,
              "lora_rank": 8, "lora_lr": 1e-3, "general_windows": 512},
 }  # fmt: skip
+# --quick's rows: the one-shot merges that need nothing but the weights and held-out rows (not the
+# ones that need node statistics, nor TIES and DARE, which sort every parameter), the tangent and
+# hierarchical nodes, and federated FedAvg of plain and tangent nodes; no loss barriers
+# (barrier_points = 0; the tests check the tangent fine-tunes' on a small model).
+QUICK = {
+    "sections": ("oneshot", "hierarchical", "federated"),
+    "merges": ("mean", "task arithmetic", "model stock", "mixture-NLL weights", "median", "trimmed mean"),
+    "federated_rows": ("mean (FedAvg)", "tangent mean"),
+}
 # Settings that say how a run was split or named, not what it measured (parts may differ in them).
-PART_KEYS = ("sections", "federated_rows", "quick", "size")
+PART_KEYS = ("sections", "federated_rows", "quick", "size", "merges")
 
 
 def settings_for(size: str) -> dict[str, Any]:
-    """The sizes of a run of ``size`` (one of :data:`SIZES`)."""
-    return dict(SIZES[size])
+    """The sizes of a run of ``size`` (one of :data:`SIZES`); --quick's also name its rows."""
+    out = dict(SIZES[size])
+    if size == "quick":
+        out |= {"merges": list(QUICK["merges"]), "federated_rows": list(QUICK["federated_rows"])}
+    return out
 
 
 def union(data: TaskData) -> NodeData:
@@ -238,11 +254,15 @@ def merges(
     tangent: bool,
     robust: bool,
     short: bool | None = None,
+    only: Sequence[str] | None = None,
 ) -> Iterator[tuple[str, Any, float | list[float] | None]]:
     """Every merge method's params, one at a time (a merged model is as large as the base), with
     its tuned scale (task arithmetic, TIES, DARE+TIES, RegMean's a, on the held-out windows) or
-    weights."""
+    weights; ``only``: these rows (and their poisoned runs) alone."""
     key = jax.random.key(0)
+
+    def wanted(row: str) -> bool:
+        return only is None or row in only
 
     def upd(agg: Any, nodes: Any = stacked, **kw: Any) -> Any:
         return agg.update(nodes, agg.init(base), base, **kw)[0]
@@ -252,39 +272,54 @@ def merges(
         best = min(losses, key=lambda sc: losses[sc])
         return upd(make(best), **kw), best
 
-    yield "mean", upd(consensus.mean()), None
-    yield "task arithmetic", *tuned(lambda sc: consensus.task_arithmetic(sc))
+    if wanted("mean"):
+        yield "mean", upd(consensus.mean()), None
+    if wanted("task arithmetic"):
+        yield "task arithmetic", *tuned(lambda sc: consensus.task_arithmetic(sc))
     if tangent if short is None else short:  # the mean and task arithmetic only
         return
-    yield "ties", *tuned(lambda sc: consensus.ties(0.2, scale=sc))
-    yield (
-        "dare+ties",
-        *tuned(
-            lambda sc: consensus.process(consensus.ties(0.2, scale=sc), pre=[consensus.dare(0.5)]), key=key
-        ),
-    )
-    yield "model stock", upd(consensus.model_stock()), None
-    yield "fisher", upd(consensus.fisher_merge(), fisher=stats), None
-    losses = {a: ev.heldout_loss(upd(consensus.regmean(a), grams=grams)) for a in REGMEAN_SCALES}
-    a_best = min(losses, key=lambda a: losses[a])
-    yield "regmean", upd(consensus.regmean(a_best), grams=grams), a_best
-    model_fn = functools.partial(_heldout_model, ev)
-    lw = consensus.layerwise_weights(model_fn, groups="module", reference="mean")
-    merged, lw_state = lw.update(stacked, lw.init(base), base)
-    yield "layer-wise weights (per module)", merged, [round(float(x), 4) for x in lw_state.info.weights]
-    del merged
-    n = consensus.num_nodes(stacked)
-    probs = np.stack([ev.target_probs(_node(stacked, i)) for i in range(n)])
-    w = consensus.mixture_nll_weights(probs)
-    weights = [round(float(x), 4) for x in w.weights]
-    yield "mixture-NLL weights", consensus.weighted_sum(stacked, jnp.asarray(w.weights, jnp.float32)), weights
-    yield "median", upd(consensus.median()), None
-    yield "trimmed mean", upd(consensus.trimmed_mean(1)), None
+    if wanted("ties"):
+        yield "ties", *tuned(lambda sc: consensus.ties(0.2, scale=sc))
+    if wanted("dare+ties"):
+        dare = consensus.dare(0.5)
+        yield (
+            "dare+ties",
+            *tuned(lambda sc: consensus.process(consensus.ties(0.2, scale=sc), pre=[dare]), key=key),
+        )
+    if wanted("model stock"):
+        yield "model stock", upd(consensus.model_stock()), None
+    if wanted("fisher"):
+        yield "fisher", upd(consensus.fisher_merge(), fisher=stats), None
+    if wanted("regmean"):
+        losses = {a: ev.heldout_loss(upd(consensus.regmean(a), grams=grams)) for a in REGMEAN_SCALES}
+        a_best = min(losses, key=lambda a: losses[a])
+        yield "regmean", upd(consensus.regmean(a_best), grams=grams), a_best
+    if wanted("layer-wise weights (per module)"):
+        model_fn = functools.partial(_heldout_model, ev)
+        lw = consensus.layerwise_weights(model_fn, groups="module", reference="mean")
+        merged, lw_state = lw.update(stacked, lw.init(base), base)
+        yield "layer-wise weights (per module)", merged, [round(float(x), 4) for x in lw_state.info.weights]
+        del merged
+    if wanted("mixture-NLL weights"):
+        n = consensus.num_nodes(stacked)
+        probs = np.stack([ev.target_probs(_node(stacked, i)) for i in range(n)])
+        w = consensus.mixture_nll_weights(probs)
+        weights = [round(float(x), 4) for x in w.weights]
+        yield (
+            "mixture-NLL weights",
+            consensus.weighted_sum(stacked, jnp.asarray(w.weights, jnp.float32)),
+            weights,
+        )
+    if wanted("median"):
+        yield "median", upd(consensus.median()), None
+    if wanted("trimmed mean"):
+        yield "trimmed mean", upd(consensus.trimmed_mean(1)), None
     if robust:
         poisoned = jax.tree.map(lambda b, v: v.at[POISONED].set(b - 3.0 * (v[POISONED] - b)), base, stacked)
-        yield "mean, 1 poisoned", upd(consensus.mean(), nodes=poisoned), None
-        yield "median, 1 poisoned", upd(consensus.median(), nodes=poisoned), None
-        yield "trimmed mean, 1 poisoned", upd(consensus.trimmed_mean(1), nodes=poisoned), None
+        for row, agg in (("mean", consensus.mean), ("median", consensus.median),
+                         ("trimmed mean", lambda: consensus.trimmed_mean(1))):  # fmt: skip
+            if wanted(row):
+                yield f"{row}, 1 poisoned", upd(agg(), nodes=poisoned), None
 
 
 def _heldout_model(ev: Evaluator, ref: Any) -> Any:
@@ -349,18 +384,23 @@ def oneshot(task: Any, base: Any, data: TaskData, ev: Evaluator, s: Mapping[str,
     rows["multitask"] = ev.row(_node(multi, 0))
     del multi
     log("multitask trained")
-    stats, grams = _stats(task, special, data, s)
-    log("node statistics")
-    for name, p, scale in merges(ev, base, special, stats, grams, tangent=False, robust=True):
+    only = s.get("merges")
+    stats, grams = None, None
+    if only is None or {"fisher", "regmean"} & set(only):
+        stats, grams = _stats(task, special, data, s)
+        log("node statistics")
+    for name, p, scale in merges(ev, base, special, stats, grams, tangent=False, robust=True, only=only):
         rows[name] = ev.row(p)
         if scale is not None:
             out["scales"][name] = scale
         log(f"merge: {name}")
     del stats, grams
-    mean = jax.tree.map(lambda v: jnp.mean(v, axis=0), special)
-    out["barriers"]["linear"] = barriers(ev, special, mean, tangent=False, points=s["barrier_points"])
-    del mean, special
-    log("barriers")
+    if s["barrier_points"]:
+        mean = jax.tree.map(lambda v: jnp.mean(v, axis=0), special)
+        out["barriers"]["linear"] = barriers(ev, special, mean, tangent=False, points=s["barrier_points"])
+        del mean
+        log("barriers")
+    del special
 
     t0 = time.perf_counter()
     tangent_nodes, times["tangent step s"] = fine_tune(
@@ -374,10 +414,14 @@ def oneshot(task: Any, base: Any, data: TaskData, ev: Evaluator, s: Mapping[str,
         rows[f"tangent {name}"] = ev.row(p, tangent=True)
         if scale is not None:
             out["tangent_scales"][name] = scale
-    mean = jax.tree.map(lambda v: jnp.mean(v, axis=0), tangent_nodes)
-    out["barriers"]["tangent"] = barriers(ev, tangent_nodes, mean, tangent=True, points=s["barrier_points"])
-    del tangent_nodes, mean
-    log("tangent merges and barriers")
+    if s["barrier_points"]:
+        mean = jax.tree.map(lambda v: jnp.mean(v, axis=0), tangent_nodes)
+        out["barriers"]["tangent"] = barriers(
+            ev, tangent_nodes, mean, tangent=True, points=s["barrier_points"]
+        )
+        del mean
+    del tangent_nodes
+    log("tangent merges" + (" and barriers" if s["barrier_points"] else ""))
 
 
 def lora(task: Any, base: Any, data: TaskData, ev: Evaluator, s: Mapping[str, Any], seed: int,
@@ -657,7 +701,7 @@ def findings(summary: Mapping[str, Mapping[str, list[float]]], doms: Sequence[st
         if len(ranked) > 1:
             line += f"; next {ranked[1]} {summary[ranked[1]]['all'][0]:.2f}"
         mean_row = f"{prefix}mean" if prefix != "federated " else "federated mean (FedAvg)"
-        if mean_row in summary and mean_row != best:
+        if mean_row in summary and mean_row not in ranked[:2]:
             line += f"; the plain mean {summary[mean_row]['all'][0]:.2f}"
         line += ")"
         if multi is not None:
@@ -842,7 +886,10 @@ def combine_parts(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     for p in parts[1:]:
         if measured(p) != measured(first):
             raise ValueError(f"the parts' settings differ: {measured(p)} vs {measured(first)}")
-    pools = {p["settings"]["general_windows"] for p in parts if _reads_public_pool(p["settings"])}
+    # (results written before the hierarchical rows had no general_windows, and no row that read it)
+    pools = {p["settings"].get("general_windows") for p in parts if _reads_public_pool(p["settings"])} - {
+        None
+    }
     if len(pools) > 1:
         raise ValueError(f"the hierarchical parts' general_windows differ: {sorted(pools)}")
     runs = []
@@ -872,8 +919,47 @@ def size_arguments(size: str, seeds: Sequence[int]) -> list[str]:
     return args if list(seeds) == default else [*args, "--seeds", ",".join(map(str, seeds))]
 
 
+def sections_apart(args: Any, size: str, seeds: Sequence[int], sections: Sequence[str]) -> dict[str, Any]:
+    """Every section in a process of its own, their results combined.
+
+    One process holding every section's compiled programs and models outgrows a 23 GB machine
+    (SmolLM2's one-shot section alone peaks near 21 GB); a process per section returns its memory.
+    The parts are written to a new folder beside the results, removed once combined and kept (and
+    named) when a section fails, for ``--combine``; so is the sections' shared compilation cache.
+    """
+    import subprocess
+
+    folder = Path(tempfile.mkdtemp(prefix=f"{NAME}_parts_", dir=results_folder(args.out)))
+    stem = f"{NAME}_quick" if size == "quick" else NAME
+    # The sections share programs (the training step, the evaluation): compiled once, on disk, they
+    # are read back by the next section's process instead of compiled again (20-40 s each on 2 cores).
+    env = dict(os.environ)
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(folder / "compiled"))
+    # Every program: most are small ones of eager tree operations, one per leaf shape, which add up.
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    parts = []
+    for sec in sections:
+        size_flag = {"quick": ["--quick"], "cpu": ["--cpu"], "full": []}[size]
+        cmd = [sys.executable, "-m", "benchmarks", NAME, *size_flag, "--seeds", ",".join(map(str, seeds)),
+               "--model", args.model, "--sections", sec, "--out", str(folder / sec)]  # fmt: skip
+        if args.federated_rows:
+            cmd += ["--federated-rows", args.federated_rows]
+        log(f"section {sec}: in a process of its own")
+        root = Path(__file__).resolve().parents[2]
+        done = subprocess.run(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, check=False)
+        if done.returncode != 0:
+            raise SystemExit(
+                f"domains: section {sec!r} failed (exit {done.returncode}); the finished sections are in "
+                f"{folder} (python -m benchmarks domains --combine FILES)"
+            )
+        parts.append(json.loads((folder / sec / f"{stem}.json").read_text()))
+    res = combine_parts(parts)
+    shutil.rmtree(folder)
+    return res
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, "every section in under 10 minutes on 2 CPU cores: a handful of steps, one seed")
+    p = parser(__doc__, "the headline rows in under 10 minutes on 2 CPU cores: a handful of steps, one seed")
     p.add_argument(
         "--cpu", action="store_true",
         help="the published page's sizes (context 48, 12 steps; about an hour on 2 CPU cores), one seed",
@@ -881,8 +967,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2; --quick, --cpu: 0)")
     p.add_argument("--model", default="smollm2", help="a Hugging Face folder or a cached model name")
     p.add_argument(
-        "--sections", default=",".join(SECTIONS), help=f"comma-separated parts to run, of {list(SECTIONS)}"
-    )
+        "--sections", default=None,
+        help=f"comma-separated parts, of {list(SECTIONS)} (default all; --quick: {list(QUICK['sections'])})",
+    )  # fmt: skip
     p.add_argument(
         "--combine", nargs="+", type=Path, default=None, metavar="JSON",
         help="train nothing: report these result files together (other sections of the same seeds)",
@@ -907,11 +994,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              settings=res["settings"], out=args.out)  # fmt: skip
         print(md)
         return res
-    sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+    size = "quick" if args.quick else "cpu" if args.cpu else "full"
+    given = args.sections or ",".join(QUICK["sections"] if size == "quick" else SECTIONS)
+    sections = [x.strip() for x in given.split(",") if x.strip()]
     unknown = [x for x in sections if x not in SECTIONS]
     if unknown or not sections:
         p.error(f"--sections: unknown {unknown}; valid: {list(SECTIONS)}")
-    size = "quick" if args.quick else "cpu" if args.cpu else "full"
     seeds = [0, 1, 2] if size == "full" else [0]
     if args.seeds is not None:
         seeds = [int(x) for x in args.seeds.split(",")]
@@ -922,6 +1010,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if unknown:
             p.error(f"--federated-rows: unknown {unknown}; valid: {[r for r, _, _ in FEDERATED]}")
     t0 = time.perf_counter()
+    if len(sections) > 1:
+        res = sections_apart(args, size, seeds, sections)
+        res["total_s"] = time.perf_counter() - t0
+        md = markdown(res)
+        save(NAME, args.quick, {"runs": res["runs"], "total_s": res["total_s"]}, md,
+             settings=res["settings"], out=args.out)  # fmt: skip
+        print(md)
+        return res
     runs: list[dict[str, Any]] = []
     partial = results_folder(args.out) / f"{NAME}{'_quick' if args.quick else ''}.partial.json"
 

@@ -168,3 +168,51 @@ def test_each_strategy_is_reported_against_local_fine_tuning():
     assert "hierarchical one-shot mean -0.50, own-domain specialists +1.50, federated +0.25" in line
     assert "tangent" not in line and "soup" not in line  # no rows, no claim
     assert domains.strategies_against_local({"mean": row(1, 1, 1)}, doms) == []
+
+
+def _fake_sections(monkeypatch, fail=None):
+    """subprocess.run as a section's process: writes that section's part where --out says."""
+    import subprocess
+    import types
+
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append((cmd, kw["env"]))
+        sec, out = cmd[cmd.index("--sections") + 1], cmd[cmd.index("--out") + 1]
+        if sec == fail:
+            return types.SimpleNamespace(returncode=1)
+        part = _part([sec], 8)
+        part["settings"] |= {"size": "quick", "quick": True}
+        folder = __import__("pathlib").Path(out)
+        folder.mkdir(parents=True)
+        (folder / "domains_quick.json").write_text(json.dumps(part))
+        return types.SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    return calls
+
+
+def test_each_section_runs_in_a_process_of_its_own(monkeypatch, tmp_path):
+    import argparse
+
+    calls = _fake_sections(monkeypatch)
+    args = argparse.Namespace(out=tmp_path, model="smollm2", federated_rows=None)
+    res = domains.sections_apart(args, "quick", [0], ["oneshot", "federated"])
+    assert [c[c.index("--sections") + 1] for c, _ in calls] == ["oneshot", "federated"]
+    assert all("--quick" in c and c[c.index("--seeds") + 1] == "0" for c, _ in calls)
+    # the sections share one compilation cache; the parts folder is gone once combined
+    assert len({env["JAX_COMPILATION_CACHE_DIR"] for _, env in calls}) == 1
+    assert list(tmp_path.iterdir()) == []
+    assert set(res["runs"][0]["rows"]) == {"row oneshot", "row federated"}
+
+
+def test_a_failed_section_keeps_the_finished_ones_and_names_them(monkeypatch, tmp_path):
+    import argparse
+
+    _fake_sections(monkeypatch, fail="federated")
+    args = argparse.Namespace(out=tmp_path, model="smollm2", federated_rows=None)
+    with pytest.raises(SystemExit, match="section 'federated' failed") as e:
+        domains.sections_apart(args, "quick", [0], ["oneshot", "federated"])
+    (kept,) = tmp_path.iterdir()
+    assert str(kept) in str(e.value) and (kept / "oneshot" / "domains_quick.json").is_file()
