@@ -1050,6 +1050,23 @@ def domains(results: Path) -> str:
     return head + "\n\n" + "\n".join(lines)
 
 
+@finding
+def preset_strategies(results: Path) -> str:
+    """Each preset's node strategies against one strategy per node, in the preset's own setting."""
+    from benchmarks.quality import preset_strategies as ps
+
+    if not (results / "preset_strategies.json").is_file():
+        return (
+            "Not measured on this machine yet: `python -m benchmarks preset_strategies` writes its results."
+        )
+    d = _data(results, "preset_strategies")
+    head = (
+        f"{len(d['settings']['seeds'])} seed(s), the consensus's test accuracy after the last round "
+        "(every row: [preset_strategies](results/preset_strategies.md)):"
+    )
+    return head + "\n\n" + "\n".join(ps.findings(d))
+
+
 def names_in(text: str) -> list[str]:
     """The finding names used by ``<!-- publish: finding NAME -->`` blocks in ``text``."""
     return re.findall(r"<!-- publish: finding ([a-z0-9_]+) -->", text)

@@ -101,6 +101,28 @@ def best_mix(cells: Mapping[str, Mapping[str, Any]]) -> str:
     return order[0]
 
 
+def findings(res: Mapping[str, Any]) -> list[str]:
+    """Per preset: the best mix, and every other mix against all-local (clean; attacked)."""
+    out = []
+    for preset, cells in summarize(res["runs"]).items():
+        best = best_mix(cells)
+        others = []
+        for mix, cell in cells.items():
+            if mix == "local":
+                continue
+            diffs = [cell[s].get("minus_local") for s in SCENARIOS if s in cell]
+            if all(d is not None for d in diffs):
+                others.append(f"{mix} {'; '.join(f'{100 * d[0]:+.1f}' for d in diffs)}")
+        local = cells.get("local", {})
+        ref = ", ".join(f"{s} {local[s]['mean']:.3f}" for s in SCENARIOS if s in local)
+        shipped = ", ".join(res["shipped"].get(preset, [])) or "?"
+        out.append(
+            f"- **{preset}** (shipped mix: {shipped}): best **{best}**; all-local {ref}; the others "
+            f"minus all-local in points (clean; attacked): {', '.join(others)}."
+        )
+    return out
+
+
 def markdown(res: Mapping[str, Any]) -> str:
     settings = res["settings"]
     lines = header(
@@ -116,11 +138,7 @@ def markdown(res: Mapping[str, Any]) -> str:
         "## Findings",
         "",
     ]
-    for preset, cells in summary.items():
-        best = best_mix(cells)
-        shipped = res["shipped"].get(preset)
-        lines.append(f"- **{preset}** (shipped: {shipped}): best mix **{best}**.")
-    lines.append("")
+    lines += [*findings(res), ""]
     for preset, cells in summary.items():
         lines += [f"## {preset}", ""]
         table = []

@@ -51,7 +51,9 @@ def test_differences_against_local_are_paired_by_seed():
     assert ps.best_mix(cells) == "soup"  # mean 0.86 against 0.855 (shipped) and 0.85 (local)
     md = ps.markdown({"runs": _runs(), "shipped": {"private": ["soup", "local"]}, "total_s": 1.0,
                       "settings": {"quick": True, "presets": ["private"], "seeds": [0, 1]}})  # fmt: skip
-    assert "best mix **soup**" in md and "| soup | 0.860 ± 0.070 | +1.0; -1.0 |" in md
+    assert "best **soup**" in md and "| soup | 0.860 ± 0.070 | +1.0; -1.0 |" in md
+    # the others against all-local, clean then attacked (every attacked run is 0.1 below its clean one)
+    assert "all-local clean 0.850, attacked 0.750" in md and "soup +1.0; +1.0" in md
 
 
 def test_a_tie_goes_to_local():
