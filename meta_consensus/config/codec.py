@@ -292,7 +292,7 @@ def load_with_notes(
     changed = {item.split("=", 1)[0].strip() for item in overrides if "=" in item}
     merged = apply_overrides(data, overrides)
     notes = _drop_orphaned_options(merged, changed, user_keys | changed, with_plugins(merged, plugins))
-    notes += _drop_default_warm_start(merged, user_keys | changed, changed)
+    notes += _drop_defaults_lora_refuses(merged, user_keys | changed, changed)
     cfg = from_dict(merged, plugins)
     return cfg, notes + stage_notes(cfg)
 
@@ -389,25 +389,44 @@ def _drop_orphaned_options(
     return notes
 
 
-def _drop_default_warm_start(data: dict[str, Any], user_keys: set[str], changed: set[str]) -> list[str]:
-    """Turn off (in place) the default's public warm start when the config trains LoRA adapters.
+# What a LoRA run refuses and the embedded default sets: (table, key, the value a LoRA run takes,
+# why). A value the user did not write gives way, with a note; one the user wrote is refused by
+# the config check, with the reason.
+LORA_GIVES_WAY: tuple[tuple[str, str, Any, str], ...] = (
+    ("nodes", "public_warm_start", 0, "[nodes.lora] pretrains its base with nodes.lora.pretrain_steps"),
+    ("vote", "server_step", 0.0, "[nodes.lora] merges the adapters by vote.adapter_method with vote.rule"),
+    (
+        "weights",
+        "objective",
+        "uniform",
+        "[nodes.lora] merges the adapters by vote.adapter_method with vote.rule",
+    ),
+)
 
-    A LoRA run pretrains its base with ``nodes.lora.pretrain_steps``; the embedded default's
-    warm start would be a second knob for the same steps, so the config check refuses both.
-    Only a warm start the user did not write is dropped: one given with ``[nodes.lora]`` (a
-    ``--set`` of it or of the whole ``nodes`` table, or a file's) is still refused, with the reason.
+
+def _drop_defaults_lora_refuses(data: dict[str, Any], user_keys: set[str], changed: set[str]) -> list[str]:
+    """Set (in place) the defaults a LoRA run refuses to the values it takes (:data:`LORA_GIVES_WAY`).
+
+    With ``[nodes.lora]`` in the config: the public warm start (the base is pretrained by
+    ``nodes.lora.pretrain_steps``), the server step and the weight objective (the adapters are
+    merged by their own method).
+
+    Only values the user did not write give way: one given with ``[nodes.lora]`` (a ``--set`` of
+    it or of its whole table, or a file's) is still refused by the config check, with the reason.
     """
     nodes = data.get("nodes")
-    if not isinstance(nodes, dict) or nodes.get("lora") is None or not nodes.get("public_warm_start"):
+    if not isinstance(nodes, dict) or nodes.get("lora") is None:
         return []
-    if "nodes.public_warm_start" in user_keys or "nodes" in changed:
-        return []
-    warm = nodes["public_warm_start"]
-    nodes["public_warm_start"] = 0
-    return [
-        f"[nodes.lora] pretrains its base with nodes.lora.pretrain_steps; dropped the default's "
-        f"nodes.public_warm_start = {warm}"
-    ]
+    notes = []
+    for table, key, value, why in LORA_GIVES_WAY:
+        section = data.get(table)
+        if not isinstance(section, dict) or key not in section or section[key] == value:
+            continue
+        if f"{table}.{key}" in user_keys or table in changed:
+            continue
+        old, section[key] = section[key], value
+        notes.append(f"{why}; dropped the default's {table}.{key} = {old!r} (now {value!r})")
+    return notes
 
 
 def _deep_copy(d: Any) -> Any:

@@ -109,3 +109,19 @@ def test_a_pretrained_tasks_checkpoint_is_used_as_is(caplog):
     assert out is params
     note = "'checkpoint' starts from a pretrained model; nodes.public_warm_start = 600 is not applied"
     assert note in caplog.text
+
+
+def test_every_default_a_lora_run_refuses_gives_way_and_the_users_own_is_refused():
+    lora = "nodes.lora={rank = 2, alpha = 4.0, targets = ['dense_0']}"
+    cfg, notes = config.load_with_notes(None, [lora])
+    default = config.load(None)
+    assert default.vote.server_step > 0 and default.weights.objective != "uniform"
+    assert (cfg.nodes.public_warm_start, cfg.vote.server_step, cfg.weights.objective) == (0, 0.0, "uniform")
+    for key in ("nodes.public_warm_start", "vote.server_step", "weights.objective"):
+        assert sum(f"dropped the default's {key} = " in n for n in notes) == 1, (key, notes)
+    # everything else is the default's
+    assert cfg.vote.rule == default.vote.rule and cfg.nodes.count == default.nodes.count
+    with pytest.raises(config.ConfigError, match="vote.server_step = 0.25 does not combine with nodes.lora"):
+        config.load(None, [lora, "vote.server_step=0.25"])
+    with pytest.raises(config.ConfigError, match="weights.objective = 'vote' does not combine"):
+        config.load(None, [lora, "weights.objective=vote"])
