@@ -20,6 +20,11 @@ Protocol (the one-shot regime of the merging literature, FusionBench-style, on t
 * tangent-space nodes (:func:`strategies.tangent.linearize`) fine-tune the base's first-order
   Taylor expansion instead, with the same data, steps and learning rate; their merges are
   evaluated as linearised models at the base, as Ortiz-Jimenez et al. (2023) do;
+* hierarchical nodes train through the strategy's levels instead (the public pool of every domain,
+  then its windows of the node's own domain, then the node's documents), the same steps and rate;
+  soup nodes keep snapshots and submit their greedy soup; LoRA nodes train adapters; the federated
+  regime repeats rounds of local steps from the round's consensus, with plain, tangent, proximal
+  and hierarchical nodes;
 * every merge of the specialists with the base as ``params``: the mean, task arithmetic with its
   scale tuned on the held-out windows, TIES and DARE+TIES (scale tuned), Model Stock, diagonal
   Fisher merging, mixture-NLL convex weights over the held-out tokens, and the robust rules

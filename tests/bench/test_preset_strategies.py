@@ -61,3 +61,28 @@ def test_a_tie_goes_to_local():
         {"preset": "p", "mix": m, "scenario": "clean", "seed": 0, "accuracy": 0.5} for m in ("soup", "local")
     ]
     assert ps.best_mix(ps.summarize(runs)["p"]) == "local"
+
+
+def test_a_preset_whose_nodes_all_run_one_mix_is_not_run_twice(monkeypatch, tmp_path):
+    calls = []
+
+    def one_run(preset, mix, scenario, seed, quick):
+        calls.append((preset, mix, scenario))
+        return {
+            "preset": preset,
+            "mix": mix,
+            "scenario": scenario,
+            "seed": seed,
+            "accuracy": 0.5,
+            "seconds": 0.0,
+        }
+
+    monkeypatch.setattr(ps, "one_run", one_run)
+    monkeypatch.setattr(
+        ps, "shipped_strategies", lambda p: ["local"] * 8 if p == "private" else ["convexity", "local"]
+    )
+    ps.main(["--quick", "--out", str(tmp_path)])
+    private = {m for p, m, _ in calls if p == "private"}
+    assert private == set(ps.MIXES["private"])  # all-local is the "local" mix itself
+    assert {m for p, m, _ in calls if p == "lora"} == {ps.SHIPPED, *ps.MIXES["lora"]}
+    assert (tmp_path / "preset_strategies_quick.json").is_file()
