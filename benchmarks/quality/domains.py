@@ -2,9 +2,9 @@
 
 Run ``python -m benchmarks domains [--quick | --cpu] [--seeds 0,1,2] [--model smollm2|FOLDER]``.
 Writes benchmarks/results/domains.{json,md} (``domains_quick.*`` with --quick). Three sizes:
-``--quick`` runs every section in minutes (a smoke run: a handful of steps); ``--cpu`` is the
-published page's (one seed, about an hour on 2 CPU cores); the default (three seeds, longer
-fine-tunes at context 128) is for an accelerator.
+``--quick`` runs the headline rows in under 10 minutes on 2 CPU cores (a smoke run: a handful of
+steps; :data:`QUICK` names them); ``--cpu`` is the published page's (one seed, about an hour on 2
+CPU cores); the default (three seeds, longer fine-tunes at context 128) is for an accelerator.
 
 Protocol (the one-shot regime of the merging literature, FusionBench-style, on text):
 
@@ -115,8 +115,9 @@ def domains(folder: Path) -> dict[str, list[str]]:
 
 # The sizes of a run. "quick" is a smoke run of the headline rows in under 10 minutes on 2 CPU
 # cores (a handful of steps and windows: its perplexities barely move from the base's; on such a
-# machine every new program over SmolLM2 takes 20-40 s to compile and an Adam step of four nodes
-# about 6 s, so it runs the sections and merges of QUICK only); "cpu" is the
+# machine the first call of a merge over SmolLM2 spends 20-40 s compiling, one small program per
+# leaf shape, and an Adam step of four nodes takes about 6 s, so it runs the rows of QUICK only);
+# "cpu" is the
 # published page's, the most that fits an hour of 2 CPU cores with SmolLM2-135M (about 65 training
 # tokens a second); "full" is for an accelerator. general_windows is the public pool that only the
 # hierarchical nodes read (its draw is independent of every other pool's: the other rows do not
