@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.harness import header, markdown_table, parse, parser, save
+from benchmarks.quality.meta_consensus import curve
 from meta_consensus import MetaConsensus, config
 
 NAME = "preset_strategies"
@@ -53,23 +54,16 @@ def build(preset: str, mix: str, scenario: str, seed: int, rounds: int | None) -
     return config.load(None, overrides, preset=preset)
 
 
-def final_accuracy(result: Any) -> float:
-    """The consensus's test accuracy after the last successful round."""
-    last: dict[int, Any] = {}
-    for info in result.history:
-        last[info.round] = info
-    ok = [last[r].consensus_accuracy for r in sorted(last) if last[r].ok]
-    return float(ok[-1]) if ok else float("nan")
-
-
 def one_run(preset: str, mix: str, scenario: str, seed: int, quick: bool) -> dict[str, Any]:
     base = config.load(preset=preset)
     rounds = max(2, base.rounds // 4) if quick else None
     cfg = build(preset, mix, scenario, seed, rounds)
     t0 = time.perf_counter()
     result = MetaConsensus(cfg, write=False, progress=False).train()
+    # the last successful round's accuracy (a failed round keeps the previous consensus)
+    accuracy = curve(result.history, "consensus_accuracy")[-1]
     return {"preset": preset, "mix": mix, "scenario": scenario, "seed": seed, "rounds": cfg.rounds,
-            "accuracy": final_accuracy(result), "seconds": time.perf_counter() - t0}  # fmt: skip
+            "accuracy": accuracy, "seconds": time.perf_counter() - t0}  # fmt: skip
 
 
 def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
